@@ -1,0 +1,278 @@
+"""Checkpoint I/O: Hugging Face directories in, PyTorch modules out, and drafters back in vLLM's layout.
+
+Weights are read from safetensors (single file or sharded with an index). A pickle
+(`pytorch_model.bin`) is loaded only when `torch.load(weights_only=True)` accepts it, so no
+code in a checkpoint ever runs. Every name mismatch is reported by name, every shape mismatch
+with the tensor, the expected and the found shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
+from .drafter import Drafter
+from .errors import CheckpointError
+from .layers import rope_inv_freq
+from .target import Target
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+SEPARATE_VOCAB_MAP_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".npy")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _load_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # any failure means the file is not a plain tensor dict
+        raise CheckpointError(
+            f"{file} is a pickle that weights-only loading refuses ({type(e).__name__}); it may run code when loaded",
+            "convert it to safetensors with a trusted tool, or obtain the safetensors release") from None
+    if isinstance(obj, torch.Tensor):
+        return {file.stem: obj}
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{file} does not hold a flat dict of tensors", "pass a weights-only checkpoint")
+    return dict(obj)
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e})",
+                              "re-download the file; a truncated or corrupted file cannot be loaded") from None
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: single or sharded safetensors, else a weights-only pickle."""
+    path = Path(path)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not (path / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} names shards that are not there: {', '.join(missing)}",
+                                      "download every shard listed in the index")
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                reader = _read_safetensors if shard.endswith(".safetensors") else _load_pickle_weights_only
+                state.update(reader(path / shard))
+            return state
+    safetensors_files = sorted(p for p in path.glob("*.safetensors") if not _is_vocab_map_file(p))
+    if safetensors_files:
+        state = {}
+        for file in safetensors_files:
+            state.update(_read_safetensors(file))
+        return state
+    pickles = sorted(p for p in path.glob("*.bin") if not _is_vocab_map_file(p)) + sorted(path.glob("*.pt"))
+    pickles = [p for p in pickles if not _is_vocab_map_file(p)]
+    if pickles:
+        state = {}
+        for file in pickles:
+            state.update(_load_pickle_weights_only(file))
+        return state
+    raise CheckpointError(f"{path} has no weights (no *.safetensors, no index, no pytorch_model.bin)",
+                          "pass a directory that holds the checkpoint's weight files")
+
+
+def _is_vocab_map_file(p: Path) -> bool:
+    return p.stem in ("d2t", "t2d")
+
+
+def _materialize(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str,
+                 dtype: torch.dtype | None, optional: tuple[str, ...] = ()) -> None:
+    """Copy `state` into `model`, refusing missing, unexpected and misshapen tensors by name."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state and k not in optional]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}")
+        if unexpected:
+            parts.append(f"unexpected weights: {', '.join(unexpected[:12])}{' ...' if len(unexpected) > 12 else ''}")
+        raise CheckpointError(f"{where}: " + "; ".join(parts),
+                              "check that config.json belongs to these weights (layer count, architecture)")
+    for k, t in state.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise CheckpointError(
+                f"{where}: shape mismatch for {k}: expected {tuple(expected[k].shape)}, found {tuple(t.shape)}",
+                "check that config.json belongs to these weights (hidden size, heads, vocabulary)")
+    with torch.no_grad():
+        for k, t in state.items():
+            target_tensor = expected[k]
+            if target_tensor.is_floating_point():
+                t = t.to(dtype or t.dtype)
+            else:
+                t = t.to(target_tensor.dtype)
+            _set_tensor(model, k, t)
+
+
+def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    current = getattr(module, attr)
+    if isinstance(current, torch.nn.Parameter):
+        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+    else:
+        module._buffers[attr] = value
+
+
+# ---------------------------------------------------------------- target
+
+def target_key(hf_name: str) -> str:
+    """Hugging Face name -> our module name: `model.layers.0.mlp...` -> `layers.0.mlp...`."""
+    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype | None = None,
+                aux_layer_ids: tuple[int, ...] | None = None) -> Target:
+    path = Path(path)
+    raw = read_config_json(path)
+    if is_drafter_config(raw):
+        raise CheckpointError(f"{path} is an EAGLE drafter, not a target model",
+                              "pass the target LLM's directory as the target, and this one as the drafter")
+    cfg = TargetConfig.from_hf(raw, where=str(path))
+    state = {target_key(k): v for k, v in load_state_dict(path).items()}
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dtype = resolve_dtype(dtype) or DTYPES.get(cfg.torch_dtype, None)
+    with torch.device("meta"):
+        model = Target(cfg, aux_layer_ids)
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    _materialize(model, state, str(path), dtype, optional=tied)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # buffers built on meta are recomputed
+    return model.eval()
+
+
+# ---------------------------------------------------------------- drafter
+
+def drafter_key(name: str) -> str:
+    """Every naming in use -> ours: `model.` prefix dropped, `layers.0.` is `midlayer.`."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def _load_separate_vocab_map(path: Path, name: str) -> torch.Tensor | None:
+    for suffix in SEPARATE_VOCAB_MAP_SUFFIXES:
+        file = path / f"{name}{suffix}"
+        if not file.is_file():
+            continue
+        if suffix == ".npy":
+            return torch.from_numpy(np.load(file, allow_pickle=False))
+        if suffix == ".safetensors":
+            tensors = _read_safetensors(file)
+            return tensors.get(name, next(iter(tensors.values())))
+        tensors = _load_pickle_weights_only(file)
+        return tensors.get(name, next(iter(tensors.values())))
+    return None
+
+
+def check_pair(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> list[str]:
+    """Problems that make a drafter unusable with a target; empty when they fit."""
+    problems = []
+    if drafter_cfg.target_hidden_size != target_cfg.hidden_size:
+        problems.append(f"the drafter expects target hidden size {drafter_cfg.target_hidden_size}, "
+                        f"the target has {target_cfg.hidden_size}")
+    if drafter_cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"the drafter's vocabulary is {drafter_cfg.vocab_size} tokens, "
+                        f"the target's {target_cfg.vocab_size}")
+    ids = drafter_cfg.resolved_aux_layer_ids(target_cfg)
+    bad = [i for i in ids if not 0 <= i <= target_cfg.num_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} lie beyond the target's {target_cfg.num_layers} layers")
+    return problems
+
+
+def load_drafter(path: str | Path, target: Target | None = None,
+                 dtype: str | torch.dtype | None = None) -> Drafter:
+    """Load a drafter; with `target`, check the pair fits and share the target's embeddings."""
+    path = Path(path)
+    raw = read_config_json(path)
+    if not is_drafter_config(raw):
+        raise CheckpointError(f"{path} is not an EAGLE drafter (config.json names {raw.get('architectures')})",
+                              "pass the drafter checkpoint (LlamaForCausalLMEagle3 or speculators Eagle3) here")
+    cfg = DrafterConfig.from_hf(raw, where=str(path))
+    state = {drafter_key(k): v for k, v in load_state_dict(path).items()}
+    extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")})
+    if extra_layers:
+        raise CheckpointError(f"{path}: drafter has more than one decoder layer (layers {', '.join(extra_layers)})",
+                              "only single-layer EAGLE-3 drafters are supported")
+    for name in ("d2t", "t2d"):
+        if name not in state:
+            separate = _load_separate_vocab_map(path, name)
+            if separate is not None:
+                state[name] = separate
+    if "d2t" in state and "t2d" not in state:  # t2d marks the target ids the draft vocabulary covers
+        d2t = state["d2t"].long()
+        state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        state["t2d"][torch.arange(len(d2t)) + d2t] = True
+    if cfg.draft_vocab_size != cfg.vocab_size and "d2t" not in state:
+        raise CheckpointError(f"{path}: draft vocabulary ({cfg.draft_vocab_size}) differs from the target's "
+                              f"({cfg.vocab_size}) but there is no d2t mapping",
+                              "add d2t to the safetensors or beside it as d2t.pt / d2t.npy")
+    own_embeddings = "embed_tokens.weight" in state
+    if target is not None:
+        problems = check_pair(cfg, target.config)
+        if problems:
+            raise CheckpointError(f"drafter {path} does not fit target: " + "; ".join(problems),
+                                  "pair the drafter with the target it was trained for")
+    dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = Drafter(cfg, own_embeddings=own_embeddings)
+    optional = ("d2t", "t2d")
+    _materialize(model, state, str(path), dtype, optional=optional)
+    for name in optional:
+        if name not in state:  # identity vocabulary: no mapping stored
+            size = cfg.draft_vocab_size if name == "d2t" else cfg.vocab_size
+            value = torch.zeros(size, dtype=torch.int64) if name == "d2t" else torch.ones(size, dtype=torch.bool)
+            model._buffers[name] = value
+    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    model.has_vocab_map = "d2t" in state  # an identity vocabulary is saved without d2t/t2d, as it came
+    if target is not None and not own_embeddings:
+        model.share_embeddings(target.embed_tokens)
+    return model.eval()
+
+
+def drafter_state_for_saving(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The tensors vLLM loads: `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, `fc_norm.N`, and the
+    embeddings only when the drafter owns them (a shared table is never stored twice)."""
+    state = {}
+    for k, v in drafter.state_dict().items():
+        if k.startswith("embed_tokens.") and not drafter.owns_embeddings:
+            continue
+        if k in ("d2t", "t2d") and not drafter.has_vocab_map:
+            continue
+        state[k] = v.contiguous()
+    return state
+
+
+def save_drafter(drafter: Drafter, path: str | Path, config: dict | None = None) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config if config is not None else drafter.config.raw)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(drafter_state_for_saving(drafter), str(path / "model.safetensors"), metadata={"format": "pt"})

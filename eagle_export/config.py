@@ -1,0 +1,221 @@
+"""Model configurations read from Hugging Face config.json files.
+
+Only what the models need is kept, with each default stated where the Hugging Face classes
+state it, so a checkpoint that omits a key behaves as it does in transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError
+
+# architecture name -> (family, attention_bias default, q/k norm)
+TARGET_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("mistral", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator",
+                         "Eagle3DraftModel", "LlamaForCausalLMEagle")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_config_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory",
+                              "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json",
+                              "pass the checkpoint directory itself, the one holding config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e})", "restore the file from the checkpoint")
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str) -> "RopeConfig":
+        # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        merged = {**scaling, **params}
+        rope_type = merged.get("rope_type", merged.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise CheckpointError(f"{where}: rope scaling type {rope_type!r} is not supported",
+                                  f"supported types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        return cls(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+                   low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+                   original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)))
+
+
+def _require(cfg: dict, key: str, where: str):
+    if key not in cfg or cfg[key] is None:
+        raise CheckpointError(f"{where}: config.json lacks {key!r}", "use the checkpoint's original config.json")
+    return cfg[key]
+
+
+@dataclass
+class TargetConfig:
+    architecture: str
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: str
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "target") -> "TargetConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
+        if arch is None:
+            found = ", ".join(archs) or f"model_type {cfg.get('model_type')!r}"
+            raise CheckpointError(f"{where}: unsupported architecture {found}",
+                                  f"supported target architectures: {', '.join(TARGET_ARCHITECTURES)}")
+        family, bias_default, qk_norm = TARGET_ARCHITECTURES[arch]
+        hidden = int(_require(cfg, "hidden_size", where))
+        heads = int(_require(cfg, "num_attention_heads", where))
+        window = cfg.get("sliding_window")
+        if family == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use unless use_sliding_window is set
+        if family in ("llama", "qwen3"):
+            window = None
+        return cls(
+            architecture=arch, family=family, hidden_size=hidden,
+            intermediate_size=int(_require(cfg, "intermediate_size", where)),
+            num_layers=int(_require(cfg, "num_hidden_layers", where)),
+            num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(_require(cfg, "vocab_size", where)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg, where),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", bias_default)),
+            qk_norm=qk_norm, sliding_window=int(window) if window else None,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+        )
+
+    def default_aux_layer_ids(self) -> tuple[int, ...]:
+        n = self.num_layers
+        return (2, n // 2, n - 3)
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # None: the target's default (2, L//2, L-3)
+    num_aux: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    fc_norm: bool = False          # EAGLE-3.1: one RMSNorm per aux state before fc
+    norm_output: bool = False      # EAGLE-3.1: feed back the post-norm hidden state
+    norm_before_fc: bool = False   # one RMSNorm over the concatenated aux states before fc
+    norm_before_residual: bool = False  # the residual around attention is hidden_norm(x), not x
+    layer_numbering: str = "vllm"  # "vllm": id i = entering layer i; "torchspec": id i = leaving layer i
+    layer_numbering_reason: str = "default (no TorchSpec marker in config.json)"
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def eagle_version(self) -> str:
+        return "3.1" if (self.fc_norm or self.norm_output) else "3"
+
+    @property
+    def eagle_version_keys(self) -> dict[str, bool]:
+        """The config keys that decided `eagle_version`."""
+        return {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "drafter") -> "DrafterConfig":
+        # The speculators format nests the layer's config; the EAGLE/vLLM format is flat.
+        flat = {**cfg.get("transformer_layer_config", {}), **{k: v for k, v in cfg.items()
+                                                            if k != "transformer_layer_config"}}
+        eagle_cfg = flat.get("eagle_config") or {}
+        hidden = int(_require(flat, "hidden_size", where))
+        heads = int(_require(flat, "num_attention_heads", where))
+        aux_ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids", flat.get("eagle_aux_hidden_state_layer_ids"))
+        num_aux = int(flat.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3))
+        if aux_ids is not None and len(aux_ids) != num_aux:
+            raise CheckpointError(f"{where}: {len(aux_ids)} aux layer ids but num_aux_hidden_states={num_aux}",
+                                  "make eagle_aux_hidden_state_layer_ids and num_aux_hidden_states agree")
+        vocab = int(_require(flat, "vocab_size", where))
+        numbering, reason = _layer_numbering(flat)
+
+        def flag(key: str) -> bool:
+            return bool(eagle_cfg.get(key, flat.get(key, False)))
+
+        return cls(
+            hidden_size=hidden, intermediate_size=int(_require(flat, "intermediate_size", where)),
+            num_heads=heads, num_kv_heads=int(flat.get("num_key_value_heads") or heads),
+            head_dim=int(flat.get("head_dim") or hidden // heads), vocab_size=vocab,
+            draft_vocab_size=int(flat.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(flat.get("target_hidden_size") or hidden),
+            aux_layer_ids=tuple(int(i) for i in aux_ids) if aux_ids is not None else None,
+            num_aux=num_aux, rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(flat, where),
+            max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
+            fc_norm=flag("fc_norm"), norm_output=flag("norm_output"),
+            norm_before_fc=flag("norm_before_fc"), norm_before_residual=flag("norm_before_residual"),
+            layer_numbering=numbering, layer_numbering_reason=reason, raw=cfg,
+        )
+
+    def resolved_aux_layer_ids(self, target: TargetConfig) -> tuple[int, ...]:
+        """Aux layer ids in vLLM's convention (the residual stream entering layer i)."""
+        ids = self.aux_layer_ids or target.default_aux_layer_ids()
+        return tuple(i + 1 for i in ids) if self.layer_numbering == "torchspec" else tuple(ids)
+
+
+def _layer_numbering(cfg: dict) -> tuple[str, str]:
+    """TorchSpec counts an aux layer by the layer it leaves, one lower than vLLM's id for the same
+    state. A config says so explicitly (`layer_numbering`) or carries TorchSpec's marker."""
+    explicit = cfg.get("layer_numbering") or (cfg.get("eagle_config") or {}).get("layer_numbering")
+    if explicit in ("vllm", "torchspec"):
+        return explicit, f"config.json sets layer_numbering={explicit!r}"
+    for key in ("framework", "trained_with", "training_framework", "library_name"):
+        if "torchspec" in str(cfg.get(key, "")).lower():
+            return "torchspec", f"config.json {key}={cfg[key]!r}"
+    return "vllm", "default (no TorchSpec marker in config.json)"
+
+
+def is_drafter_config(cfg: dict) -> bool:
+    archs = cfg.get("architectures") or []
+    return (any(a in DRAFTER_ARCHITECTURES or "eagle" in a.lower() for a in archs)
+            or "draft_vocab_size" in cfg or cfg.get("speculators_model_type") is not None)

@@ -1,0 +1,129 @@
+"""The building blocks the target and the drafter share: RMSNorm, RoPE, MLP, attention.
+
+Attention follows the graph contract: it reads the runtime-owned cache and returns only the new
+K/V entries. Cache slot j of a sequence holds position j, so one boolean mask covers prefill,
+verify and ragged batches: a query sees past slots j < cache_len[b] and new tokens up to itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a gain, computed in fp32 and cast back, as transformers does."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`,
+        # short ones kept, and the band between interpolated smoothly.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape [B, 1, T, head_dim] for positions [B, T]."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: int,
+                   sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean [B, 1, 1, T, past_len + T]: True where query t may attend to key s."""
+    t = positions.shape[1]
+    slots = torch.arange(past_len, device=positions.device)
+    past_ok = slots.view(1, 1, -1) < cache_lens.view(-1, 1, 1)            # [B,1,S]
+    past_ok = past_ok.expand(-1, t, -1)                                    # [B,T,S]
+    new_ok = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    new_ok = new_ok.unsqueeze(0).expand(positions.shape[0], -1, -1)       # [B,T,T]
+    if sliding_window is not None:
+        past_ok = past_ok & (slots.view(1, 1, -1) > positions.unsqueeze(-1) - sliding_window)
+        new_ok = new_ok & (positions.unsqueeze(1) > positions.unsqueeze(-1) - sliding_window)
+    return torch.cat([past_ok, new_ok], dim=-1)[:, None, None]
+
+
+class Attention(nn.Module):
+    """GQA attention. `in_features` is 2H for the drafter's layer, H for the target's."""
+
+    def __init__(self, in_features: int, out_features: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, bias: bool = False, qk_norm_eps: float | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=False)
+        if qk_norm_eps is not None:  # Qwen3: RMSNorm over each head's q and k before RoPE
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, mask):
+        """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D])."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys = torch.cat([k_cache.to(k.dtype), k], dim=2)
+        values = torch.cat([v_cache.to(v.dtype), v], dim=2)
+        # Group the query heads by their KV head instead of repeating K/V: no cache copy.
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(b, self.num_kv_heads, group, t, self.head_dim)
+        scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values.unsqueeze(2))                        # [B,Hkv,G,T,D]
+        out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

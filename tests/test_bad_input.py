@@ -1,0 +1,145 @@
+"""Bad checkpoints give an EagleExportError that names the problem and the fix, never a torch traceback."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from eagle_export.checkpoint import load_drafter, load_state_dict, load_target
+from eagle_export.cli import main
+from eagle_export.errors import CheckpointError
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    return write_tiny_target(tmp_path_factory.mktemp("t"), "llama")
+
+
+def copy_with(src, dst, state=None, config=None):
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(config or json.loads((src / "config.json").read_text())))
+    save_file(state if state is not None else load_file(src / "model.safetensors"), str(dst / "model.safetensors"))
+    return dst
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="has no config.json") as e:
+        load_target(tmp_path)
+    assert "config.json" in e.value.fix
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_target(tmp_path / "nowhere")
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path, tiny_target_dir):
+    cfg = json.loads((tiny_target_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    path = copy_with(tiny_target_dir, tmp_path / "neox", config=cfg)
+    with pytest.raises(CheckpointError, match="unsupported architecture GPTNeoXForCausalLM") as e:
+        load_target(path)
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in e.value.fix
+
+
+def test_missing_and_unexpected_weights_are_named(tmp_path, tiny_target_dir):
+    state = load_file(tiny_target_dir / "model.safetensors")
+    state.pop("model.layers.2.mlp.up_proj.weight")
+    state["model.layers.2.mlp.surprise.weight"] = torch.zeros(3)
+    path = copy_with(tiny_target_dir, tmp_path / "m", state=state)
+    with pytest.raises(CheckpointError) as e:
+        load_target(path)
+    assert "missing weights: layers.2.mlp.up_proj.weight" in e.value.problem
+    assert "unexpected weights: layers.2.mlp.surprise.weight" in e.value.problem
+
+
+def test_shape_mismatch_names_tensor_expected_and_found(tmp_path, tiny_target_dir):
+    state = load_file(tiny_target_dir / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    path = copy_with(tiny_target_dir, tmp_path / "m", state=state)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.k_proj\.weight: expected \(32, 64\), found \(48, 64\)"):
+        load_target(path)
+
+
+def test_drafter_hidden_size_or_vocab_that_do_not_fit(tmp_path, tiny_target_dir):
+    target = load_target(tiny_target_dir)
+    wide = write_tiny_drafter(tmp_path / "wide", "3", target_hidden=96)
+    with pytest.raises(CheckpointError, match="expects target hidden size 96, the target has 64"):
+        load_drafter(wide, target=target)
+    other_vocab = write_tiny_drafter(tmp_path / "vocab", "3", vocab=400)
+    with pytest.raises(CheckpointError, match="vocabulary is 400 tokens, the target's 320"):
+        load_drafter(other_vocab, target=target)
+    deep = write_tiny_drafter(tmp_path / "deep", "3", aux=(1, 3, 9))
+    with pytest.raises(CheckpointError, match=r"aux layer ids \[9\] lie beyond the target's 6 layers"):
+        load_drafter(deep, target=target)
+
+
+def test_target_and_drafter_swapped(tmp_path, tiny_target_dir):
+    drafter_dir = write_tiny_drafter(tmp_path / "d", "3")
+    with pytest.raises(CheckpointError, match="is an EAGLE drafter, not a target"):
+        load_target(drafter_dir)
+    with pytest.raises(CheckpointError, match="is not an EAGLE drafter"):
+        load_drafter(tiny_target_dir)
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_pickle_that_would_run_code_is_refused(tmp_path, tiny_target_dir):
+    path = tmp_path / "evil"
+    path.mkdir()
+    (path / "config.json").write_text((tiny_target_dir / "config.json").read_text())
+    with open(path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": RunsCode()}, f)
+    with pytest.raises(CheckpointError, match="weights-only loading refuses"):
+        load_state_dict(path)
+
+
+def test_plain_tensor_pickle_is_accepted_weights_only(tmp_path, tiny_target_dir):
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text((tiny_target_dir / "config.json").read_text())
+    torch.save(load_file(tiny_target_dir / "model.safetensors"), path / "pytorch_model.bin")
+    a, b = load_target(tiny_target_dir), load_target(path)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_truncated_safetensors(tmp_path, tiny_target_dir):
+    path = copy_with(tiny_target_dir, tmp_path / "cut")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_target(path)
+
+
+def test_missing_shard_is_named(tmp_path, tiny_target_dir):
+    path = copy_with(tiny_target_dir, tmp_path / "idx")
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        load_target(path)
+
+
+def test_unsupported_rope_scaling(tmp_path, tiny_target_dir):
+    cfg = json.loads((tiny_target_dir / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    path = copy_with(tiny_target_dir, tmp_path / "yarn", config=cfg)
+    with pytest.raises(CheckpointError, match="rope scaling type 'yarn' is not supported"):
+        load_target(path)
+
+
+def test_cli_prints_the_error_without_a_traceback(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "error:" in result.output and "fix:" in result.output
+    assert "Traceback" not in result.output
