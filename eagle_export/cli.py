@@ -55,4 +55,29 @@ def sample_target():
     click.echo(str(sample_target_dir()))
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json):
+    """Report torch, CUDA, TensorRT, ONNX Runtime and ModelOpt, the GPU, and what can be built here."""
+    from .doctor import doctor_report
+
+    report = doctor_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    gpu = report["gpu"]
+    click.echo(f"python        {report['python']}")
+    click.echo(f"torch         {report['torch']} (CUDA {report['cuda'] or 'none'}, available: {report['cuda_available']})")
+    click.echo(f"gpu           {gpu['name'] + ' (compute capability ' + gpu['compute_capability'] + ')' if gpu else 'none'}")
+    click.echo(f"tensorrt      {report['tensorrt'] or 'not installed'}")
+    click.echo(f"onnxruntime   {report['onnxruntime']} ({', '.join(report['onnxruntime_providers'])})")
+    click.echo(f"onnx          {report['onnx']}")
+    click.echo(f"modelopt      {report['modelopt'] or 'not installed'}")
+    click.echo("can build:")
+    for precision, verdict in report["can_build"].items():
+        click.echo(f"  {precision:6} {verdict}")
+    for line in report["advice"]:
+        click.echo(f"advice: {line}")
+
+
 # Commands of later stages are added below this line, one function each.

@@ -1,0 +1,114 @@
+"""The build manifest (what was built, from what, with which proof) and the atomic build directory."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import __version__
+from .doctor import package_version, tensorrt_version
+from .errors import EagleExportError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def artifact_hashes(build_dir: Path) -> dict[str, dict]:
+    """sha256 and size of every file in the build except the manifest itself."""
+    out = {}
+    for path in sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        out[path.relative_to(build_dir).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return out
+
+
+def library_versions() -> dict[str, str | None]:
+    import torch
+
+    return {"eagle-export": __version__, "torch": torch.__version__, "onnx": package_version("onnx"),
+            "onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
+            "onnx-ir": package_version("onnx-ir"), "nvidia-modelopt": package_version("nvidia-modelopt"),
+            "tensorrt": tensorrt_version()}
+
+
+def write_manifest(build_dir: Path, content: dict) -> dict:
+    manifest = {"format": MANIFEST_FORMAT, "tool": "eagle-export", "version": __version__,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "libraries": library_versions(), **content, "artifacts": artifact_hashes(build_dir)}
+    (build_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(build_dir: str | Path) -> dict:
+    build_dir = Path(build_dir)
+    path = build_dir / MANIFEST
+    if not path.is_file():
+        raise EagleExportError(f"{build_dir} has no {MANIFEST}: it is not a build directory",
+                               "pass a directory made by `eagle-export build`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EagleExportError(f"{path} is corrupt ({e})", "rebuild with `eagle-export build --force`") from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise EagleExportError(f"{path} has manifest format {manifest.get('format')}, this tool reads "
+                               f"{MANIFEST_FORMAT}", "rebuild with this version of eagle-export")
+    return manifest
+
+
+def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
+    """Problems with the build's files: missing, resized, or with another hash. Empty when intact."""
+    build_dir = Path(build_dir)
+    problems = []
+    for name, meta in manifest.get("artifacts", {}).items():
+        path = build_dir / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif path.stat().st_size != meta["bytes"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated "
+                            f"or modified)")
+        elif sha256_file(path) != meta["sha256"]:
+            problems.append(f"{name}: sha256 differs from the manifest (modified)")
+    return problems
+
+
+@contextlib.contextmanager
+def atomic_build_dir(out_dir: str | Path, force: bool = False):
+    """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
+
+    A failure or Ctrl-C removes the temporary directory, so no half build is ever left; an existing
+    output is replaced only with `force`, and only once the new build is complete."""
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not force:
+        raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
+    except OSError as e:
+        raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
+                               "choose an output directory you can write to (-o)") from None
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:  # includes KeyboardInterrupt: the partial build goes, whatever stopped it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,190 @@
+"""Build recipes: YAML files validated against a schema, with errors that name the key and its line.
+
+A recipe says what to build: the target and drafter, the speculation depth, the precision of
+each model, the batch and context ranges (they become TensorRT optimization profiles), the
+calibration set, and the passes to skip. Every field has a default except target and drafter.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import EagleExportError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
+CALIBRATION_SETS = ("mt-bench", "sharegpt", "humaneval")
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+SAMPLE_RECIPE = RECIPES_DIR / "smollm2-135m-eagle3.1.yaml"
+
+# key -> (type, default, check) ; nested mappings are dicts of the same shape.
+SCHEMA = {
+    "name": (str, None, None),
+    "target": (str, None, None),
+    "drafter": (str, None, None),
+    "depth": (int, 4, lambda v: 1 <= v <= 8 or "must be between 1 and 8"),
+    "sampling": (bool, False, None),
+    "precision": {
+        "target": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
+        "drafter": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
+        "keep_high_precision": (list, ["lm_head", "fc"], None),
+    },
+    "profiles": {
+        "batch": {"min": (int, 1, None), "opt": (int, 1, None), "max": (int, 4, None)},
+        "context": {"min": (int, 16, None), "opt": (int, 1024, None), "max": (int, 2048, None)},
+    },
+    "calibration": {
+        "dataset": (str, "mt-bench", None),
+        "num_samples": (int, 32, lambda v: v >= 1 or "must be at least 1"),
+        "max_tokens": (int, 512, lambda v: v >= 8 or "must be at least 8"),
+    },
+    "passes": {"skip": (list, [], None)},
+    "engine": {"workspace_gib": (int, 8, lambda v: v >= 1 or "must be at least 1")},
+}
+REQUIRED = ("target", "drafter")
+
+
+class RecipeError(EagleExportError):
+    """One or more problems in a recipe, each with its key and line."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"recipe {source} is invalid:\n  " + "\n  ".join(problems),
+                         "correct the recipe keys named above (see recipes/ for complete examples)")
+
+
+@dataclass
+class Recipe:
+    data: dict
+    source: str
+    base_dir: Path  # relative paths in the recipe are relative to the recipe file
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def resolve_path(self, value: str) -> str:
+        """`sample` stays a name; a relative path is taken from the recipe's directory, then the repo."""
+        if value == "sample" or Path(value).is_absolute():
+            return value
+        for base in (self.base_dir, RECIPES_DIR.parent):
+            if (base / value).exists():
+                return str((base / value).resolve())
+        return value
+
+
+def _lines(node: yaml.Node, prefix: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    """1-based line of every key path in a composed YAML document."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (key_node.value,)
+            out[path] = key_node.start_mark.line + 1
+            _lines(value_node, path, out)
+    return out
+
+
+def _check(data: dict, schema: dict, lines: dict, prefix: tuple, problems: list[str]) -> dict:
+    result = {}
+    for key, value in data.items():
+        path = prefix + (key,)
+        where = f"line {lines.get(path, '?')}: {'.'.join(map(str, path))}"
+        if key not in schema:
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f" (did you mean {'.'.join(map(str, prefix + (close[0],)))}?)" if close else ""
+            problems.append(f"{where}: unknown key{hint}")
+            continue
+        spec = schema[key]
+        if isinstance(spec, dict):
+            if not isinstance(value, dict):
+                problems.append(f"{where}: must be a mapping with keys {', '.join(spec)}")
+                continue
+            result[key] = _check(value, spec, lines, path, problems)
+            continue
+        kind, _, check = spec
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            problems.append(f"{where}: must be {kind.__name__}, found {type(value).__name__} {value!r}")
+            continue
+        verdict = check(value) if check else True
+        if verdict is not True:
+            problems.append(f"{where}: {value!r} {verdict}")
+            continue
+        result[key] = value
+    return result
+
+
+def _with_defaults(data: dict, schema: dict) -> dict:
+    out = {}
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            out[key] = _with_defaults(data.get(key, {}), spec)
+        else:
+            out[key] = copy.deepcopy(data.get(key, spec[1]))
+    return out
+
+
+def _check_ranges(data: dict, lines: dict, problems: list[str]) -> None:
+    for axis in ("batch", "context"):
+        r = data["profiles"][axis]
+        if not 1 <= r["min"] <= r["opt"] <= r["max"]:
+            line = lines.get(("profiles", axis), "?")
+            problems.append(f"line {line}: profiles.{axis}: needs 1 <= min <= opt <= max, found "
+                            f"min={r['min']} opt={r['opt']} max={r['max']}")
+    if data["profiles"]["context"]["max"] <= data["depth"] + 1:
+        problems.append(f"line {lines.get(('profiles', 'context'), '?')}: profiles.context.max must exceed "
+                        f"depth + 1 ({data['depth'] + 1}): a verify step alone needs that many positions")
+
+
+def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None,
+                 overrides: dict | None = None) -> Recipe:
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "somewhere"
+        raise RecipeError(source, [f"{where}: not valid YAML ({getattr(e, 'problem', e)})"]) from None
+    if not isinstance(data, dict):
+        raise RecipeError(source, ["line 1: a recipe is a YAML mapping of keys to values"])
+    lines = _lines(node)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    problems: list[str] = []
+    checked = _check(data, SCHEMA, lines, (), problems)
+    for key in REQUIRED:
+        if key not in data:
+            problems.append(f"line -: {key}: required key is missing")
+    if problems:
+        raise RecipeError(source, problems)
+    full = _with_defaults(checked, SCHEMA)
+    _check_ranges(full, lines, problems)
+    if problems:
+        raise RecipeError(source, problems)
+    full["name"] = full["name"] or Path(source).stem
+    return Recipe(full, source, base_dir or Path.cwd())
+
+
+def _set_dotted(data: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        data = data.setdefault(key, {})
+    data[keys[-1]] = value
+
+
+def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
+    path = Path(path) if path else SAMPLE_RECIPE
+    if not path.is_file():
+        raise EagleExportError(f"recipe {path} does not exist",
+                               f"pass an existing YAML file, e.g. {SAMPLE_RECIPE}")
+    return parse_recipe(path.read_text(), str(path), path.parent, overrides)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`--set precision.target=fp8` -> ("precision.target", "fp8"); values are read as YAML scalars."""
+    if "=" not in text:
+        raise EagleExportError(f"override {text!r} lacks '='", "write --set key.path=value, e.g. --set depth=6")
+    key, _, value = text.partition("=")
+    return key.strip(), yaml.safe_load(value)
