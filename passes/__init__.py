@@ -3,3 +3,24 @@
 from .base import PassBase, PassManager, PassRecord, PassResult, PipelineResult, PostconditionError
 
 __all__ = ["PassBase", "PassManager", "PassRecord", "PassResult", "PipelineResult", "PostconditionError"]
+
+# ONNX-level passes (onnx_ir models) and the TensorRT-readiness lint.
+from .onnx_cleanup import (
+    CastCleanupPass,
+    CommonSubexpressionEliminationPass,
+    ConstantFoldingPass,
+    DeadCodeEliminationPass,
+    IdentityEliminationPass,
+    InitializerDeduplicationPass,
+    TopologicalSortPass,
+    onnx_pipeline,
+)
+from .onnx_pin import ONNX_IR_VERSION, PinIrVersionPass
+from .trt_lint import Finding, LintReport, TensorRTLintPass, lint_model
+
+__all__ += [
+    "CastCleanupPass", "CommonSubexpressionEliminationPass", "ConstantFoldingPass",
+    "DeadCodeEliminationPass", "IdentityEliminationPass", "InitializerDeduplicationPass",
+    "TopologicalSortPass", "onnx_pipeline", "ONNX_IR_VERSION", "PinIrVersionPass",
+    "Finding", "LintReport", "TensorRTLintPass", "lint_model",
+]
