@@ -26,11 +26,11 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, k_cache, v_cache, mask):
+    def forward(self, embeds, hidden, cos, sin, k_cache, v_cache, mask, prefix_kv=None):
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        attn, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask)
+        attn, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv)
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x)), new_k, new_v
 
@@ -54,6 +54,10 @@ class Drafter(nn.Module):
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
                              if cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        # Set by passes.apply_draft_vocab: target id = draft_to_target[draft id], replacing d2t/t2d.
+        self.register_buffer("draft_to_target", None)
+        # Set by passes.fold_fc_norm_into_target: fc_norm moved into the target's aux outputs.
+        self.aux_normalized_by_target = False
 
     def share_embeddings(self, embed_tokens: nn.Embedding) -> None:
         """Use the target's embedding table (the same Parameter, never a copy)."""
@@ -92,4 +96,6 @@ class Drafter(nn.Module):
         return self.lm_head(normed), feedback, new_k.unsqueeze(0), new_v.unsqueeze(0)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.draft_to_target is not None:
+            return self.draft_to_target[draft_ids]
         return draft_ids + self.d2t[draft_ids]

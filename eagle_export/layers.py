@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
+        normed = rms_normalize(x, self.eps)
+        # No gain once passes.fold_norm_gains has folded it into the next linear layer.
+        return normed if self.weight is None else self.weight * normed
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,25 +97,41 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = None  # q/k/v as one Linear once passes.fuse_qkv has run
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
-    def forward(self, x, cos, sin, k_cache, v_cache, mask):
-        """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D])."""
+    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None):
+        """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
+        prefix_kv: optional small (K, V) [B,Hkv,E,D] sitting between the cache and the new tokens
+        (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys = torch.cat([k_cache.to(k.dtype), k], dim=2)
-        values = torch.cat([v_cache.to(v.dtype), v], dim=2)
-        # Group the query heads by their KV head instead of repeating K/V: no cache copy.
+        keys, values = k, v
+        if prefix_kv is not None:
+            keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
+        # Group the query heads by their KV head instead of repeating K/V, and score the cache and
+        # the new entries separately (concatenating scores, not keys): the cache is never copied.
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, self.num_kv_heads, group, t, self.head_dim)
-        scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)) / math.sqrt(self.head_dim)
+        past_scores = torch.matmul(q, k_cache.to(k.dtype).unsqueeze(2).transpose(-1, -2))
+        new_scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2))
+        scores = torch.cat([past_scores, new_scores], dim=-1) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values.unsqueeze(2))                        # [B,Hkv,G,T,D]
+        # Cast before the softmax, not via its dtype argument: the ONNX exporter turns that into a
+        # half-precision Softmax followed by a Cast.
+        probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
+        past_len = k_cache.shape[2]
+        out = (torch.matmul(probs[..., :past_len], v_cache.to(v.dtype).unsqueeze(2))
+               + torch.matmul(probs[..., past_len:], values.unsqueeze(2)))  # [B,Hkv,G,T,D]
         out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out), k, v
 
@@ -124,6 +142,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = None  # gate and up as one Linear once passes.fuse_gate_up has run
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            # split at a Python int, not chunk(2): the exporter turns chunk into shape arithmetic
+            gate, up = self.gate_up_proj(x).split(self.down_proj.in_features, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
-from .layers import MLP, Attention, RMSNorm, attention_mask, rope_cos_sin, rope_inv_freq
+from .layers import MLP, Attention, RMSNorm, attention_mask, rms_normalize, rope_cos_sin, rope_inv_freq
 
 
 class DecoderLayer(nn.Module):
@@ -42,6 +42,9 @@ class Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        # Set by passes.fold_fc_norm_into_target: emit each aux state gain-free RMS-normalized with
+        # the drafter's eps (the drafter's fc_norm moved here; the two are built as a pair).
+        self.aux_norm_eps: float | None = None
 
     @property
     def aux_width(self) -> int:
@@ -69,6 +72,8 @@ class Target(nn.Module):
             new_vs.append(new_v)
         if len(self.layers) in self.aux_layer_ids:  # "entering" the layer after the last: the final state
             aux.append(x)
+        if self.aux_norm_eps is not None:
+            aux = [rms_normalize(a, self.aux_norm_eps) for a in aux]
         x = self.norm(x)
         out = self.lm_head(x) if logits else x
         aux_states = torch.cat(aux, dim=-1) if aux else x.new_zeros(*x.shape[:2], 0)

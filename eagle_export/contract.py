@@ -1,0 +1,108 @@
+"""The graph contract: every input and output of the exported graphs, by name, shape and dtype.
+
+Export, the ONNX Runtime / TensorRT backends and the engine builder all read the names and shapes
+from here, so a graph and the code that binds it cannot drift apart.
+
+Shapes mix fixed sizes (ints) and the named dynamic axes below; the TensorRT optimization profiles
+cover exactly these axes. A dtype is "int64", "float32" or MODEL_DTYPE, the precision the graph was
+exported in (fp32, fp16 or bf16): caches, hidden states and logits travel in it; probabilities,
+temperatures and noise are always float32.
+
+Target graph (prefill and verify, T tokens):
+    input_ids [B,T], positions [B,T], past_key/past_value [L,B,Hkv,S,D], cache_lens [B]
+    -> greedy_ids [B,T] (argmax in-graph), logits [B,T,V] (optional), aux_hidden [B,T,A*Ht],
+       new_key/new_value [L,B,Hkv,T,D]
+Drafter graph (depth K unrolled, W input rows; decoding uses W = K+1, drafter prefill any W):
+    input_ids [B,W], aux_hidden [B,W,A*Ht], num_valid [B], past_key/past_value [1,B,Hkv,S,D],
+    cache_lens [B] (+ temperature [B], uniform_noise [B,K] when sampling)
+    -> draft_ids [B,K] (target vocabulary), draft_token_probs [B,K], draft_probs [B,K,Vd] (sampling),
+       new_key/new_value [1,B,Hkv,W+K-1,D]
+The runtime owns the caches: it writes the first num_valid[b] rows of new_key at cache_lens[b] and
+rolls back by length alone. Cache slot j always holds position j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DrafterConfig, TargetConfig
+
+BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the only dynamic axes
+MODEL_DTYPE = "model"
+ONNX_OPSET = 17  # TensorRT 10.x parses opsets 9..20; every op used here exists at 17
+
+INPUT_IDS, POSITIONS, AUX_HIDDEN, NUM_VALID = "input_ids", "positions", "aux_hidden", "num_valid"
+PAST_KEY, PAST_VALUE, CACHE_LENS = "past_key", "past_value", "cache_lens"
+TEMPERATURE, UNIFORM_NOISE = "temperature", "uniform_noise"
+GREEDY_IDS, LOGITS, NEW_KEY, NEW_VALUE = "greedy_ids", "logits", "new_key", "new_value"
+DRAFT_IDS, DRAFT_TOKEN_PROBS, DRAFT_PROBS = "draft_ids", "draft_token_probs", "draft_probs"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str  # "int64", "float32" or MODEL_DTYPE
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    @property
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """torch.onnx.export's `dynamic_axes` argument."""
+        return {t.name: t.dynamic_axes for t in self.inputs + self.outputs if t.dynamic_axes}
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs + self.outputs if t.name == name)
+
+
+def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphSpec:
+    cache = (cfg.num_layers, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
+    new_cache = (cfg.num_layers, BATCH, cfg.num_kv_heads, TOKENS, cfg.head_dim)
+    inputs = (TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),
+              TensorSpec(POSITIONS, (BATCH, TOKENS), "int64"),
+              TensorSpec(PAST_KEY, cache, MODEL_DTYPE),
+              TensorSpec(PAST_VALUE, cache, MODEL_DTYPE),
+              TensorSpec(CACHE_LENS, (BATCH,), "int64"))
+    outputs = (TensorSpec(GREEDY_IDS, (BATCH, TOKENS), "int64"),
+               *((TensorSpec(LOGITS, (BATCH, TOKENS, cfg.vocab_size), MODEL_DTYPE),) if return_logits else ()),
+               TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, num_aux * cfg.hidden_size), MODEL_DTYPE),
+               TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE),
+               TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE))
+    return GraphSpec(inputs, outputs)
+
+
+def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
+    """The new K/V axis is W+K-1: it is named so because ONNX has no arithmetic on axis names."""
+    cache = (1, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
+    new_cache = (1, BATCH, cfg.num_kv_heads, "tokens_plus_depth_minus_1", cfg.head_dim)
+    inputs = [TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),
+              TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, cfg.num_aux * cfg.target_hidden_size), MODEL_DTYPE),
+              TensorSpec(NUM_VALID, (BATCH,), "int64"),
+              TensorSpec(PAST_KEY, cache, MODEL_DTYPE),
+              TensorSpec(PAST_VALUE, cache, MODEL_DTYPE),
+              TensorSpec(CACHE_LENS, (BATCH,), "int64")]
+    outputs = [TensorSpec(DRAFT_IDS, (BATCH, depth), "int64"),
+               TensorSpec(DRAFT_TOKEN_PROBS, (BATCH, depth), "float32")]
+    if sampling:
+        inputs += [TensorSpec(TEMPERATURE, (BATCH,), "float32"),
+                   TensorSpec(UNIFORM_NOISE, (BATCH, depth), "float32")]
+        outputs.append(TensorSpec(DRAFT_PROBS, (BATCH, depth, cfg.draft_vocab_size), "float32"))
+    outputs += [TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE), TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE)]
+    return GraphSpec(tuple(inputs), tuple(outputs))
+

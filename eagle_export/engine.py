@@ -1,0 +1,173 @@
+"""TensorRT engines: the decisions as pure functions, the API calls as thin, linear wrappers.
+
+Everything a build decides (optimization profiles, engine file names, whether an engine fits this
+GPU and TensorRT) is computed here without TensorRT and unit-tested on any machine. The wrappers at
+the bottom only translate those decisions into TensorRT 10.x calls (strongly typed networks, so no
+precision flags: the ONNX graph's explicit casts and Q/DQ nodes decide every layer's type).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .contract import BATCH, PAST, TOKENS, GraphSpec
+from .errors import EagleExportError
+
+# A cache view always has at least one slot (masked out by cache_lens when empty), so no profile
+# has to cover zero-length tensors.
+MIN_PAST = 1
+
+
+def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of every dynamic axis for one optimization profile.
+
+    target/prefill: the prompt (tokens up to the context); target/decode: verify K+1 tokens;
+    drafter/prefill: the prompt's rows; drafter/decode: W = K+1 newly accepted rows."""
+    batch = recipe["profiles"]["batch"]
+    ctx = recipe["profiles"]["context"]
+    k = recipe["depth"]
+    ranges = {BATCH: (batch["min"], batch["opt"], batch["max"])}
+    if phase == "prefill":
+        ranges[TOKENS] = (1, min(ctx["opt"], ctx["max"]), ctx["max"])
+        ranges[PAST] = (MIN_PAST, MIN_PAST, max(MIN_PAST, ctx["max"] - 1))
+    elif phase == "decode":
+        ranges[TOKENS] = (1, k + 1, k + 1)
+        ranges[PAST] = (MIN_PAST, ctx["opt"], ctx["max"])
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    if graph == "drafter":
+        lo, opt, hi = ranges[TOKENS]
+        ranges["tokens_plus_depth_minus_1"] = (lo + k - 1, opt + k - 1, hi + k - 1)
+    return ranges
+
+
+def profile_shapes(spec: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> dict[str, tuple]:
+    """Input name -> (min, opt, max) shapes, for inputs with a dynamic axis."""
+    shapes = {}
+    for t in spec.inputs:
+        if not t.dynamic_axes:
+            continue
+        missing = [a for a in t.dynamic_axes.values() if a not in ranges]
+        if missing:
+            raise ValueError(f"no range for axes {missing} of input {t.name}")
+        shapes[t.name] = tuple(tuple(ranges[d][i] if isinstance(d, str) else d for d in t.shape)
+                               for i in range(3))
+    return shapes
+
+
+def engine_profiles(spec: GraphSpec, recipe: dict, graph: str) -> list[dict[str, tuple]]:
+    """Profile 0 serves prefill, profile 1 decode; the runtime picks by phase."""
+    return [profile_shapes(spec, axis_ranges(recipe, graph, phase)) for phase in ("prefill", "decode")]
+
+
+def engine_file_name(graph: str, compute_capability: str, trt_version: str) -> str:
+    """An engine is valid for one GPU architecture and one TensorRT release: both go in the name."""
+    sm = compute_capability.replace(".", "")
+    trt = ".".join(trt_version.split(".")[:2])
+    return f"{graph}.sm{sm}.trt{trt}.engine"
+
+
+def engine_compatibility_problems(meta: dict, compute_capability: str | None, trt_version: str | None) -> list[str]:
+    """Why an engine recorded in a manifest cannot run here; empty when it can."""
+    problems = []
+    if trt_version is None:
+        problems.append("TensorRT is not installed")
+    elif meta["tensorrt"].split(".")[:2] != trt_version.split(".")[:2]:
+        problems.append(f"built with TensorRT {meta['tensorrt']}, this machine has {trt_version}")
+    if compute_capability is None:
+        problems.append("no CUDA GPU")
+    elif meta["compute_capability"] != compute_capability:
+        problems.append(f"built for compute capability {meta['compute_capability']} ({meta.get('gpu', '?')}), "
+                        f"this GPU has {compute_capability}")
+    return problems
+
+
+def pick_engine(engines: list[dict], compute_capability: str | None, trt_version: str | None) -> dict:
+    """The manifest's engine entry that fits this machine, or an error listing why none does."""
+    reasons = []
+    for meta in engines:
+        problems = engine_compatibility_problems(meta, compute_capability, trt_version)
+        if not problems:
+            return meta
+        reasons.append(f"{meta['file']}: {'; '.join(problems)}")
+    raise EagleExportError("no engine in this build fits this machine: " + " | ".join(reasons) if reasons
+                           else "this build has no TensorRT engines",
+                           "rebuild the engines here with `eagle-export build --force`, or use --backend onnxruntime")
+
+
+# ---------------------------------------------------------------- TensorRT API (thin)
+
+def build_engine(onnx_path: Path, engine_path: Path, profiles: list[dict[str, tuple]],
+                 workspace_bytes: int, timing_cache_path: Path | None = None) -> None:
+    """Parse a strongly typed ONNX graph and serialize an engine with the given profiles."""
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [parser.get_error(i) for i in range(parser.num_errors)]
+        lines = [f"node {e.node_name() or e.node()} ({e.node_operator()}): {e.desc()}" for e in errors]
+        raise EagleExportError(f"TensorRT cannot parse {onnx_path.name}:\n  " + "\n  ".join(lines),
+                               "run `eagle-export export` and check its trt_lint report for these nodes")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    cache_bytes = timing_cache_path.read_bytes() if timing_cache_path and timing_cache_path.is_file() else b""
+    timing_cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    for shapes in profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EagleExportError(f"TensorRT failed to build an engine from {onnx_path.name} (see its log above)",
+                               "lower profiles.context.max or profiles.batch.max, or raise engine.workspace_gib")
+    engine_path.write_bytes(bytes(serialized))
+    if timing_cache_path is not None:
+        timing_cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+
+
+class TensorRTSession:
+    """An engine bound by the contract's tensor names; run() takes and returns CUDA torch tensors."""
+
+    def __init__(self, engine_path: Path):
+        import tensorrt as trt
+        import torch
+
+        self._trt, self._torch = trt, torch
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        if self.engine is None:
+            raise EagleExportError(f"TensorRT cannot load {engine_path.name} (another TensorRT version or GPU, "
+                                   "or a corrupt file)", "rebuild it here with `eagle-export build --force`")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if n not in self.inputs]
+        self.stream = torch.cuda.Stream()
+
+    def run(self, feeds: dict, profile: int = 0) -> dict:
+        torch = self._torch
+        self.context.set_optimization_profile_async(profile, self.stream.cuda_stream)
+        for name in self.inputs:
+            tensor = feeds[name].contiguous()
+            feeds[name] = tensor
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        outputs = {}
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            dtype = _TORCH_DTYPES[str(self.engine.get_tensor_dtype(name))]
+            outputs[name] = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+            self.context.set_tensor_address(name, outputs[name].data_ptr())
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        self.stream.synchronize()
+        return outputs
+
+
+_TORCH_DTYPES = {"DataType.FLOAT": "float32", "DataType.HALF": "float16", "DataType.BF16": "bfloat16",
+                 "DataType.INT64": "int64", "DataType.INT32": "int32", "DataType.BOOL": "bool"}

@@ -1,0 +1,195 @@
+"""ONNX export of the target graph and the unrolled drafter graph, plus the ONNX Runtime check.
+
+Export uses the TorchScript exporter (`dynamo=False`) at opset `contract.ONNX_OPSET`, with dynamic
+axes only for batch, tokens and past length. The example inputs give the cache a few slots
+(S >= 1, `past` dynamic) so that no shape computation is traced on an empty tensor, where the
+exporter may specialize a zero-sized dimension; the exported graphs run with S = 0 (tested).
+
+fp16 and bf16 graphs are strongly typed: every tensor has the model dtype except where the torch
+modules cast explicitly (RMSNorm statistics, RoPE angles, attention softmax and draft
+probabilities in fp32), and each of those casts is an explicit Cast node.
+
+After export, the ONNX clean-up pipeline (`passes.onnx_pipeline`, which pins `ir_version` so ONNX
+Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export.
+A model above 2 GB (the protobuf limit) is saved with its weights in one external data file.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+
+from . import contract as C
+from .checkpoint import load_drafter, load_target
+from .errors import EagleExportError
+from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
+from .unrolled import TargetGraph, UnrolledDrafter, check_depth
+
+EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Protobuf cannot serialize 2 GiB; above this many bytes of weights they go to an external data file.
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2
+
+
+def resolve_export_dtype(dtype: str) -> torch.dtype:
+    aliases = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+    name = aliases.get(dtype, dtype)
+    if name not in EXPORT_DTYPES:
+        raise EagleExportError(f"unknown export dtype {dtype!r}", f"use one of {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def target_example(target, batch: int = 2, tokens: int = 3, past: int = 4) -> tuple:
+    cfg = target.config
+    dtype = target.embed_tokens.weight.dtype
+    cache = torch.zeros(cfg.num_layers, batch, cfg.num_kv_heads, past, cfg.head_dim, dtype=dtype)
+    cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
+    positions = cache_lens[:, None] + torch.arange(tokens)
+    return (torch.zeros(batch, tokens, dtype=torch.long), positions, cache, cache.clone(), cache_lens)
+
+
+def drafter_example(drafter, depth: int, sampling: bool, batch: int = 2, past: int = 4) -> tuple:
+    cfg = drafter.config
+    dtype = drafter.fc.weight.dtype
+    width = depth + 1
+    cache = torch.zeros(1, batch, cfg.num_kv_heads, past, cfg.head_dim, dtype=dtype)
+    args = (torch.zeros(batch, width, dtype=torch.long),
+            torch.zeros(batch, width, cfg.num_aux * cfg.target_hidden_size, dtype=dtype),
+            torch.tensor([width, 1] * batch)[:batch], cache, cache.clone(),
+            torch.tensor([past, past // 2] * batch)[:batch])
+    if sampling:
+        args += (torch.ones(batch), torch.full((batch, depth), 0.5))
+    return args
+
+
+def lint_and_clean(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """The ONNX clean-up pipeline (ending with the ir_version pin), then the TensorRT lint.
+    Returns the model and what was done: the pass records and the lint findings."""
+    ir_model = ir.from_proto(model)
+    result = onnx_pipeline()(ir_model)
+    findings = [str(f) for f in lint_model(result.model).findings]
+    return ir.to_proto(result.model), {"passes": [r.to_json() for r in result.records], "lint_findings": findings}
+
+
+def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path) -> dict:
+    """Export `module` to `path` by `spec`; returns node counts, seconds and the pass/lint report."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():
+        raw = Path(tmp) / path.name
+        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=C.ONNX_OPSET,
+                          input_names=spec.input_names, output_names=spec.output_names,
+                          dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
+        model = onnx.load(str(raw))
+    exported_nodes = len(model.graph.node)
+    export_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    model, report = lint_and_clean(model)
+    passes_seconds = time.perf_counter() - start
+    if report["lint_findings"]:
+        raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(report["lint_findings"][:5]),
+                               "this is a bug in the export: report it with the model's config.json")
+    save_model(model, path)
+    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(model.graph.node),
+            "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **report}
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
+    if weight_bytes < EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(model, str(path))
+        return
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+
+
+def export_target(target, path: Path, return_logits: bool) -> dict:
+    spec = C.target_graph(target.config, len(target.aux_layer_ids), return_logits)
+    return export_graph(TargetGraph(target, return_logits).eval(), target_example(target), spec, path)
+
+
+def export_drafter(drafter, depth: int, sampling: bool, path: Path) -> dict:
+    spec = C.drafter_graph(drafter.config, depth, sampling)
+    module = UnrolledDrafter(drafter, depth, sampling).eval()
+    return export_graph(module, drafter_example(drafter, depth, sampling), spec, path)
+
+
+def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,
+                  force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+    """Write target.onnx and drafter.onnx (+ export_summary.json) to `out_dir`; returns the summary.
+    `sampling` exports the sampling drafter and a target that also returns its logits."""
+    progress = progress or (lambda message: None)
+    check_depth(depth)
+    torch_dtype = resolve_export_dtype(dtype)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not force or not out_dir.is_dir():
+            raise EagleExportError(f"{out_dir} exists and is not an empty directory",
+                                   "choose a new output directory, or pass --force to overwrite its files")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    progress(f"loading target {target_dir} ({DTYPE_NAMES[torch_dtype]})")
+    target = load_target(target_dir, dtype=torch_dtype)
+    progress(f"loading drafter {drafter_dir}")
+    drafter = load_drafter(drafter_dir, target=target, dtype=torch_dtype)
+    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    if tuple(aux_ids) != target.aux_layer_ids:
+        target.aux_layer_ids = tuple(aux_ids)  # the target must expose the states this drafter was trained on
+
+    summary = {"dtype": DTYPE_NAMES[torch_dtype], "depth": depth, "sampling": sampling,
+               "opset": C.ONNX_OPSET, "ir_version": ONNX_IR_VERSION, "aux_layer_ids": list(aux_ids)}
+    progress("exporting target.onnx")
+    summary["target"] = export_target(target, out_dir / "target.onnx", return_logits=sampling)
+    progress(f"  target: {summary['target']['nodes_exported']} nodes exported, "
+             f"{summary['target']['nodes_after_passes']} after passes, {summary['target']['export_seconds']:.1f} s")
+    progress(f"exporting drafter.onnx (depth {depth}, {'sampling' if sampling else 'greedy'})")
+    summary["drafter"] = export_drafter(drafter, depth, sampling, out_dir / "drafter.onnx")
+    progress(f"  drafter: {summary['drafter']['nodes_exported']} nodes exported, "
+             f"{summary['drafter']['nodes_after_passes']} after passes, {summary['drafter']['export_seconds']:.1f} s")
+    (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------- ONNX Runtime
+
+def ort_session(path, threads: int | None = None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def to_feed(tensor: torch.Tensor):
+    """A torch tensor as an OrtValue (bf16 through its bits: numpy has no bf16)."""
+    import onnxruntime as ort
+
+    if tensor.dtype != torch.bfloat16:
+        return ort.OrtValue.ortvalue_from_numpy(tensor.contiguous().numpy())
+    bits = tensor.view(torch.int16).numpy().view(np.uint16)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx.TensorProto.BFLOAT16)
+
+
+def run_onnx(session, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]:
+    """Feed torch `args` in contract order, return the outputs as fp32/int64 torch tensors by name."""
+    feeds = {name: to_feed(a) for name, a in zip(spec.input_names, args)}
+    values = session.run_with_ort_values(None, feeds)
+    out = {}
+    for name, value in zip([o.name for o in session.get_outputs()], values):
+        if value.data_type() == "tensor(bfloat16)":
+            bits = torch.from_numpy(value.numpy().view(np.int16).copy())
+            out[name] = bits.view(torch.bfloat16).float()
+        else:
+            array = value.numpy()
+            out[name] = torch.from_numpy(array.astype(np.float32) if array.dtype == np.float16 else array)
+    return out

@@ -1,0 +1,386 @@
+"""The draft-verify loop: what users import.
+
+One round, for a batch of ragged sequences:
+  draft   the unrolled drafter consumes each sequence's newly accepted rows and proposes K tokens
+  verify  the target scores [last token, d_1..d_K] in one call
+  accept  greedy: the longest prefix of drafts equal to the target's argmax, plus the target's
+          next token; sampling: rejection sampling, which preserves the target distribution
+  commit  the new K/V rows of the accepted tokens are written at each sequence's length; rejected
+          rows are never written (the graphs return only new entries), so rollback is free.
+The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` counts the target
+positions in cache, which is also the drafter's count: the last emitted token is not yet in either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import contract as C
+from .backends import Backend
+from .errors import EagleExportError
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy, lossless against target-only greedy decoding
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class SequenceStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round: accepted drafts plus the target's own token."""
+        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    def acceptance_by_depth(self, depth: int) -> list[float]:
+        """P(draft i accepted | drafts 1..i-1 accepted), i = 1..depth."""
+        rates = []
+        for i in range(1, depth + 1):
+            reached = sum(1 for a in self.accepted if a >= i - 1)
+            rates.append(sum(1 for a in self.accepted if a >= i) / reached if reached else 0.0)
+        return rates
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop", "length" (max_new_tokens) or "context" (the context limit)
+    stats: SequenceStats
+    text: str | None = None
+
+
+@dataclass
+class Event:
+    """Tokens emitted for sequence `index`; `finish_reason` is set on its last event."""
+
+    index: int
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timings:
+    """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    total: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return max(0.0, self.total - self.prefill - self.draft - self.verify)
+
+
+class SpeculativeRuntime:
+    def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
+                 drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,
+                 draft_to_target: torch.Tensor | None = None, tokenizer=None):
+        self.backend = backend
+        self.depth = backend.depth
+        self.target_cache_shape = (num_layers, num_kv_heads, head_dim)
+        self.drafter_cache_shape = (1, drafter_kv_heads, drafter_head_dim)
+        self.aux_width, self.max_context = aux_width, max_context
+        self.draft_to_target = draft_to_target
+        self.tokenizer = tokenizer
+        self.timings = Timings()
+
+    @classmethod
+    def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None):
+        """A runtime whose cache shapes come from the torch modules' configs."""
+        t, d = target.config, drafter.config
+        return cls(backend, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
+                   target.aux_width, max_context, draft_to_target=drafter.to_target_ids(
+                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer)
+
+    # ------------------------------------------------------------ public API
+
+    def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True
+                 ) -> list[SequenceResult]:
+        results = [[] for _ in prompts]
+        reasons = [None] * len(prompts)
+        stream = self.stream(prompts, config) if speculative else self.stream_autoregressive(prompts, config)
+        for event in stream:
+            results[event.index].extend(event.tokens)
+            reasons[event.index] = event.finish_reason or reasons[event.index]
+        return [SequenceResult(tokens, reason, stats, self._decode(tokens, config))
+                for tokens, reason, stats in zip(results, reasons, self.last_stats)]
+
+    def stream(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
+        """Speculative decoding, yielding tokens as each round accepts them."""
+        state = self._start(prompts, config)
+        yield from self._prefill(state)
+        rows = state.pending_rows
+        while state.active.any():
+            near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
+            spec = state.active & ~near_limit
+            if spec.any():
+                yield from self._round(state, rows, spec)
+                rows = state.pending_rows
+            if near_limit.any():  # a full round no longer fits: finish token by token, exactly
+                yield from self._ar_step(state, near_limit)
+        self.timings.total += time.perf_counter() - state.started
+
+    def stream_autoregressive(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
+        """Target-only decoding on the same backend: the baseline `bench` compares against."""
+        state = self._start(prompts, config)
+        yield from self._prefill(state, draft=False)
+        while state.active.any():
+            yield from self._ar_step(state, state.active)
+        self.timings.total += time.perf_counter() - state.started
+
+    # ------------------------------------------------------------ the loop
+
+    def _start(self, prompts, config):
+        if not prompts:
+            raise EagleExportError("no prompts given", "pass at least one prompt")
+        if config.temperature > 0 and not (self.backend.has_logits and self.backend.has_sampling):
+            raise EagleExportError(f"the {self.backend.name} backend of this build cannot sample "
+                                   "(it has no logits output or no sampling drafter graph)",
+                                   "use --temperature 0, or rebuild with sampling: true in the recipe")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise EagleExportError(f"prompt {i} is empty: there is nothing to continue",
+                                       "pass some text, or use --chat so the chat template adds its tokens")
+            if len(p) >= self.max_context:
+                raise EagleExportError(
+                    f"prompt {i} has {len(p)} tokens, the context limit is {self.max_context}",
+                    "shorten the prompt, or build with a larger profiles.context.max")
+        self.timings = Timings()
+        return _State(self, prompts, config)
+
+    def _prefill(self, state, draft: bool = True):
+        b = len(state.prompts)
+        width = max(len(p) for p in state.prompts)
+        ids = torch.zeros(b, width, dtype=torch.int64)
+        for i, p in enumerate(state.prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        positions = torch.arange(width).expand(b, -1).contiguous()
+        out = self._target(state, ids, positions, state.lens, need_logits=state.sampling, phase="prefill")
+        prompt_lens = torch.tensor([len(p) for p in state.prompts])
+        state.write_target(out, prompt_lens, state.active)
+        last = prompt_lens - 1
+        first = self._pick(state, out, last)
+        events = state.emit([[int(t)] for t in first], state.active)
+        state.lens += prompt_lens
+        if draft:  # the drafter's rows: token p+1 with aux p, for every prompt position
+            shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+            shifted[torch.arange(b), last] = first
+            state.pending_rows = (shifted, out[C.AUX_HIDDEN], prompt_lens)
+            state.draft_lens = torch.zeros(b, dtype=torch.int64)
+        state.last_token = first
+        yield from events
+
+    def _round(self, state, rows, live):
+        k = self.depth
+        ids, aux, num_valid = rows
+        drafts, draft_probs = self._draft(state, ids, aux, num_valid, live)
+        verify_ids = torch.cat([state.last_token[:, None], drafts], dim=1)
+        positions = state.lens[:, None] + torch.arange(k + 1)
+        out = self._target(state, verify_ids, positions, state.lens, need_logits=state.sampling)
+        if state.sampling:
+            accepted, next_token = self._rejection_sample(state, out, drafts, draft_probs)
+        else:
+            greedy = out[C.GREEDY_IDS]
+            matches = (drafts == greedy[:, :k]).int().cumprod(dim=1)
+            accepted = matches.sum(dim=1)
+            next_token = greedy.gather(1, accepted[:, None])[:, 0]
+        state.write_target(out, accepted + 1, live)
+        emitted = []
+        for b in range(len(state.prompts)):
+            emitted.append(drafts[b, :accepted[b]].tolist() + [int(next_token[b])])
+            if live[b]:
+                state.stats[b].accepted.append(int(accepted[b]))
+        events = state.emit(emitted, live)
+        # Next round's drafter rows: the accepted drafts and the new token, with the verify aux states.
+        next_ids = torch.cat([drafts, torch.zeros(len(drafts), 1, dtype=torch.int64)], dim=1)
+        next_ids[torch.arange(len(drafts)), accepted] = next_token
+        state.pending_rows = (next_ids, out[C.AUX_HIDDEN], torch.where(live, accepted + 1, num_valid))
+        state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
+        state.last_token = torch.where(live, next_token, state.last_token)
+        yield from events
+
+    def _ar_step(self, state, live):
+        out = self._target(state, state.last_token[:, None], state.lens[:, None], state.lens,
+                           need_logits=state.sampling)
+        state.write_target(out, torch.ones_like(state.lens), live)
+        token = self._pick(state, out, torch.zeros_like(state.lens))
+        events = state.emit([[int(t)] for t in token], live)
+        state.lens = torch.where(live, state.lens + 1, state.lens)
+        state.last_token = torch.where(live, token, state.last_token)
+        if state.draft_lens is not None:
+            state.draft_lens = torch.where(live, state.lens, state.draft_lens)
+        yield from events
+
+    # ------------------------------------------------------------ graph calls
+
+    def _target(self, state, ids, positions, cache_lens, need_logits, phase="verify"):
+        feeds = {C.INPUT_IDS: ids.to(self.device), C.POSITIONS: positions.to(self.device),
+                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device)}
+        start = time.perf_counter()
+        out = self.backend.target(feeds, need_logits=need_logits)
+        elapsed = time.perf_counter() - start
+        setattr(self.timings, phase, getattr(self.timings, phase) + elapsed)
+        return {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
+
+    def _draft(self, state, ids, aux, num_valid, live):
+        feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux, C.NUM_VALID: num_valid.to(self.device),
+                 C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
+                 C.CACHE_LENS: state.draft_lens.to(self.device)}
+        if state.sampling:
+            feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
+            feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.depth, generator=state.rng).to(self.device)
+        start = time.perf_counter()
+        out = self.backend.drafter(feeds, sampling=state.sampling)
+        self.timings.draft += time.perf_counter() - start
+        state.write_drafter(out, num_valid, live)
+        state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
+        return out[C.DRAFT_IDS].cpu(), out.get(C.DRAFT_PROBS)
+
+    @property
+    def device(self):
+        return self.backend.device
+
+    # ------------------------------------------------------------ sampling
+
+    def _target_probs(self, state, logits):
+        """Target distribution at `config.temperature` with top-p (nucleus) filtering, in fp32."""
+        probs = torch.softmax(logits.float() / state.config.temperature, dim=-1)
+        if state.config.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < state.config.top_p  # the smallest set reaching top_p
+            sorted_probs = sorted_probs * keep
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def _pick(self, state, out, rows):
+        """The next token at row `rows[b]` of a target output: argmax, or a sample when sampling."""
+        if not state.sampling:
+            return out[C.GREEDY_IDS].gather(1, rows[:, None])[:, 0]
+        logits = out[C.LOGITS][torch.arange(len(rows)), rows]
+        return torch.multinomial(self._target_probs(state, logits), 1, generator=state.rng)[:, 0]
+
+    def _rejection_sample(self, state, out, drafts, draft_probs):
+        """Leviathan et al.: accept d ~ q with probability min(1, p(d)/q(d)); on rejection draw from
+        norm(max(p - q, 0)); after K acceptances draw the bonus token from p."""
+        k = self.depth
+        p = self._target_probs(state, out[C.LOGITS])                          # [B,K+1,V]
+        q = torch.zeros_like(p[:, :k])
+        q[..., self.draft_to_target] = draft_probs.cpu().float()              # draft vocab -> target vocab
+        accepted = torch.zeros(len(drafts), dtype=torch.int64)
+        next_token = torch.zeros(len(drafts), dtype=torch.int64)
+        for b in range(len(drafts)):
+            for i in range(k + 1):
+                if i == k:
+                    next_token[b] = torch.multinomial(p[b, k], 1, generator=state.rng)[0]
+                    break
+                d = drafts[b, i]
+                if torch.rand(1, generator=state.rng)[0] * q[b, i, d] <= p[b, i, d]:
+                    accepted[b] += 1
+                    continue
+                residual = (p[b, i] - q[b, i]).clamp_min(0)
+                residual = residual if residual.sum() > 0 else p[b, i]
+                next_token[b] = torch.multinomial(residual / residual.sum(), 1, generator=state.rng)[0]
+                break
+        return accepted, next_token
+
+    def _decode(self, tokens, config):
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(tokens)
+        for stop in config.stop_strings:
+            if stop in text:
+                text = text[:text.index(stop)]
+        return text
+
+
+class _State:
+    """The per-call state of a batch: caches, lengths, who is still generating, what was emitted."""
+
+    def __init__(self, runtime: SpeculativeRuntime, prompts, config: GenerationConfig):
+        self.runtime, self.prompts, self.config = runtime, prompts, config
+        b = len(prompts)
+        k = runtime.depth
+        self.capacity = min(runtime.max_context, max(len(p) for p in prompts) + config.max_new_tokens + k + 1)
+        dtype, device = runtime.backend.model_dtype, runtime.device
+        layers, heads, dim = runtime.target_cache_shape
+        self.target_k = torch.zeros(layers, b, heads, self.capacity, dim, dtype=dtype, device=device)
+        self.target_v = torch.zeros_like(self.target_k)
+        layers, heads, dim = runtime.drafter_cache_shape
+        self.draft_k = torch.zeros(layers, b, heads, self.capacity, dim, dtype=dtype, device=device)
+        self.draft_v = torch.zeros_like(self.draft_k)
+        self.lens = torch.zeros(b, dtype=torch.int64)
+        self.draft_lens = None
+        self.active = torch.ones(b, dtype=torch.bool)
+        self.sampling = config.temperature > 0
+        self.rng = torch.Generator().manual_seed(config.seed)
+        self.generated = [[] for _ in prompts]
+        self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
+        runtime.last_stats = self.stats
+        self.started = time.perf_counter()
+
+    def write_target(self, out, counts, live):
+        for b in torch.nonzero(live)[:, 0].tolist():
+            n, c = int(self.lens[b]), int(counts[b])
+            self.target_k[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
+            self.target_v[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]
+
+    def write_drafter(self, out, counts, live):
+        for b in torch.nonzero(live)[:, 0].tolist():
+            n, c = int(self.draft_lens[b]), int(counts[b])
+            self.draft_k[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
+            self.draft_v[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]
+
+    def emit(self, tokens_per_seq: list[list[int]], live) -> list[Event]:
+        """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
+        events = []
+        cfg = self.config
+        for b, tokens in enumerate(tokens_per_seq):
+            if not live[b]:
+                continue
+            reason = None
+            room = cfg.max_new_tokens - len(self.generated[b])
+            context_room = self.runtime.max_context - (len(self.prompts[b]) + len(self.generated[b]))
+            if context_room <= len(tokens) and context_room < room:
+                tokens, reason = tokens[:context_room], "context"
+            if room <= len(tokens):
+                tokens, reason = tokens[:room], "length"
+            eos_at = next((i for i, t in enumerate(tokens) if t in cfg.eos_ids), None)
+            if eos_at is not None:
+                tokens, reason = tokens[:eos_at + 1], "eos"
+            if cfg.stop_strings and self.runtime.tokenizer is not None:
+                tokens, stopped = self._cut_at_stop(b, tokens)
+                reason = "stop" if stopped else reason
+            self.generated[b].extend(tokens)
+            self.stats[b].new_tokens += len(tokens)
+            if reason is not None:
+                self.active[b] = False
+            events.append(Event(b, tokens, reason))
+        return events
+
+    def _cut_at_stop(self, b, tokens):
+        """Keep tokens up to the one that completes a stop string (the text is cut before it)."""
+        decode = self.runtime.tokenizer.decode
+        for i in range(1, len(tokens) + 1):
+            text = decode(self.generated[b] + tokens[:i])
+            if any(s in text for s in self.config.stop_strings):
+                return tokens[:i], True
+        return tokens, False

@@ -1,0 +1,105 @@
+"""The TensorRT decisions, computed without TensorRT: profiles, engine names, compatibility."""
+
+import pytest
+
+from eagle_export.config import DrafterConfig, TargetConfig
+from eagle_export.contract import drafter_graph, target_graph
+from eagle_export.doctor import buildable_precisions
+from eagle_export.engine import (MIN_PAST, engine_compatibility_problems, engine_file_name, engine_profiles,
+                                 pick_engine)
+from eagle_export.errors import EagleExportError
+from eagle_export.recipe import parse_recipe
+from tiny_models import tiny_drafter_config, tiny_target_config
+
+RECIPE = parse_recipe("target: t\ndrafter: d\ndepth: 4\nprofiles:\n  batch: {min: 1, opt: 2, max: 8}\n"
+                      "  context: {min: 16, opt: 256, max: 1024}\n").data
+
+
+@pytest.fixture
+def specs():
+    target_cfg = TargetConfig.from_hf(tiny_target_config("llama"))
+    drafter_cfg = DrafterConfig.from_hf(tiny_drafter_config("3.1"))
+    return target_graph(target_cfg, 3, return_logits=False), drafter_graph(drafter_cfg, 4, sampling=False)
+
+
+def test_target_profiles_cover_prefill_and_verify(specs):
+    prefill, decode = engine_profiles(specs[0], RECIPE, "target")
+    assert prefill["input_ids"] == ((1, 1), (2, 256), (8, 1024))
+    assert decode["input_ids"] == ((1, 1), (2, 5), (8, 5))  # verify K+1 tokens
+    assert decode["past_key"] == ((6, 1, 2, MIN_PAST, 16), (6, 2, 2, 256, 16), (6, 8, 2, 1024, 16))
+    assert decode["cache_lens"] == ((1,), (2,), (8,))
+    assert set(prefill) == {"input_ids", "positions", "past_key", "past_value", "cache_lens"}
+
+
+def test_every_dynamic_input_has_a_profile_with_ordered_bounds(specs):
+    for spec, graph in zip(specs, ("target", "drafter")):
+        for shapes in engine_profiles(spec, RECIPE, graph):
+            assert set(shapes) == {t.name for t in spec.inputs if t.dynamic_axes}
+            for lo, opt, hi in shapes.values():
+                assert all(a <= b <= c for a, b, c in zip(lo, opt, hi))
+
+
+def test_drafter_decode_profile_is_k_plus_one_rows(specs):
+    _, decode = engine_profiles(specs[1], RECIPE, "drafter")
+    assert decode["input_ids"][2] == (8, 5) and decode["aux_hidden"][2] == (8, 5, 192)
+
+
+def test_engine_name_carries_gpu_and_tensorrt():
+    assert engine_file_name("target", "9.0", "10.13.2.6") == "target.sm90.trt10.13.engine"
+
+
+META = {"file": "target.sm90.trt10.13.engine", "tensorrt": "10.13.2", "compute_capability": "9.0", "gpu": "H100"}
+
+
+def test_compatible_engine_is_picked():
+    assert pick_engine([META], "9.0", "10.13.3") is META
+
+
+@pytest.mark.parametrize("cc,trt,problem", [
+    ("8.9", "10.13.2", "built for compute capability 9.0 (H100), this GPU has 8.9"),
+    ("9.0", "10.8.0", "built with TensorRT 10.13.2, this machine has 10.8.0"),
+    (None, "10.13.2", "no CUDA GPU"),
+    ("9.0", None, "TensorRT is not installed"),
+])
+def test_incompatible_engine_is_refused_with_the_reason(cc, trt, problem):
+    assert problem in engine_compatibility_problems(META, cc, trt)
+    with pytest.raises(EagleExportError, match="no engine in this build fits"):
+        pick_engine([META], cc, trt)
+
+
+def test_buildable_precisions_follow_compute_capability():
+    assert buildable_precisions("9.0", True)["fp8"] == "yes"
+    assert "10.0+" in buildable_precisions("9.0", True)["nvfp4"]
+    assert "8.9+" in buildable_precisions("8.6", True)["fp8"]
+    assert buildable_precisions("10.0", True)["nvfp4"] == "yes"
+    assert "TensorRT is not installed" in buildable_precisions("9.0", False)["fp16"]
+
+
+@pytest.mark.tensorrt
+@pytest.mark.cuda
+def test_tensorrt_builds_and_runs_a_strongly_typed_graph(tmp_path):
+    """The thin API layer end to end on a tiny graph: parse, profile, build, bind by name, run."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it needs NVIDIA's own index and a GPU)")
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from eagle_export.engine import TensorRTSession, build_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT engines need a CUDA GPU")
+    weight = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")], "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor("w", TensorProto.FLOAT, weight.shape, weight.flatten())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.save(model, tmp_path / "tiny.onnx")
+    build_engine(tmp_path / "tiny.onnx", tmp_path / "tiny.engine", [{"x": ((1, 8), (2, 8), (4, 8))}],
+                 workspace_bytes=1 << 28, timing_cache_path=tmp_path / "timing.cache")
+    assert (tmp_path / "timing.cache").stat().st_size > 0
+    x = torch.randn(3, 8, device="cuda")
+    y = TensorRTSession(tmp_path / "tiny.engine").run({"x": x})["y"]
+    assert torch.allclose(y.cpu(), x.cpu() @ torch.from_numpy(weight), atol=1e-3)

@@ -1,0 +1,351 @@
+"""ONNX export: ONNX Runtime (CPU) against the torch modules, a speculative loop run on ORT sessions alone,
+strong typing, and the `export` command.
+
+Tolerances (ORT vs the fp32 torch module, tiny random models):
+  fp32: logits, probabilities, K/V within 1e-4; greedy and draft ids identical. (The 30-layer sample
+        target: logits, aux and K/V within 1e-4 of their largest magnitude, probabilities 1e-4.)
+  fp16 (ORT CPU): logits within 2e-2, probabilities within 1e-2; >= 99.5% greedy-id agreement.
+  bf16: ORT CPU has no bf16 kernel for Add, Mul, Div, Neg, MatMul, Sigmoid or Where, so bf16
+        graphs run through onnx.reference.ReferenceEvaluator: logits within 0.1; greedy ids agree on
+        >= 99.5% of positions whose fp32 top-2 margin exceeds 0.02 (>= 97% of all positions: the tiny
+        random model's near-ties flip under bf16 rounding, in torch's own bf16 run as well).
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eagle_export import contract as C
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.cli import main
+from eagle_export.errors import EagleExportError
+from eagle_export.export import (ONNX_IR_VERSION, export_drafter, export_models, export_target, ort_session,
+                                 run_onnx)
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+torch.set_grad_enabled(False)
+AUX = (1, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"target": write_tiny_target(root / "t", "llama", seed=1),
+            "3": write_tiny_drafter(root / "d3", "3", seed=2),
+            "3.1": write_tiny_drafter(root / "d31", "3.1", seed=3)}
+
+
+def load_pair(dirs, version, dtype=None):
+    target = load_target(dirs["target"], dtype=dtype, aux_layer_ids=AUX)
+    return target, load_drafter(dirs[version], target=target, dtype=dtype)
+
+
+def drafter_inputs(drafter, depth, num_valid, cache_lens, past, sampling, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    cfg, batch, width = drafter.config, len(num_valid), depth + 1
+    shape = (1, batch, cfg.num_kv_heads, past, cfg.head_dim)
+    args = (torch.randint(0, cfg.vocab_size, (batch, width), generator=g),
+            torch.randn(batch, width, cfg.num_aux * cfg.target_hidden_size, generator=g).to(dtype),
+            torch.tensor(num_valid), torch.randn(shape, generator=g).to(dtype),
+            torch.randn(shape, generator=g).to(dtype), torch.tensor(cache_lens))
+    if sampling:
+        args += (torch.rand(batch, generator=g) + 0.5, torch.rand(batch, depth, generator=g))
+    return args
+
+
+def target_inputs(target, batch, tokens, cache_lens, past, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    cfg = target.config
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, past, cfg.head_dim)
+    cache_lens = torch.tensor(cache_lens)
+    return (torch.randint(0, cfg.vocab_size, (batch, tokens), generator=g),
+            cache_lens[:, None] + torch.arange(tokens), torch.randn(shape, generator=g).to(dtype),
+            torch.randn(shape, generator=g).to(dtype), cache_lens)
+
+
+def as_float(args):
+    return tuple(a.float() if a.is_floating_point() else a for a in args)
+
+
+def compare(spec, got, expected, tol, relative=False):
+    """Ids identical, floats within `tol` (times the tensor's largest magnitude, when `relative`)."""
+    for name, e in zip(spec.output_names, expected):
+        g = got[name]
+        assert g.shape == e.shape, name
+        if e.dtype == torch.int64:
+            assert torch.equal(g, e), name
+        else:
+            bound = tol * max(1.0, float(e.abs().max())) if relative else tol
+            assert (g - e.float()).abs().max() <= bound, (name, float((g - e.float()).abs().max()))
+
+
+# ---------------------------------------------------------------- fp32: ORT equals torch
+
+@pytest.mark.parametrize("version,depth,sampling", [("3", 1, False), ("3", 4, True), ("3", 8, False),
+                                                    ("3.1", 1, True), ("3.1", 4, False), ("3.1", 8, True)])
+def test_drafter_onnx_matches_torch_fp32(tmp_path, dirs, version, depth, sampling):
+    _, drafter = load_pair(dirs, version)
+    path = tmp_path / "drafter.onnx"
+    export_drafter(drafter, depth, sampling, path)
+    session, spec = ort_session(path), C.drafter_graph(drafter.config, depth, sampling)
+    module = UnrolledDrafter(drafter, depth, sampling)
+    # batch 1 and ragged batch 3 at sizes other than the export example's, and an empty cache (S = 0)
+    for num_valid, cache_lens, past in [([depth], [5], 7), ([1, depth + 1, 2], [0, 9, 4], 12), ([2, 1], [0, 0], 0)]:
+        args = drafter_inputs(drafter, depth, num_valid, cache_lens, past, sampling, seed=depth)
+        compare(spec, run_onnx(session, spec, args), module(*args), 1e-4)
+
+
+@pytest.mark.parametrize("return_logits", [True, False])
+def test_target_onnx_matches_torch_fp32(tmp_path, dirs, return_logits):
+    target, _ = load_pair(dirs, "3")
+    path = tmp_path / "target.onnx"
+    export_target(target, path, return_logits)
+    session, spec = ort_session(path), C.target_graph(target.config, len(AUX), return_logits)
+    module = TargetGraph(target, return_logits)
+    for batch, tokens, cache_lens, past in [(1, 9, [0], 0), (3, 5, [6, 0, 2], 8), (2, 1, [3, 7], 7)]:
+        args = target_inputs(target, batch, tokens, cache_lens, past, seed=tokens)
+        compare(spec, run_onnx(session, spec, args), module(*args), 1e-4)
+
+
+# ---------------------------------------------------------------- fp16 / bf16
+
+def float_type_of_inputs(model, op_types):
+    """elem types of the first input of every node of `op_types`, after strict type inference."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return {types.get(n.input[0]) for n in model.graph.node if n.op_type in op_types}
+
+
+@pytest.fixture(scope="module")
+def fp16_models(dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp16")
+    summary = export_models(dirs["target"], dirs["3.1"], 4, "fp16", out, sampling=True)
+    return out, summary
+
+
+def test_fp16_graphs_are_strongly_typed(fp16_models):
+    out, summary = fp16_models
+    for name in ("target.onnx", "drafter.onnx"):
+        model = onnx.load(str(out / name))
+        onnx.checker.check_model(model, full_check=True)
+        assert model.ir_version == ONNX_IR_VERSION
+        assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {C.ONNX_OPSET}
+        # softmax, norm statistics and cumulative probabilities run in fp32, behind explicit casts
+        assert float_type_of_inputs(model, {"Softmax", "ReduceMean", "CumSum"}) == {onnx.TensorProto.FLOAT}
+        assert float_type_of_inputs(model, {"MatMul"}) == {onnx.TensorProto.FLOAT16}
+    assert summary["target"]["nodes_exported"] > 0 and summary["drafter"]["export_seconds"] > 0
+
+
+def greedy_agreement(got, expected):
+    return float((got == expected).float().mean())
+
+
+def test_fp16_ort_agrees_with_fp32_torch(fp16_models, dirs):
+    out, _ = fp16_models
+    target32, drafter32 = load_pair(dirs, "3.1")
+    target16, drafter16 = load_pair(dirs, "3.1", torch.float16)
+    spec = C.target_graph(target16.config, len(AUX), True)
+    args = target_inputs(target16, 4, 64, [0, 5, 11, 2], 12, dtype=torch.float16)
+    got = run_onnx(ort_session(out / "target.onnx"), spec, args)
+    greedy, logits, *_ = TargetGraph(target32, True)(*as_float(args))
+    assert (got["logits"] - logits).abs().max() <= 2e-2
+    assert greedy_agreement(got["greedy_ids"], greedy) >= 0.995
+
+    spec = C.drafter_graph(drafter16.config, 4, True)
+    session, module = ort_session(out / "drafter.onnx"), UnrolledDrafter(drafter32, 4, True)
+    agree = []
+    for seed in range(8):
+        args = drafter_inputs(drafter16, 4, [5, 1, 3, 4], [3, 0, 8, 6], 9, True, seed, torch.float16)
+        got, expected = run_onnx(session, spec, args), module(*as_float(args))
+        assert (got["draft_probs"] - expected[2]).abs().max() <= 1e-2
+        agree.append(greedy_agreement(got["draft_ids"], expected[0]))
+    assert np.mean(agree) >= 0.995
+
+
+def run_reference(path, spec, args):
+    """onnx.reference.ReferenceEvaluator on bf16 feeds (ml_dtypes), outputs as fp32/int64 torch tensors."""
+    import ml_dtypes
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {n: (a.float().numpy().astype(ml_dtypes.bfloat16) if a.dtype == torch.bfloat16 else a.numpy())
+             for n, a in zip(spec.input_names, args)}
+    outputs = ReferenceEvaluator(str(path)).run(None, feeds)
+    return {n: torch.from_numpy(o.astype(np.float32) if o.dtype != np.int64 else o)
+            for n, o in zip(spec.output_names, outputs)}
+
+
+def test_bf16_reference_agrees_with_fp32_torch(tmp_path, dirs):
+    target32, drafter32 = load_pair(dirs, "3")
+    target, drafter = load_pair(dirs, "3", torch.bfloat16)
+    export_target(target, tmp_path / "target.onnx", return_logits=True)
+    export_drafter(drafter, 4, False, tmp_path / "drafter.onnx")
+    spec = C.target_graph(target.config, len(AUX), True)
+    args = target_inputs(target, 4, 32, [0, 5, 11, 2], 12, dtype=torch.bfloat16)
+    got = run_reference(tmp_path / "target.onnx", spec, args)
+    greedy, logits, *_ = TargetGraph(target32, True)(*as_float(args))
+    assert (got["logits"] - logits).abs().max() <= 0.1
+    # The tiny random target's top-2 logit margins are often below bf16's rounding (~0.005 here), so
+    # near-ties flip: >= 99.5% agreement where the fp32 margin exceeds 0.02, >= 97% over all positions.
+    top2 = logits.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > 0.02
+    assert decisive.float().mean() >= 0.5
+    assert greedy_agreement(got["greedy_ids"][decisive], greedy[decisive]) >= 0.995
+    assert greedy_agreement(got["greedy_ids"], greedy) >= 0.97
+
+    spec = C.drafter_graph(drafter.config, 4, False)
+    args = drafter_inputs(drafter, 4, [5, 1, 3, 4], [3, 0, 8, 6], 9, False, 0, torch.bfloat16)
+    got, expected = run_reference(tmp_path / "drafter.onnx", spec, args), UnrolledDrafter(drafter32, 4, False)(
+        *as_float(args))
+    assert greedy_agreement(got["draft_ids"], expected[0]) >= 0.995
+    assert (got["draft_token_probs"] - expected[1]).abs().max() <= 0.05
+
+
+# ---------------------------------------------------------------- the speculative loop on ORT alone
+
+def speculative_greedy(target_session, drafter_session, target, drafter, prompt, max_new, depth):
+    """Greedy draft-verify at batch 1 with the runtime's cache bookkeeping: whole-capacity cache views,
+    new K/V written at each offset, rollback by length. Returns (tokens, accepted drafts per round)."""
+    tspec = C.target_graph(target.config, len(AUX), False)
+    dspec = C.drafter_graph(drafter.config, depth, False)
+    capacity = len(prompt) + max_new + depth + 1
+    tk, tv = target.empty_cache(1, capacity)
+    dk, dv = drafter.empty_cache(1, capacity)
+    n = len(prompt)
+    out = run_onnx(target_session, tspec, (torch.tensor([prompt]), torch.arange(n)[None], tk, tv, torch.tensor([0])))
+    tk[:, :, :, :n], tv[:, :, :, :n] = out["new_key"], out["new_value"]
+    tokens = [int(out["greedy_ids"][0, -1])]
+    # drafter prefill: t_1..t_n with a_0..a_{n-1} in one call (the drafter's tokens axis is dynamic)
+    d = run_onnx(drafter_session, dspec, (torch.tensor([prompt[1:] + tokens]), out["aux_hidden"],
+                                          torch.tensor([n]), dk, dv, torch.tensor([0])))
+    dk[..., :n, :], dv[..., :n, :] = d["new_key"][..., :n, :], d["new_value"][..., :n, :]
+    length, accepted_counts = n, []
+    while len(tokens) < max_new:
+        drafts = d["draft_ids"][0].tolist()
+        verify = torch.tensor([[tokens[-1]] + drafts])
+        out = run_onnx(target_session, tspec, (verify, length + torch.arange(depth + 1)[None], tk, tv,
+                                               torch.tensor([length])))
+        greedy = out["greedy_ids"][0].tolist()
+        m = 0
+        while m < depth and drafts[m] == greedy[m]:
+            m += 1
+        accepted = drafts[:m] + [greedy[m]]
+        tk[:, :, :, length:length + depth + 1], tv[:, :, :, length:length + depth + 1] = out["new_key"], out["new_value"]
+        ids = torch.zeros(1, depth + 1, dtype=torch.long)
+        ids[0, :m + 1] = torch.tensor(accepted)
+        aux = torch.zeros_like(out["aux_hidden"])
+        aux[:, :m + 1] = out["aux_hidden"][:, :m + 1]
+        d = run_onnx(drafter_session, dspec, (ids, aux, torch.tensor([m + 1]), dk, dv, torch.tensor([length])))
+        dk[..., length:length + m + 1, :] = d["new_key"][..., :m + 1, :]
+        dv[..., length:length + m + 1, :] = d["new_value"][..., :m + 1, :]
+        length += m + 1  # rejected drafts roll back by length alone
+        tokens += accepted
+        accepted_counts.append(m)
+    return tokens[:max_new], accepted_counts
+
+
+@pytest.fixture(scope="module")
+def target_onnx(dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("target") / "target.onnx"
+    export_target(load_pair(dirs, "3")[0], path, return_logits=False)
+    return ort_session(path)
+
+
+@pytest.mark.parametrize("version,drafter_kind", [("3", "random"), ("3", "one_token"), ("3.1", "one_token")])
+def test_ort_speculative_loop_reproduces_target_greedy(tmp_path, dirs, target_onnx, version, drafter_kind):
+    depth, prompt, max_new = 4, [100, 200, 100, 200, 100], 32  # this target then repeats one token
+    target, drafter = load_pair(dirs, version)
+    expected = target.generate_greedy(prompt, max_new)
+    if drafter_kind == "one_token":
+        # A drafter whose vocabulary is the target's most frequent output token: its drafts get accepted,
+        # often several in a row, so the accept, pad and rollback paths all run.
+        path = write_tiny_drafter(tmp_path / "one", version, seed=5, draft_vocab=1)
+        drafter = load_drafter(path, target=target)
+        drafter.d2t[0] = max(set(expected), key=expected.count)
+    export_drafter(drafter, depth, False, tmp_path / "drafter.onnx")
+    tokens, accepted = speculative_greedy(target_onnx, ort_session(tmp_path / "drafter.onnx"),
+                                          target, drafter, prompt, max_new, depth)
+    assert tokens == expected
+    if drafter_kind == "one_token":
+        assert max(accepted) == depth  # whole drafts accepted: num_valid = K+1 with a full pad-free row
+
+
+def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkeypatch):
+    import eagle_export.export as export_module
+
+    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 0)  # what a > 2 GB model gets
+    _, drafter = load_pair(dirs, "3.1")
+    export_drafter(drafter, 2, False, tmp_path / "drafter.onnx")
+    assert (tmp_path / "drafter.onnx.data").stat().st_size > (tmp_path / "drafter.onnx").stat().st_size
+    spec = C.drafter_graph(drafter.config, 2, False)
+    args = drafter_inputs(drafter, 2, [3, 1], [4, 0], 6, False)
+    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec, args), UnrolledDrafter(drafter, 2, False)(*args),
+            1e-4)
+
+
+# ---------------------------------------------------------------- export_models and the command
+
+def test_export_command_writes_both_graphs(tmp_path, dirs):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
+                                       "--depth", "2", "--dtype", "fp32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "exporting target.onnx" in result.output and "exporting drafter.onnx" in result.output
+    summary = json.loads((out / "export_summary.json").read_text())
+    assert summary["depth"] == 2 and summary["aux_layer_ids"] == list(AUX)
+    drafter = onnx.load(str(out / "drafter.onnx"))
+    assert [o.name for o in drafter.graph.output] == C.drafter_graph(load_pair(dirs, "3")[1].config, 2,
+                                                                      False).output_names
+    again = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
+                                      "--depth", "2", "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output
+    deep = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
+                                     "--depth", "9", "-o", str(tmp_path / "deep")])
+    assert deep.exit_code == 2 and "depth" in deep.output and "Traceback" not in deep.output
+
+
+@pytest.mark.parametrize("depth,dtype,problem", [(0, "fp32", "depth"), (9, "fp16", "depth"),
+                                                  (4, "int3", "dtype")])
+def test_bad_export_arguments_are_refused(tmp_path, dirs, depth, dtype, problem):
+    with pytest.raises(EagleExportError, match=problem):
+        export_models(dirs["target"], dirs["3"], depth, dtype, tmp_path / "o")
+
+
+def test_mismatched_pair_is_refused(tmp_path, dirs):
+    other = write_tiny_drafter(tmp_path / "wide", "3", target_hidden=96, vocab=320)
+    with pytest.raises(EagleExportError, match="hidden size"):
+        export_models(dirs["target"], other, 4, "fp32", tmp_path / "o")
+
+
+# ---------------------------------------------------------------- the sample target
+
+@pytest.mark.sample
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [1, 4, 8])
+def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, depth):
+    path = write_tiny_drafter(tmp_path / "d", "3.1", seed=0, target_hidden=576, vocab=49152, draft_vocab=4096,
+                              aux=(2, 15, 27), hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                              intermediate_size=1536)
+    target = load_target(sample_target, aux_layer_ids=(2, 15, 27))
+    drafter = load_drafter(path, target=target)
+    if depth == 4:
+        export_target(target, tmp_path / "target.onnx", return_logits=True)
+        spec = C.target_graph(target.config, 3, True)
+        args = target_inputs(target, 2, 6, [0, 4], 5)
+        got, expected = run_onnx(ort_session(tmp_path / "target.onnx"), spec, args), TargetGraph(target, True)(*args)
+        # 30 layers of fp32 rounding reach ~2.5e-4 on logits near 15: logits, aux and K/V are held to
+        # 1e-4 of their largest magnitude, the probabilities to 1e-4 absolute, the greedy ids exactly.
+        compare(spec, got, expected, 1e-4, relative=True)
+        probs = (torch.softmax(got["logits"], -1) - torch.softmax(expected[1], -1)).abs().max()
+        assert probs <= 1e-4
+    export_drafter(drafter, depth, True, tmp_path / "drafter.onnx")
+    spec = C.drafter_graph(drafter.config, depth, True)
+    args = drafter_inputs(drafter, depth, [depth + 1, 2], [7, 0], 9, True)
+    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec, args),
+            UnrolledDrafter(drafter, depth, True)(*args), 1e-4, relative=True)  # probabilities: absolute

@@ -1,0 +1,200 @@
+"""The runtime's draft-verify loop: lossless greedy, exact rejection sampling, and its edge cases."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle_export import contract as C
+from eagle_export.backends import TorchBackend
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.errors import EagleExportError
+from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+torch.set_grad_enabled(False)
+PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42], [3, 3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "qwen2"), aux_layer_ids=(1, 3, 4))
+
+
+@pytest.fixture(scope="module", params=["3", "3.1"])
+def drafter(request, tmp_path_factory, target):
+    return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param), target=target)
+
+
+def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, **kw):
+    backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, depth, False),
+                          UnrolledDrafter(drafter, depth, True), **kw)
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context)
+
+
+class PlantedDrafts(TorchBackend):
+    """Replaces the drafter's proposals with the target's true greedy continuation, corrupted at
+    random: acceptance is high, so multi-token accepts, commits and rollbacks all get exercised."""
+
+    def __init__(self, *graphs, continuations, error_rate=0.25, seed=0):
+        super().__init__(*graphs)
+        self.continuations, self.error_rate = continuations, error_rate
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def drafter(self, feeds, sampling=False):
+        out = super().drafter(feeds, sampling)
+        first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # position of draft 1
+        drafts = out[C.DRAFT_IDS].clone()
+        for b, full in enumerate(self.continuations):
+            for i in range(drafts.shape[1]):
+                pos = int(first[b]) + i
+                if pos < len(full) and torch.rand(1, generator=self.rng) > self.error_rate:
+                    drafts[b, i] = full[pos]
+        out[C.DRAFT_IDS] = drafts
+        return out
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_lossless_ragged_batches(target, drafter, depth, batch):
+    runtime = make_runtime(target, drafter, depth)
+    prompts = PROMPTS[:batch]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == target.generate_greedy(prompt, 24)
+        assert result.finish_reason == "length" and result.stats.new_tokens == 24
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_lossless_with_high_acceptance(target, drafter, depth):
+    expected = [p + target.generate_greedy(p, 40) for p in PROMPTS]
+    runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected)
+    results = runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=40))
+    for prompt, full, result in zip(PROMPTS, expected, results):
+        assert result.tokens == full[len(prompt):]
+        assert result.stats.tau > 1.5  # drafts were really accepted, several per round
+        rates = result.stats.acceptance_by_depth(depth)
+        assert len(rates) == depth and all(0.0 <= r <= 1.0 for r in rates)
+    autoregressive = runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=40), speculative=False)
+    assert [r.tokens for r in autoregressive] == [r.tokens for r in results]
+
+
+def test_eos_inside_an_accepted_draft_ends_the_sequence_there(target, drafter):
+    full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
+    eos = full[len(PROMPTS[0]) + 6]  # a token the target emits mid-way
+    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0)
+    [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, eos_ids=(eos,)))
+    generated = full[len(PROMPTS[0]):]
+    assert result.tokens == generated[:generated.index(eos) + 1]
+    assert result.finish_reason == "eos"
+    assert result.stats.accepted and max(result.stats.accepted) >= 2  # the EOS arrived inside a draft
+
+
+@pytest.mark.parametrize("max_context", [14, 17, 19])
+def test_context_limit_reached_mid_round(target, drafter, max_context):
+    """Rounds of K+1 stop fitting before the limit; the tail is decoded token by token, exactly."""
+    prompt = PROMPTS[1]  # 11 tokens
+    full = prompt + target.generate_greedy(prompt, 20)
+    runtime = make_runtime(target, drafter, 4, max_context=max_context, backend_cls=PlantedDrafts,
+                           continuations=[full], error_rate=0.0)
+    [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=20))
+    assert result.tokens == full[len(prompt):max_context]
+    assert result.finish_reason == "context"
+
+
+def test_empty_prompt_and_prompt_past_the_context_are_clear_errors(target, drafter):
+    runtime = make_runtime(target, drafter, 2, max_context=16)
+    with pytest.raises(EagleExportError, match="prompt 1 is empty"):
+        runtime.generate([[1, 2], []], GenerationConfig())
+    with pytest.raises(EagleExportError, match="prompt 0 has 16 tokens, the context limit is 16") as e:
+        runtime.generate([list(range(16))], GenerationConfig())
+    assert "profiles.context.max" in e.value.fix
+
+
+class LetterTokenizer:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_string_inside_an_accepted_draft(target, drafter):
+    full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
+    generated = full[len(PROMPTS[0]):]
+    stop = LetterTokenizer().decode(generated[7:9])
+    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0)
+    runtime.tokenizer = LetterTokenizer()
+    [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    text = LetterTokenizer().decode(generated)
+    assert result.finish_reason == "stop"
+    assert result.text == text[:text.index(stop)]
+    assert LetterTokenizer().decode(result.tokens).endswith(stop)
+
+
+def test_streaming_yields_the_same_tokens_round_by_round(target, drafter):
+    runtime = make_runtime(target, drafter, 3)
+    events = list(runtime.stream(PROMPTS, GenerationConfig(max_new_tokens=10)))
+    for i, prompt in enumerate(PROMPTS):
+        mine = [e for e in events if e.index == i]
+        assert sum((e.tokens for e in mine), []) == target.generate_greedy(prompt, 10)
+        assert mine[-1].finish_reason == "length" and all(e.finish_reason is None for e in mine[:-1])
+    assert runtime.timings.draft > 0 and runtime.timings.verify > 0
+
+
+# ---------------------------------------------------------------- rejection sampling
+
+VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v6")
+    target = load_target(write_tiny_target(root / "t", "llama", vocab_size=VOCAB, seed=3), aux_layer_ids=(1, 3, 4))
+    with torch.no_grad():  # peaked, distinct distributions, so a wrong sampler is visible
+        target.lm_head.weight.mul_(60)
+    drafter = load_drafter(write_tiny_drafter(root / "d", "3.1", vocab=VOCAB, draft_vocab=VOCAB, seed=4),
+                           target=target)
+    return target, drafter
+
+
+def target_joint(target, prompt, temperature):
+    """Exact P(t1, t2 | prompt) under the target at `temperature`."""
+    def next_probs(ids):
+        k, v = target.empty_cache(1, 0)
+        logits, *_ = target(torch.tensor([ids]), torch.arange(len(ids))[None], k, v, torch.zeros(1, dtype=torch.long))
+        return torch.softmax(logits[0, -1].double() / temperature, -1)
+    p1 = next_probs(prompt)
+    return torch.stack([p1[a] * next_probs(prompt + [a]) for a in range(VOCAB)]).flatten()
+
+
+class AcceptEverything(SpeculativeRuntime):
+    def _rejection_sample(self, state, out, drafts, draft_probs):  # the planted bug
+        p = self._target_probs(state, out[C.LOGITS])
+        bonus = torch.multinomial(p[:, self.depth], 1, generator=state.rng)[:, 0]
+        return torch.full((len(drafts),), self.depth, dtype=torch.int64), bonus
+
+
+def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature):
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
+                           UnrolledDrafter(drafter, 2, True))
+    runtime = runtime_cls.for_models(backend, target, drafter, max_context=64)
+    counts = torch.zeros(VOCAB * VOCAB)
+    for seed in range(n // 250):
+        results = runtime.generate([prompt] * 250, GenerationConfig(max_new_tokens=2, temperature=temperature,
+                                                                    seed=seed))
+        for r in results:
+            counts[r.tokens[0] * VOCAB + r.tokens[1]] += 1
+    return counts
+
+
+@pytest.mark.slow
+def test_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
+    target, drafter = tiny_vocab_pair
+    prompt, temperature, n = [1, 2, 3], 0.8, 3000
+    expected = target_joint(target, prompt, temperature) * n
+    observed = sample_pairs(SpeculativeRuntime, target, drafter, prompt, n, temperature)
+    keep = expected > 5  # chi-square needs expected counts >= 5; pool the rest
+    f_obs = torch.cat([observed[keep], observed[~keep].sum()[None]]).numpy()
+    f_exp = torch.cat([expected[keep], expected[~keep].sum()[None]]).numpy()
+    assert chisquare(f_obs, f_exp).pvalue > 0.01
+    buggy = sample_pairs(AcceptEverything, target, drafter, prompt, n, temperature)
+    f_bug = torch.cat([buggy[keep], buggy[~keep].sum()[None]]).numpy()
+    assert chisquare(f_bug, f_exp).pvalue < 0.01  # the test can fail: a sampler that accepts all drafts does

@@ -1,0 +1,133 @@
+"""The unrolled drafter equals K explicit single-step Drafter.forward calls, sequence by sequence."""
+
+import pytest
+import torch
+
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.errors import EagleExportError
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+
+
+@pytest.fixture(scope="module", params=["3", "3.1"])
+def drafter(request, tmp_path_factory, target):
+    path = write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param, seed=7)
+    return load_drafter(path, target=target)
+
+
+def oracle(drafter, input_ids, aux, num_valid, past_key, past_value, cache_lens, depth,
+           temperature=None, noise=None):
+    """K single-step Drafter.forward calls per sequence, each over exactly its valid cache and rows."""
+    ids, probs, dists, keys, values = [], [], [], [], []
+    for b in range(input_ids.shape[0]):
+        n, c = int(num_valid[b]), int(cache_lens[b])
+        kc, vc = past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c]
+        logits, hidden, nk, nv = drafter(input_ids[b:b + 1, :n], drafter.fuse_aux(aux[b:b + 1, :n]),
+                                         c + torch.arange(n)[None], kc, vc, torch.tensor([c]))
+        kc, vc = torch.cat([kc, nk], 3), torch.cat([vc, nv], 3)
+        logits, hidden = logits[:, -1:], hidden[:, -1:]
+        row_ids, row_probs, row_dists = [], [], []
+        for step in range(depth):
+            if step > 0:
+                logits, hidden, nk, nv = drafter(token, hidden, torch.tensor([[c + n - 1 + step]]), kc, vc,
+                                                 torch.tensor([kc.shape[3]]))
+                kc, vc = torch.cat([kc, nk], 3), torch.cat([vc, nv], 3)
+            if temperature is None:
+                p = torch.softmax(logits[0, 0].float(), -1)
+                choice = int(p.argmax())
+            else:
+                p = torch.softmax(logits[0, 0].float() / float(temperature[b]), -1)
+                choice = min(int(torch.searchsorted(p.cumsum(-1), noise[b, step], right=True)), p.numel() - 1)
+            token = drafter.to_target_ids(torch.tensor([[choice]]))
+            row_ids.append(int(token))
+            row_probs.append(float(p[choice]))
+            row_dists.append(p)
+        ids.append(row_ids)
+        probs.append(row_probs)
+        dists.append(torch.stack(row_dists))
+        keys.append(kc[:, 0, :, c:])  # the n step-0 entries, then one per later step
+        values.append(vc[:, 0, :, c:])
+    return torch.tensor(ids), torch.tensor(probs), torch.stack(dists), keys, values
+
+
+def random_inputs(drafter, num_valid, cache_lens, depth, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = drafter.config
+    batch, width = len(num_valid), depth + 1
+    past = max(cache_lens) + 3  # slots past each cache_len hold garbage the mask must hide
+    shape = (1, batch, cfg.num_kv_heads, past, cfg.head_dim)
+    return (torch.randint(0, cfg.vocab_size, (batch, width), generator=g),
+            torch.randn(batch, width, cfg.num_aux * cfg.target_hidden_size, generator=g),
+            torch.tensor(num_valid), torch.randn(shape, generator=g), torch.randn(shape, generator=g),
+            torch.tensor(cache_lens))
+
+
+CASES = {  # depth -> (num_valid, cache_lens) at batch 1 and at batch 3, ragged
+    1: [([2], [4]), ([1, 2, 2], [5, 0, 3])],
+    4: [([3], [6]), ([5, 1, 3], [2, 7, 0])],
+    8: [([9], [3]), ([4, 9, 1], [0, 6, 11])],
+}
+
+
+@pytest.mark.parametrize("depth", [1, 4, 8])
+@pytest.mark.parametrize("case", [0, 1], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_unrolled_equals_single_steps(drafter, depth, case, sampling):
+    num_valid, cache_lens = CASES[depth][case]
+    inputs = random_inputs(drafter, num_valid, cache_lens, depth, seed=depth + case)
+    extra, temperature, noise = (), None, None
+    if sampling:
+        g = torch.Generator().manual_seed(11)
+        temperature = torch.rand(len(num_valid), generator=g) + 0.5
+        noise = torch.rand(len(num_valid), depth, generator=g)
+        extra = (temperature, noise)
+    out = UnrolledDrafter(drafter, depth, sampling)(*inputs, *extra)
+    ids, probs, dists, keys, values = oracle(drafter, *inputs, depth, temperature, noise)
+    width = depth + 1
+    assert out[0].shape == (len(num_valid), depth) and out[0].dtype == torch.int64
+    assert torch.equal(out[0], ids)
+    assert (out[1] - probs).abs().max() <= 1e-5
+    if sampling:
+        assert out[2].shape == dists.shape and (out[2] - dists).abs().max() <= 1e-5
+    new_key, new_value = out[-2], out[-1]
+    assert new_key.shape == (1, len(num_valid), drafter.config.num_kv_heads, width + depth - 1,
+                             drafter.config.head_dim)
+    for b, n in enumerate(num_valid):
+        got_k = torch.cat([new_key[:, b, :, :n], new_key[:, b, :, width:]], 2)
+        got_v = torch.cat([new_value[:, b, :, :n], new_value[:, b, :, width:]], 2)
+        assert (got_k - keys[b]).abs().max() <= 1e-5 and (got_v - values[b]).abs().max() <= 1e-5
+
+
+def test_sampling_follows_the_noise(drafter):
+    """u near 0 picks the first index with mass, near 1 the last: the inverse CDF, not argmax."""
+    inputs = random_inputs(drafter, [2], [3], 1)
+    graph = UnrolledDrafter(drafter, 1, sampling=True)
+    hot = torch.tensor([100.0])  # nearly uniform over the draft vocabulary
+    low = graph(*inputs, hot, torch.tensor([[1e-6]]))
+    high = graph(*inputs, hot, torch.tensor([[1 - 1e-6]]))
+    assert int(low[0]) == int(drafter.to_target_ids(torch.tensor(0)))
+    assert int(high[0]) == int(drafter.to_target_ids(torch.tensor(drafter.config.draft_vocab_size - 1)))
+
+
+def test_target_graph_fuses_argmax(target):
+    k, v = target.empty_cache(2, 3)
+    args = (torch.randint(0, 320, (2, 5)), torch.arange(3, 8).expand(2, -1), k.normal_(), v.normal_(),
+            torch.tensor([3, 1]))
+    greedy, logits, aux, nk, nv = TargetGraph(target, return_logits=True)(*args)
+    ref_logits, ref_aux, ref_k, ref_v = target(*args)
+    assert torch.equal(greedy, ref_logits.argmax(-1)) and torch.equal(logits, ref_logits)
+    assert torch.equal(aux, ref_aux) and torch.equal(nk, ref_k) and torch.equal(nv, ref_v)
+    assert len(TargetGraph(target, return_logits=False)(*args)) == 4
+
+
+@pytest.mark.parametrize("depth", [0, 9])
+def test_depth_out_of_range_is_refused(drafter, depth):
+    with pytest.raises(EagleExportError, match="depth"):
+        UnrolledDrafter(drafter, depth, sampling=False)
