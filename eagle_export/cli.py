@@ -80,4 +80,187 @@ def doctor(as_json):
         click.echo(f"advice: {line}")
 
 
+@main.command()
+@click.option("--recipe", type=click.Path(), help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
+@click.option("-o", "--out", "out_dir", default="build/sample", show_default=True, type=click.Path(),
+              help="Build directory to create.")
+@click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
+@click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).")
+@click.option("--drafter", help="Override the recipe's drafter directory.")
+@click.option("--depth", type=int, help="Override the speculation depth K (1..8).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
+def build(recipe, out_dir, force, target, drafter, depth, sets):
+    """Build engines (or ONNX graphs without TensorRT), a manifest, and its validation, from a recipe."""
+    from .build import build as run_build
+    from .recipe import load_recipe, parse_override
+
+    overrides = dict(parse_override(s) for s in sets)
+    for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
+        if value is not None:
+            overrides[key] = value
+    manifest = run_build(load_recipe(recipe, overrides), out_dir, force=force, echo=click.echo)
+    checks = manifest["validation"]["checks"]
+    click.echo(f"built {out_dir}: {len(manifest['artifacts'])} artifacts, backends "
+               f"{', '.join(manifest['backends'])}; validation {sum(c['ok'] for c in checks)}/{len(checks)} checks passed")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def validate(build_dir, as_json):
+    """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
+    from .validate import validate as run_validate
+
+    report = run_validate(build_dir)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for check in report["checks"]:
+            click.echo(f"{'ok  ' if check['ok'] else 'FAIL'}  {check['name']}: {check['detail']}")
+    if not report["ok"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path())
+@click.option("--prompt", help="Raw text to continue.")
+@click.option("--chat", help="A user message, wrapped in the model's chat template.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
+    """Generate from a build, streaming the text, then one summary line (tau, tokens/s)."""
+    import time
+
+    from .runtime import GenerationConfig
+    from .session import open_build
+
+    if (prompt is None) == (chat is None):
+        raise click.UsageError("pass exactly one of --prompt TEXT or --chat TEXT")
+    opened = open_build(build_dir, backend=backend)
+    ids = opened.chat_prompt(chat) if chat is not None else opened.encode(prompt)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              eos_ids=opened.eos_ids)
+    tokens, shown, start = [], "", time.perf_counter()
+    for event in opened.runtime.stream([ids], config):
+        tokens.extend(event.tokens)
+        text = opened.tokenizer.decode(tokens) if opened.tokenizer else " ".join(map(str, tokens))
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            click.echo(text[len(shown):], nl=False)
+            shown = text
+    seconds = time.perf_counter() - start
+    stats = opened.runtime.last_stats[0]
+    click.echo(f"\n[{opened.runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
+               f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path())
+@click.option("--dataset", default="mt-bench", show_default=True, help="mt-bench, humaneval, or a text file (one prompt a line).")
+@click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
+@click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
+@click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
+@click.option("--plot", "plot_file", type=click.Path(), help="Write acceptance by depth and speedup by batch as a PNG.")
+def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threads, json_file, plot_file):
+    """Speculative vs autoregressive decoding on the same backend and prompts: tau, speedup, time split."""
+    from pathlib import Path
+
+    from .bench import bench as run_bench
+    from .bench import plot
+    from .runtime import GenerationConfig
+    from .session import open_build
+
+    opened = open_build(build_dir, backend=backend, threads=threads)
+    prompts = [opened.chat_prompt(text) for text in _dataset_prompts(dataset)[:num_prompts]]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)
+    results = []
+    for size in [int(b) for b in batch.split(",")]:
+        result = run_bench(opened.runtime, prompts, size, config)
+        result["dataset"] = dataset
+        results.append(result)
+        click.echo(f"batch {size}: tau {result['tau']:.2f}, {result['spec_tokens_per_s']:.1f} vs "
+                   f"{result['ar_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x, "
+                   f"efficiency {result['efficiency']:.2f}")
+    if json_file:
+        Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
+    if plot_file:
+        plot(results, plot_file)
+
+
+def _dataset_prompts(dataset: str) -> list[str]:
+    from pathlib import Path
+
+    from . import prompts as P
+
+    if dataset == "mt-bench":
+        return P.mtbench_prompts()
+    if dataset == "humaneval":
+        return P.humaneval_prompts()
+    path = Path(dataset)
+    if not path.is_file():
+        raise EagleExportError(f"dataset {dataset!r} is neither mt-bench, humaneval nor a file",
+                               "pass mt-bench, humaneval, or a text file with one prompt per line")
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
 # Commands of later stages are added below this line, one function each.
+
+
+@main.command("export")
+@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target LLM directory (Hugging Face).")
+@click.option("--draft", "drafter_dir", required=True, type=click.Path(), help="EAGLE-3 / 3.1 drafter directory.")
+@click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K (1..8) of the unrolled drafter.")
+@click.option("--dtype", default="fp16", show_default=True, help="Export precision: fp32, fp16 or bf16.")
+@click.option("--sampling", is_flag=True, help="Export the sampling drafter and a target that also returns logits.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Output directory.")
+@click.option("--force", is_flag=True, help="Overwrite files in a non-empty output directory.")
+def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
+    """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted."""
+    from .export import export_models
+
+    export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
+                  progress=click.echo)
+    click.echo(f"wrote {out_dir}/target.onnx, drafter.onnx, export_summary.json")
+
+
+@main.command("passes")
+def list_passes():
+    """List every graph pass, model level (torch) and ONNX level, with a one-line summary each."""
+    from .passes.model_pipeline import all_passes
+
+    infos = all_passes()
+    width = max(len(p.name) for p in infos)
+    for p in infos:
+        click.echo(f"{p.level:6} {p.name:{width}}  {p.summary}")
+
+
+@main.command("quantize")
+@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target LLM directory (Hugging Face).")
+@click.option("--draft", "drafter_dir", default=None, type=click.Path(), help="EAGLE-3 / 3.1 drafter directory (optional).")
+@click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]))
+@click.option("--keep", default="lm_head,fc", show_default=True, help="Modules kept in high precision (comma-separated names).")
+@click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
+@click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")
+@click.option("--tau-prompts", default=0, show_default=True, type=int, help="MT-bench prompts to measure tau on (needs --draft).")
+@click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K for tau and the drafter graph.")
+@click.option("-o", "--out", "out_dir", default=None, type=click.Path(), help="Export and check the quantized graphs here.")
+@click.option("--json", "json_file", default=None, type=click.Path(), help="Write the metrics to this file.")
+def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts, depth,
+                     out_dir, json_file):
+    """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
+    from pathlib import Path
+
+    from .quantize import quantize_models
+
+    report = quantize_models(target_dir, drafter_dir, precision, out_dir, depth,
+                             exclude=tuple(k for k in keep.split(",") if k), calib_prompts=calib_prompts,
+                             eval_prompts=eval_prompts, tau_prompts=tau_prompts, progress=click.echo)
+    text = json.dumps(report, indent=2)
+    click.echo(text)
+    if json_file:
+        Path(json_file).write_text(text + "\n")
