@@ -100,6 +100,9 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False):
     except OSError as e:
         raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
                                "choose an output directory you can write to (-o)") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would outlive the rename
     try:
         yield tmp
         if out_dir.exists():

@@ -41,7 +41,20 @@ def write_tiny_target(path: Path, family: str = "llama", seed: int = 0, **overri
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
     model.save_pretrained(path)
+    write_word_tokenizer(path, cfg_dict["vocab_size"])
     return path
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer ("w0" .. "wN", space separated) and a minimal chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
 
 def tiny_drafter_config(version: str = "3.1", target_hidden: int = 64, vocab: int = 320,

@@ -1,0 +1,226 @@
+"""`eagle-export build`: checkpoints + recipe -> a build directory a runtime can load, with proof.
+
+load -> model passes -> quantize -> export (ONNX passes + lint inside) -> engines -> validate -> manifest
+Everything is written into a temporary directory beside the output and renamed at the end
+(manifest.atomic_build_dir), so a failure or Ctrl-C never leaves a half build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import load_drafter, load_target
+from .errors import EagleExportError
+from .manifest import atomic_build_dir, write_manifest
+from .recipe import Recipe
+
+QUANTIZED = ("fp8", "nvfp4")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class StageLog:
+    """One line when a stage starts and one with its elapsed time when it ends."""
+
+    def __init__(self, echo, total: int):
+        self.echo, self.total, self.index, self.seconds = echo, total, 0, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.index += 1
+        self.echo(f"[{self.index}/{self.total}] {name} ...")
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 2)
+        self.echo(f"[{self.index}/{self.total}] {name} done in {self.seconds[name]:.1f} s")
+
+
+def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:
+    if recipe["target"] == "sample":
+        from .sample import sample_target_dir
+
+        target_dir = sample_target_dir()
+    else:
+        target_dir = Path(recipe.resolve_path(recipe["target"]))
+    drafter_dir = Path(recipe.resolve_path(recipe["drafter"]))
+    for role, path in (("target", target_dir), ("drafter", drafter_dir)):
+        if not path.is_dir():
+            raise EagleExportError(f"the recipe's {role} {path} is not a directory",
+                                   f"download the {role} checkpoint and set `{role}:` in the recipe to its path")
+    return target_dir, drafter_dir
+
+
+def base_dtype(precision: str, tensorrt_present: bool) -> str:
+    """Quantized models keep a float base: fp16 for TensorRT; fp32 where the graph runs on ONNX Runtime CPU."""
+    if precision not in QUANTIZED:
+        return precision
+    return "fp16" if tensorrt_present else "fp32"
+
+
+def calibration_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
+    from . import prompts as P
+
+    cal = recipe["calibration"]
+    template = P.ChatTemplate(target_dir)
+    if cal["dataset"] == "mt-bench":
+        conversations = P.user_turns(P.mtbench_prompts())
+    elif cal["dataset"] == "humaneval":
+        conversations = P.humaneval_messages()
+    elif cal["dataset"] == "sharegpt":
+        conversations = list(P.sharegpt_conversations(limit=cal["num_samples"]))
+    else:
+        raise EagleExportError(f"unknown calibration dataset {cal['dataset']!r}", "use mt-bench, sharegpt or humaneval")
+    ids = [template.encode_chat(c)[:cal["max_tokens"]] for c in conversations[:cal["num_samples"]]]
+    return [i for i in ids if i]
+
+
+def quantize_models(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
+    from . import quantize as Q
+
+    precision = recipe["precision"]
+    keep = tuple(precision["keep_high_precision"])
+    prompts = calibration_prompts(recipe, target_dir)
+    report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)}}
+    if precision["drafter"] in QUANTIZED:
+        # The drafter calibrates on the target's aux states, so take them before the target changes.
+        batches = Q.drafter_calibration_batches(target, prompts)
+        Q.quantize(drafter, precision["drafter"], batches, exclude=keep)
+        report["drafter"] = precision["drafter"]
+    if precision["target"] in QUANTIZED:
+        Q.quantize(target, precision["target"], Q.target_calibration_batches(target, prompts), exclude=keep)
+        report["target"] = precision["target"]
+    return report
+
+
+def tensorrt_available() -> tuple[bool, str]:
+    from .doctor import gpu_info, tensorrt_version
+
+    if tensorrt_version() is None:
+        return False, "TensorRT is not installed"
+    if gpu_info() is None:
+        return False, "no CUDA GPU"
+    return True, ""
+
+
+def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
+    from .export import export_drafter, export_target
+    from .passes.base import PassManager
+    from .passes.model_pipeline import EagleModels, model_passes
+
+    has_trt, no_trt_reason = tensorrt_available()
+    log = StageLog(echo, total=7)
+    precision = recipe["precision"]
+    depth, sampling = recipe["depth"], recipe["sampling"]
+    with atomic_build_dir(out_dir, force) as tmp:
+        with log("load checkpoints"):
+            target_dir, drafter_dir = resolve_sources(recipe)
+            target_dtype = base_dtype(precision["target"], has_trt)
+            drafter_dtype = base_dtype(precision["drafter"], has_trt)
+            target = load_target(target_dir, dtype=target_dtype)
+            drafter = load_drafter(drafter_dir, target=target, dtype=drafter_dtype)
+            target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
+
+        with log("model passes"):
+            skip = set(recipe["passes"]["skip"])
+            known = {p.name for p in model_passes()}
+            unknown = skip - known - _onnx_pass_names()
+            if unknown:
+                raise EagleExportError(f"passes.skip names unknown passes: {', '.join(sorted(unknown))}",
+                                       "run `eagle-export passes` for the list")
+            pipeline = PassManager([p for p in model_passes() if p.name not in skip])
+            pass_records = pipeline(EagleModels(target, drafter)).records
+
+        with log("quantize"):
+            if precision["target"] in QUANTIZED or precision["drafter"] in QUANTIZED:
+                quant_report = quantize_models(recipe, target, drafter, target_dir)
+            else:
+                quant_report = {"skipped": f"target {precision['target']}, drafter {precision['drafter']}"}
+
+        with log("export ONNX (graph passes + TensorRT lint)"):
+            graphs = {"target": {"file": "target.onnx", "return_logits": sampling,
+                                 **export_target(target, tmp / "target.onnx", return_logits=sampling)},
+                      "drafter": {"file": "drafter.onnx", "sampling": False,
+                                  **export_drafter(drafter, depth, False, tmp / "drafter.onnx")}}
+            if sampling:
+                graphs["drafter_sampling"] = {"file": "drafter_sampling.onnx", "sampling": True,
+                                              **export_drafter(drafter, depth, True, tmp / "drafter_sampling.onnx")}
+            np.save(tmp / "draft_to_target.npy",
+                    drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size)).numpy())
+            for name in TOKENIZER_FILES:
+                if (target_dir / name).is_file():
+                    shutil.copy(target_dir / name, tmp / name)
+
+        with log("TensorRT engines"):
+            if has_trt:
+                engines = build_engines(recipe, tmp, target, drafter)
+            else:
+                engines = {"skipped": f"{no_trt_reason}: stopped after the ONNX stage; "
+                                      "this build runs on ONNX Runtime"}
+                echo(f"  {engines['skipped']}")
+
+        content = {
+            "recipe": recipe.data, "sources": {"target": str(target_dir), "drafter": str(drafter_dir)},
+            "depth": depth, "sampling": sampling, "max_context": recipe["profiles"]["context"]["max"],
+            "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
+            "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
+            "quantization": quant_report, "engines": engines,
+            "backends": (["tensorrt"] if has_trt else []) + ["onnxruntime", "torch"],
+        }
+        with log("validate"):
+            from .validate import validate_build_dir
+
+            write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
+            content["validation"] = validate_build_dir(tmp, reference=(target, drafter), quick=True)
+            if not content["validation"]["ok"]:
+                raise EagleExportError("the build failed its own validation: "
+                                       + "; ".join(content["validation"]["failures"]),
+                                       "report this with the recipe; nothing was written")
+        with log("manifest"):
+            manifest = write_manifest(tmp, {**content, "stage_seconds": log.seconds})
+    return manifest
+
+
+def _onnx_pass_names() -> set[str]:
+    from .passes.onnx_cleanup import onnx_pipeline
+
+    return {p.name for p in onnx_pipeline().passes}
+
+
+def model_summary(target, drafter, precision, target_dtype, drafter_dtype) -> dict:
+    t, d = target.config, drafter.config
+    return {
+        "target": {"architecture": t.architecture, "num_layers": t.num_layers, "hidden_size": t.hidden_size,
+                   "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size,
+                   "aux_layer_ids": list(target.aux_layer_ids), "precision": precision["target"],
+                   "dtype": target_dtype, "eos_token_id": t.eos_token_id},
+        "drafter": {"eagle_version": d.eagle_version, "hidden_size": d.hidden_size, "num_kv_heads": d.num_kv_heads,
+                    "head_dim": d.head_dim, "draft_vocab_size": d.draft_vocab_size, "precision": precision["drafter"],
+                    "dtype": drafter_dtype},
+    }
+
+
+def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[dict]:
+    """Serialize one engine per graph for this GPU (only reached where TensorRT and CUDA exist)."""
+    import tensorrt
+
+    from . import contract as C
+    from .doctor import gpu_info
+    from .engine import build_engine, engine_file_name, engine_profiles
+
+    gpu = gpu_info()
+    specs = {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),
+             "drafter": C.drafter_graph(drafter.config, recipe["depth"], False)}
+    engines = []
+    for graph, spec in specs.items():
+        name = engine_file_name(graph, gpu["compute_capability"], tensorrt.__version__)
+        build_engine(build_dir / f"{graph}.onnx", build_dir / name, engine_profiles(spec, recipe.data, graph),
+                     workspace_bytes=recipe["engine"]["workspace_gib"] << 30,
+                     timing_cache_path=build_dir / "timing.cache")
+        engines.append({"graph": graph, "file": name, "tensorrt": tensorrt.__version__,
+                        "compute_capability": gpu["compute_capability"], "gpu": gpu["name"]})
+    return engines
