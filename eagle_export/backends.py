@@ -67,7 +67,7 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, target_onnx: Path, drafter_onnx: Path, drafter_sampling_onnx: Path | None = None,
-                 providers: list[str] | None = None, threads: int | None = None):
+                 providers: list[str] | None = None, threads: int | None = None, optimize: bool = True):
         import onnxruntime as ort
 
         available = ort.get_available_providers()
@@ -75,6 +75,8 @@ class OnnxRuntimeBackend(Backend):
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        if not optimize:  # ORT fuses DequantizeLinear+MatMul into kernels that reject float8 inputs
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.providers = providers
 
         def session(path):

