@@ -127,6 +127,7 @@ def plot(results: list[dict], path) -> None:
     right.set(xlabel="batch", ylabel="speedup over autoregressive", xscale="log", xticks=batches,
               title=f"{first['backend']} on {first['device']}")
     right.set_xticks(batches, [str(b) for b in batches])
+    right.minorticks_off()
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

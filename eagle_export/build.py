@@ -157,6 +157,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     log = StageLog(echo, total=7)
     precision = recipe["precision"]
     depth, sampling = recipe["depth"], recipe["sampling"]
+    model_precisions = {precision["target"], precision["drafter"]}
     with atomic_build_dir(out_dir, force) as tmp:
         with log("load checkpoints"):
             target_dir, drafter_dir = resolve_sources(recipe)
@@ -204,7 +205,9 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
             "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
             "quantization": quant_report, "engines": engines,
-            "backends": (["tensorrt"] if has_trt else []) + ["onnxruntime", "torch"],
+            "backends": (["tensorrt"] if has_trt else []) + (
+                [] if "nvfp4" in model_precisions else ["onnxruntime"]) + (
+                [] if model_precisions & set(QUANTIZED) else ["torch"]),
         }
         with log("validate"):
             from .validate import validate_build_dir

@@ -186,3 +186,23 @@ def test_engines_for_another_gpu_are_refused(built, tmp_path):
         open_build(copy, backend="tensorrt")
     opened = open_build(copy, backend="auto")  # auto falls back to ONNX Runtime
     assert opened.runtime.backend.name == "onnxruntime"
+
+
+def test_fp8_build_quantizes_records_metrics_and_stays_lossless(sources, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", sources).read_text()
+    recipe = recipe.replace("precision: {target: fp32, drafter: fp32}",
+                            "precision: {target: fp8, drafter: fp8}\ncalibration: {num_samples: 4, max_tokens: 32}")
+    (tmp_path / "r.yaml").write_text(recipe)
+    result = CliRunner().invoke(main, ["build", "--recipe", str(tmp_path / "r.yaml"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    quant = manifest["quantization"]
+    assert quant["target"]["precision"] == "fp8" and quant["target"]["top1_agreement"] > 0.8
+    assert quant["drafter"]["kl"] < 0.05 and quant["calibration"]["prompts_used"] == 4
+    assert manifest["backends"] == ["onnxruntime"]  # the torch backend runs unquantized builds only
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(tmp_path / "out" / "target.onnx").graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    lossless = [c for c in manifest["validation"]["checks"] if c["name"].startswith("lossless")]
+    assert lossless and all(c["ok"] for c in lossless)
