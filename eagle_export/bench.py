@@ -15,7 +15,7 @@ import platform
 import statistics
 import time
 
-from .runtime import GenerationConfig, SpeculativeRuntime
+from .runtime import GenerationConfig, SpeculativeRuntime, acceptance_by_depth
 
 
 def _batches(prompts, batch):
@@ -73,10 +73,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     depth = runtime.depth
     accepted = spec["accepted"]
     tau = sum(a + 1 for a in accepted) / len(accepted)
-    acceptance_by_depth = []
-    for i in range(1, depth + 1):
-        reached = sum(1 for a in accepted if a >= i - 1)
-        acceptance_by_depth.append(sum(1 for a in accepted if a >= i) / reached if reached else 0.0)
+    by_depth = acceptance_by_depth(accepted, depth)
     spec_tps = spec["tokens"] / spec["seconds"]
     ar_tps = ar["tokens"] / ar["seconds"]
     speedup = spec_tps / ar_tps
@@ -90,7 +87,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     return {
         "backend": runtime.backend.name, "device": device_name(runtime), "batch": batch, "depth": depth,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
-        "tau": round(tau, 4), "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth],
+        "tau": round(tau, 4), "acceptance_by_depth": [round(a, 4) for a in by_depth],
         "spec_tokens_per_s": round(spec_tps, 2), "ar_tokens_per_s": round(ar_tps, 2),
         "speedup": round(speedup, 4), "speedup_median_over_batches": round(statistics.median(per_batch_speedups), 4),
         "time_split": {"prefill": round(spec["prefill"], 4), "draft": round(spec["draft"], 4), "verify": round(spec["verify"], 4), "host": round(host, 4),

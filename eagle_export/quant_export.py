@@ -28,11 +28,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from . import contract as C
-from .export import ONNX_IR_VERSION, drafter_example, save_model, target_example
+from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
+from .export import drafter_example, save_model, target_example
 from .unrolled import TargetGraph, UnrolledDrafter
 
 EXPORT_OPSET = 20
@@ -188,25 +190,13 @@ def finish_quantized(model: onnx.ModelProto, fp8_weights: dict[str, np.ndarray] 
 
 
 def cleanup(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]]:
-    """The ONNX cleanup pipeline (passes/onnx_cleanup.py; it never folds Q/DQ), when it is there."""
-    try:
-        from .passes.onnx_cleanup import onnx_pipeline
-    except ImportError:
-        return model, []
-    import onnx_ir as ir
-
+    """The ONNX cleanup pipeline (passes/onnx_cleanup.py; it never folds Q/DQ)."""
     result = onnx_pipeline()(ir.from_proto(model))
     return ir.to_proto(result.model), [r.to_json() for r in result.records]
 
 
-def trt_lint_findings(model: onnx.ModelProto) -> list[str] | None:
-    """The TensorRT-readiness lint's findings, or None where passes/trt_lint.py is not there."""
-    try:
-        from .passes.trt_lint import lint_model
-    except ImportError:
-        return None
-    import onnx_ir as ir
-
+def trt_lint_findings(model: onnx.ModelProto) -> list[str]:
+    """The TensorRT-readiness lint's findings (empty when the graph is clean)."""
     return [str(f) for f in lint_model(ir.from_proto(model)).findings]
 
 

@@ -34,6 +34,15 @@ class GenerationConfig:
     seed: int = 0
 
 
+def acceptance_by_depth(accepted: list[int], depth: int) -> list[float]:
+    """P(draft i accepted | drafts 1..i-1 accepted), i = 1..depth, from drafts accepted per round."""
+    rates = []
+    for i in range(1, depth + 1):
+        reached = sum(1 for a in accepted if a >= i - 1)
+        rates.append(sum(1 for a in accepted if a >= i) / reached if reached else 0.0)
+    return rates
+
+
 @dataclass
 class SequenceStats:
     prompt_tokens: int
@@ -50,12 +59,7 @@ class SequenceStats:
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
 
     def acceptance_by_depth(self, depth: int) -> list[float]:
-        """P(draft i accepted | drafts 1..i-1 accepted), i = 1..depth."""
-        rates = []
-        for i in range(1, depth + 1):
-            reached = sum(1 for a in self.accepted if a >= i - 1)
-            rates.append(sum(1 for a in self.accepted if a >= i) / reached if reached else 0.0)
-        return rates
+        return acceptance_by_depth(self.accepted, depth)
 
 
 @dataclass
