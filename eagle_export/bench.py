@@ -15,7 +15,8 @@ import platform
 import statistics
 import time
 
-from .runtime import GenerationConfig, SpeculativeRuntime, acceptance_by_depth
+from .reference import acceptance_by_depth
+from .runtime import GenerationConfig, SpeculativeRuntime
 
 
 def _batches(prompts, batch):
@@ -73,7 +74,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     depth = runtime.depth
     accepted = spec["accepted"]
     tau = sum(a + 1 for a in accepted) / len(accepted)
-    by_depth = acceptance_by_depth(accepted, depth)
+    by_depth = acceptance_by_depth(accepted, depth, unreached=0.0)
     spec_tps = spec["tokens"] / spec["seconds"]
     ar_tps = ar["tokens"] / ar["seconds"]
     speedup = spec_tps / ar_tps

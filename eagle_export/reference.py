@@ -50,12 +50,13 @@ def mean_accepted_length(accepted: list[int]) -> float:
     return sum(m + 1 for m in accepted) / len(accepted) if accepted else float("nan")
 
 
-def acceptance_by_depth(accepted: list[int], depth: int) -> list[float]:
-    """For depth i: the fraction of rounds that accepted draft i among those that accepted drafts 1..i-1."""
+def acceptance_by_depth(accepted: list[int], depth: int, unreached: float = float("nan")) -> list[float]:
+    """For depth i: the fraction of rounds that accepted draft i among those that accepted drafts 1..i-1
+    (`unreached` where no round got that far)."""
     rates = []
     for i in range(1, depth + 1):
         reached = sum(m >= i - 1 for m in accepted)
-        rates.append(sum(m >= i for m in accepted) / reached if reached else float("nan"))
+        rates.append(sum(m >= i for m in accepted) / reached if reached else unreached)
     return rates
 
 

@@ -22,6 +22,7 @@ import torch
 from . import contract as C
 from .backends import Backend
 from .errors import EagleExportError
+from .reference import acceptance_by_depth
 
 
 @dataclass
@@ -32,15 +33,6 @@ class GenerationConfig:
     eos_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
-
-
-def acceptance_by_depth(accepted: list[int], depth: int) -> list[float]:
-    """P(draft i accepted | drafts 1..i-1 accepted), i = 1..depth, from drafts accepted per round."""
-    rates = []
-    for i in range(1, depth + 1):
-        reached = sum(1 for a in accepted if a >= i - 1)
-        rates.append(sum(1 for a in accepted if a >= i) / reached if reached else 0.0)
-    return rates
 
 
 @dataclass
@@ -59,7 +51,7 @@ class SequenceStats:
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
 
     def acceptance_by_depth(self, depth: int) -> list[float]:
-        return acceptance_by_depth(self.accepted, depth)
+        return acceptance_by_depth(self.accepted, depth, unreached=0.0)
 
 
 @dataclass
@@ -342,16 +334,10 @@ class _State:
         self.started = time.perf_counter()
 
     def write_target(self, out, counts, live):
-        for b in torch.nonzero(live)[:, 0].tolist():
-            n, c = int(self.lens[b]), int(counts[b])
-            self.target_k[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
-            self.target_v[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]
+        _write_rows(self.target_k, self.target_v, out, self.lens, counts, live)
 
     def write_drafter(self, out, counts, live):
-        for b in torch.nonzero(live)[:, 0].tolist():
-            n, c = int(self.draft_lens[b]), int(counts[b])
-            self.draft_k[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
-            self.draft_v[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]
+        _write_rows(self.draft_k, self.draft_v, out, self.draft_lens, counts, live)
 
     def emit(self, tokens_per_seq: list[list[int]], live) -> list[Event]:
         """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
@@ -388,3 +374,12 @@ class _State:
             if any(s in text for s in self.config.stop_strings):
                 return tokens[:i], True
         return tokens, False
+
+
+def _write_rows(keys, values, out, starts, counts, live):
+    """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
+    cache write the runtime does (rejected rows are simply never written)."""
+    for b in torch.nonzero(live)[:, 0].tolist():
+        n, c = int(starts[b]), int(counts[b])
+        keys[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
+        values[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]

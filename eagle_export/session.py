@@ -81,8 +81,9 @@ def make_backend(path: Path, manifest: dict, backend: str, threads: int | None =
             if backend == "tensorrt":
                 raise
         else:
-            dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(
-                manifest["models"]["target"]["dtype"], "float16"))
+            from .checkpoint import resolve_dtype
+
+            dtype = resolve_dtype(manifest["models"]["target"]["dtype"])
             return TensorRTBackend(path / chosen["target"]["file"], path / chosen["drafter"]["file"],
                                    manifest["depth"], dtype, manifest["graphs"]["target"]["return_logits"])
     if backend == "tensorrt":

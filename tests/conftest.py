@@ -7,3 +7,15 @@ def sample_target():
     from eagle_export.sample import sample_target_dir
 
     return sample_target_dir()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on shared 2-core machines: a second torch thread spins against other processes
+    (3-60x slower there). Modules opt in with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

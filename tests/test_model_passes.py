@@ -34,13 +34,7 @@ FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2"]
 VERSIONS = ["3", "3.1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny GEMMs: one thread is faster than a contended pool (bf16 on 2 busy cores: 60x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

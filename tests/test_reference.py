@@ -16,13 +16,8 @@ from tiny_models import write_tiny_drafter, write_tiny_target
 AUX = (1, 3, 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared machine: one thread avoids oversubscribing the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [[5, 17, 3, 9], [1, 2, 3, 4, 5, 6, 7], [11, 0, 23, 7, 7, 19]]
 
 

@@ -35,14 +35,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # On the shared 2-core machines a second torch thread spins against other processes:
-    # one thread ran this module's forwards 3-10x faster. Restored for the tests after it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
