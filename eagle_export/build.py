@@ -62,50 +62,76 @@ def base_dtype(precision: str, tensorrt_present: bool) -> str:
     return "fp16" if tensorrt_present else "fp32"
 
 
-def calibration_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
+def dataset_prompts(dataset: str, target_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
+    """The first `count` conversations of a prompt set through the target's chat template."""
     from . import prompts as P
 
-    cal = recipe["calibration"]
     template = P.ChatTemplate(target_dir)
-    if cal["dataset"] == "mt-bench":
+    if dataset == "mt-bench":
         conversations = P.user_turns(P.mtbench_prompts())
-    elif cal["dataset"] == "humaneval":
+    elif dataset == "humaneval":
         conversations = P.humaneval_messages()
-    elif cal["dataset"] == "sharegpt":
-        conversations = list(P.sharegpt_conversations(limit=cal["num_samples"]))
+    elif dataset == "sharegpt":
+        conversations = list(P.sharegpt_conversations(limit=count))
     else:
-        raise EagleExportError(f"unknown calibration dataset {cal['dataset']!r}", "use mt-bench, sharegpt or humaneval")
-    ids = [template.encode_chat(c)[:cal["max_tokens"]] for c in conversations[:cal["num_samples"]]]
+        raise EagleExportError(f"unknown prompt set {dataset!r}", "use mt-bench, sharegpt or humaneval")
+    ids = [template.encode_chat(c)[:max_tokens] for c in conversations[:count]]
     return [i for i in ids if i]
 
 
+def calibration_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
+    cal = recipe["calibration"]
+    return dataset_prompts(cal["dataset"], target_dir, cal["num_samples"], cal["max_tokens"])
+
+
+def evaluation_prompts(recipe: Recipe, target_dir: Path, calibration: list[list[int]]) -> list[list[int]]:
+    """Evaluation prompts the calibration never saw (metrics on calibration data flatter the quantizer)."""
+    ev, cal = recipe["evaluation"], recipe["calibration"]
+    # Prompts keep their whole length here: a continuation must start where a real prompt ends.
+    candidates = dataset_prompts(ev["dataset"], target_dir, 10_000, 10 ** 9)
+    seen = {tuple(p) for p in calibration}
+    held_out = [p for p in candidates if tuple(p[:cal["max_tokens"]]) not in seen][:ev["num_prompts"]]
+    if not held_out:
+        raise EagleExportError(
+            f"calibration uses every {ev['dataset']} prompt, leaving none to evaluate the quantized models on",
+            "lower calibration.num_samples or set evaluation.dataset to another prompt set")
+    return held_out
+
+
 def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
-    """Quantize the models the recipe asks for, in place, and measure them against unquantized copies."""
+    """Quantize the models the recipe asks for, in place, and measure them against unquantized copies
+    on held-out prompts: next-token agreement and KL, greedy continuations, draft agreement, tau."""
     import copy
 
     from . import quantize as Q
-
-    precision = recipe["precision"]
+    precision, ev = recipe["precision"], recipe["evaluation"]
     keep = tuple(precision["keep_high_precision"])
     prompts = calibration_prompts(recipe, target_dir)
     if not prompts:
         raise EagleExportError("the calibration set gave no prompts", "raise calibration.num_samples")
-    evaluation = prompts[: max(1, min(4, len(prompts) // 2))]
+    evaluation = evaluation_prompts(recipe, target_dir, prompts)
     reference_target = copy.deepcopy(target)
     reference_drafter = copy.deepcopy(drafter)
     reference_drafter.share_embeddings(reference_target.embed_tokens)
     report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)},
-              "evaluation_prompts": len(evaluation)}
+              "evaluation": {**ev, "prompts_used": len(evaluation)}}
     if precision["drafter"] in QUANTIZED:
         # The drafter calibrates on the target's aux states, so take them before the target changes.
         Q.quantize(drafter, precision["drafter"], Q.drafter_calibration_batches(target, prompts), exclude=keep)
     if precision["target"] in QUANTIZED:
         Q.quantize(target, precision["target"], Q.target_calibration_batches(target, prompts), exclude=keep)
         report["target"] = {"precision": precision["target"],
-                            **Q.target_metrics(reference_target, target, evaluation)}
+                            **Q.target_metrics(reference_target, target, evaluation),
+                            "continuations": Q.greedy_continuation_agreement(
+                                reference_target, target, evaluation, ev["max_new_tokens"])}
     if precision["drafter"] in QUANTIZED:
         report["drafter"] = {"precision": precision["drafter"],
                              **Q.drafter_metrics(reference_drafter, drafter, reference_target, evaluation)}
+    if ev["tau"]:  # the pair as built (an unquantized target stays the reference one)
+        depth, n = recipe["depth"], ev["max_new_tokens"]
+        report["tau_reference"] = Q.speculative_tau(reference_target, reference_drafter, evaluation, n, depth)
+        report["tau_quantized"] = Q.speculative_tau(target, drafter, evaluation, n, depth)
+        report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
     return report
 
 

@@ -320,6 +320,41 @@ def target_metrics(reference: Target, quantized: Target, prompts: list[list[int]
 
 
 @torch.no_grad()
+def greedy_continuation_agreement(reference: Target, quantized: Target, prompts: list[list[int]],
+                                  new_tokens: int = 64) -> dict:
+    """How closely the quantized target follows the reference's greedy continuations.
+
+    `greedy_agreement`: the reference generates up to `new_tokens` greedy tokens per prompt (stopping
+    at EOS); the quantized target reads prompt + continuation and its argmax is compared with the
+    reference's token at each continuation position (teacher forced, so one early flip does not
+    condemn the rest). `free_running_prefix`: the quantized target's own greedy continuation, the
+    mean fraction of it that matches the reference's before the first difference."""
+    eos = (reference.config.eos_token_id,)
+    agree = total = 0
+    prefixes = []
+    for ids in prompts:
+        expected = reference.generate_greedy(ids, new_tokens, eos_ids=eos)
+        args = target_calibration_batches(quantized, [ids + expected[:-1]])[0]
+        predicted = quantized(*args)[0][0, len(ids) - 1:].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(predicted, expected))
+        total += len(expected)
+        own = quantized.generate_greedy(ids, len(expected), eos_ids=eos)
+        same = next((i for i, (a, b) in enumerate(zip(own, expected)) if a != b), min(len(own), len(expected)))
+        prefixes.append(same / len(expected))
+    return {"greedy_agreement": agree / total, "free_running_prefix": sum(prefixes) / len(prefixes),
+            "continuation_tokens": total, "prompts": len(prompts), "new_tokens": new_tokens}
+
+
+@torch.no_grad()
+def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int, depth: int) -> float:
+    """Mean tokens per round (greedy, chain depth `depth`) of the reference loop over `prompts`."""
+    from .reference import mean_accepted_length, speculative_generate
+
+    return mean_accepted_length([m for ids in prompts
+                                 for m in speculative_generate(target, drafter, ids, new_tokens, depth).accepted])
+
+
+@torch.no_grad()
 def drafter_metrics(reference: Drafter, quantized: Drafter, target: Target, prompts: list[list[int]]) -> dict:
     """Draft agreement on the (unquantized) target's aux states: step 0 at every position (top-1
     agreement and KL of the draft distribution), then each drafter's own feedback chain from the
@@ -353,12 +388,14 @@ def drafter_metrics(reference: Drafter, quantized: Drafter, target: Target, prom
 
 def quantize_models(target_dir, drafter_dir, precision: str, out_dir=None, depth: int = 4,
                     exclude: Iterable[str] = DEFAULT_EXCLUDE, calib_prompts: int = 16, eval_prompts: int = 8,
-                    tau_prompts: int = 0, max_new_tokens: int = 64, progress=None) -> dict:
+                    tau_prompts: int = 0, continuation_prompts: int = 0, max_new_tokens: int = 64,
+                    progress=None) -> dict:
     """Quantize a target and its drafter, measure them against the unquantized pair and, with
     `out_dir`, export and check the quantized graphs. Returns the metrics (manifest-ready).
 
     Calibration: ShareGPT conversations; metrics: MT-bench turn 1 (both chat-templated).
-    tau (mean tokens per round, greedy, depth `depth`) on `tau_prompts` MT-bench prompts."""
+    tau (mean tokens per round, greedy, depth `depth`) on `tau_prompts` MT-bench prompts; greedy
+    agreement over `max_new_tokens`-token continuations on `continuation_prompts` of them."""
     from pathlib import Path
 
     from .checkpoint import load_drafter, load_target
@@ -369,13 +406,17 @@ def quantize_models(target_dir, drafter_dir, precision: str, out_dir=None, depth
     if drafter is not None:
         target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
     calib = chat_prompts(target_dir, "sharegpt", calib_prompts)
-    evals = chat_prompts(target_dir, "mt-bench", max(eval_prompts, tau_prompts))
+    evals = chat_prompts(target_dir, "mt-bench", max(eval_prompts, tau_prompts, continuation_prompts))
     report = {"precision": precision, "exclude": list(exclude), "calibration": f"sharegpt x{len(calib)}",
               "evaluation": f"mt-bench x{eval_prompts}"}
 
     progress(f"quantizing the target to {precision} on {len(calib)} ShareGPT conversations")
     qtarget = quantize(copy.deepcopy(target), precision, target_calibration_batches(target, calib), exclude)
     report["target"] = target_metrics(target, qtarget, evals[:eval_prompts])
+    if continuation_prompts:
+        progress(f"greedy continuations of {max_new_tokens} tokens on {continuation_prompts} MT-bench prompts")
+        report["target"]["continuations"] = greedy_continuation_agreement(
+            target, qtarget, evals[:continuation_prompts], max_new_tokens)
     qdrafter = None
     if drafter is not None:
         progress("quantizing the drafter on the target's aux states")
@@ -384,13 +425,9 @@ def quantize_models(target_dir, drafter_dir, precision: str, out_dir=None, depth
         quantize(qdrafter, precision, drafter_calibration_batches(target, calib), exclude)
         report["drafter"] = drafter_metrics(drafter, qdrafter, target, evals[:eval_prompts])
         if tau_prompts:
-            from .reference import speculative_generate
-
             progress(f"measuring tau on {tau_prompts} MT-bench prompts")
-            for name, pair in (("reference", (target, drafter)), ("quantized", (qtarget, qdrafter))):
-                results = [speculative_generate(*pair, ids, max_new_tokens, depth) for ids in evals[:tau_prompts]]
-                accepted = [m for r in results for m in r.accepted]
-                report[f"tau_{name}"] = sum(m + 1 for m in accepted) / len(accepted)
+            report["tau_reference"] = speculative_tau(target, drafter, evals[:tau_prompts], max_new_tokens, depth)
+            report["tau_quantized"] = speculative_tau(qtarget, qdrafter, evals[:tau_prompts], max_new_tokens, depth)
     if out_dir is not None:
         from .quant_export import export_and_check
 

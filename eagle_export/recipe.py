@@ -38,9 +38,17 @@ SCHEMA = {
         "context": {"min": (int, 16, None), "opt": (int, 1024, None), "max": (int, 2048, None)},
     },
     "calibration": {
-        "dataset": (str, "mt-bench", None),
+        "dataset": (str, "mt-bench", lambda v: v in CALIBRATION_SETS or f"must be one of {', '.join(CALIBRATION_SETS)}"),
         "num_samples": (int, 32, lambda v: v >= 1 or "must be at least 1"),
         "max_tokens": (int, 512, lambda v: v >= 8 or "must be at least 8"),
+    },
+    # How a quantized build is measured against the unquantized models: prompts of `dataset` that the
+    # calibration did not use; greedy continuations of max_new_tokens; tau at the recipe's depth.
+    "evaluation": {
+        "dataset": (str, "mt-bench", lambda v: v in CALIBRATION_SETS or f"must be one of {', '.join(CALIBRATION_SETS)}"),
+        "num_prompts": (int, 4, lambda v: v >= 1 or "must be at least 1"),
+        "max_new_tokens": (int, 32, lambda v: v >= 1 or "must be at least 1"),
+        "tau": (bool, True, None),
     },
     "passes": {"skip": (list, [], None)},
     "engine": {"workspace_gib": (int, 8, lambda v: v >= 1 or "must be at least 1")},

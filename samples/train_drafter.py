@@ -65,6 +65,9 @@ def prepare(args) -> None:
     target_dir = Path(args.target) if args.target else sample_target_dir()
     target = load_target(target_dir, aux_layer_ids=tuple(args.aux_layer_ids)).eval()
     template = ChatTemplate(target_dir)
+    if args.self_distill:
+        prepare_self_distilled(args, target, template, target_dir, out)
+        return
     sequences, total = [], 0
     for messages in sharegpt_conversations():
         ids = template.encode_chat(messages, add_generation_prompt=False)[:args.seq_len]
@@ -103,6 +106,97 @@ def prepare(args) -> None:
     meta = {"target": str(target_dir), "aux_layer_ids": list(args.aux_layer_ids), "offsets": offsets.tolist(),
             "sequences": len(sequences), "tokens": int(offsets[-1]), "seq_len": args.seq_len,
             "draft_vocab": args.draft_vocab, "seconds": round(time.time() - start, 1)}
+    (out / "meta.json").write_text(json.dumps(meta))
+    print(f"prepare: done, {meta['tokens']} tokens in {meta['sequences']} sequences, {meta['seconds']} s", flush=True)
+
+
+def sharegpt_first_turns(template: ChatTemplate, max_prompt_tokens: int, skip: int = 0):
+    """First user turns of ShareGPT conversations, as chat prompts (generation prompt appended)."""
+    for i, messages in enumerate(sharegpt_conversations()):
+        if i < skip or not messages or messages[0]["role"] != "user":
+            continue
+        ids = template.encode_chat(messages[:1], add_generation_prompt=True)
+        if 8 <= len(ids) <= max_prompt_tokens:
+            yield i, ids
+
+
+@torch.no_grad()
+def greedy_batch(target, prompts: list[list[int]], max_new_tokens: int, eos_id: int):
+    """Greedy responses to a batch of prompts with every fed token's aux states and greedy next token.
+
+    Returns, per prompt, (tokens, aux [T, A*H], greedy [T]): tokens are the prompt and the response
+    without its last token (the last is never fed back), greedy[p] is the target's argmax after p."""
+    batch, capacity = len(prompts), max(len(p) for p in prompts) + max_new_tokens
+    k_cache, v_cache = target.empty_cache(batch, capacity)
+    tokens, auxes, greedy = [list(p) for p in prompts], [], []
+    for b, prompt in enumerate(prompts):  # ragged prefill, one prompt at a time
+        logits, aux, new_k, new_v = target(torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                                           k_cache[:, b:b + 1, :, :0], v_cache[:, b:b + 1, :, :0], torch.tensor([0]))
+        k_cache[:, b, :, :len(prompt)] = new_k[:, 0]
+        v_cache[:, b, :, :len(prompt)] = new_v[:, 0]
+        auxes.append([aux[0]])
+        greedy.append(logits[0].argmax(-1).tolist())
+    lengths = torch.tensor([len(p) for p in prompts])
+    done = [g[-1] == eos_id for g in greedy]
+    for _ in range(max_new_tokens - 1):
+        if all(done):
+            break
+        ids = torch.tensor([[g[-1]] for g in greedy])
+        past = int(lengths.max())
+        logits, aux, new_k, new_v = target(ids, lengths[:, None], k_cache[:, :, :, :past], v_cache[:, :, :, :past],
+                                           lengths)
+        for b in range(batch):
+            if done[b]:  # finished sequences ride along; nothing of theirs is kept
+                continue
+            k_cache[:, b, :, lengths[b]] = new_k[:, b, :, 0]
+            v_cache[:, b, :, lengths[b]] = new_v[:, b, :, 0]
+            lengths[b] += 1
+            tokens[b].append(int(ids[b, 0]))
+            auxes[b].append(aux[b])
+            greedy[b].append(int(logits[b, -1].argmax()))
+            done[b] = greedy[b][-1] == eos_id
+    return [(t, torch.cat(a).numpy(), np.array(g)) for t, a, g in zip(tokens, auxes, greedy)]
+
+
+def prepare_self_distilled(args, target, template, target_dir: Path, out: Path) -> None:
+    """The data as the drafter meets it at inference: ShareGPT first turns answered by the target itself.
+
+    Prompts come from the first ShareGPT conversations (the long-context evaluation set uses
+    conversations from 2000 on, so at most 2000 are read); each gets the target's greedy response of
+    up to --max-new-tokens tokens, generated in batches, its aux states captured as the tokens are fed."""
+    prompts = []
+    for i, ids in sharegpt_first_turns(template, args.max_prompt_tokens):
+        if i >= 2000 or len(prompts) == args.max_prompts:
+            break
+        prompts.append(ids)
+    width = target.aux_width
+    eos_id = target.config.eos_token_id
+    results, start, total = [], time.time(), 0
+    for first in range(0, len(prompts), args.batch):
+        results += greedy_batch(target, prompts[first:first + args.batch], args.max_new_tokens, eos_id)
+        total = sum(len(r[0]) for r in results)
+        print(f"prepare: {len(results)}/{len(prompts)} prompts, {total} tokens, "
+              f"{total / (time.time() - start):.0f} tokens/s", flush=True)
+        if total >= args.tokens or (args.max_minutes and time.time() - start > 60 * args.max_minutes):
+            break  # `--max-prompts len(results)` reproduces this data exactly
+    lengths = np.array([len(r[0]) for r in results], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    aux = np.lib.format.open_memmap(out / "aux.npy", mode="w+", dtype=np.float16, shape=(int(offsets[-1]), width))
+    tokens = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
+    greedy = np.lib.format.open_memmap(out / "greedy.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
+    for i, (t, a, g) in enumerate(results):
+        tokens[offsets[i]:offsets[i + 1]] = t
+        aux[offsets[i]:offsets[i + 1]] = a.astype(np.float16)
+        greedy[offsets[i]:offsets[i + 1]] = g
+    aux.flush(), tokens.flush(), greedy.flush()
+    # Draft vocabulary: the tokens the target itself emits most often (what the drafter must propose).
+    counts = Counter(np.asarray(greedy).tolist())
+    ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), t))
+    np.save(out / "draft_vocab.npy", np.array(sorted(ranked[:args.draft_vocab]), dtype=np.int64))
+    meta = {"target": str(target_dir), "aux_layer_ids": list(args.aux_layer_ids), "offsets": offsets.tolist(),
+            "sequences": len(results), "tokens": int(offsets[-1]), "self_distilled": True, "batch": args.batch,
+            "max_new_tokens": args.max_new_tokens, "draft_vocab": args.draft_vocab,
+            "seconds": round(time.time() - start, 1)}
     (out / "meta.json").write_text(json.dumps(meta))
     print(f"prepare: done, {meta['tokens']} tokens in {meta['sequences']} sequences, {meta['seconds']} s", flush=True)
 
@@ -233,6 +327,13 @@ def main():
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--aux-layer-ids", type=int, nargs="+", default=list(AUX_LAYER_IDS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--self-distill", action="store_true",
+                   help="answer ShareGPT first turns with the target's own greedy responses")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (--self-distill)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longest prompt kept (--self-distill)")
+    p.add_argument("--batch", type=int, default=16, help="prompts generated together (--self-distill)")
+    p.add_argument("--max-prompts", type=int, default=2000, help="prompts answered at most (--self-distill)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop after the batch that passes this (--self-distill)")
     t = sub.add_parser("train", help="train one drafter on prepared data")
     t.add_argument("--data", required=True)
     t.add_argument("--version", choices=("3", "3.1"), required=True)

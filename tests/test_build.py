@@ -199,6 +199,11 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(sources, tmp_pat
     quant = manifest["quantization"]
     assert quant["target"]["precision"] == "fp8" and quant["target"]["top1_agreement"] > 0.8
     assert quant["drafter"]["kl"] < 0.05 and quant["calibration"]["prompts_used"] == 4
+    # Measured on held-out MT-bench prompts: greedy continuations and tau of the built pair.
+    assert quant["evaluation"]["prompts_used"] == 4
+    assert quant["target"]["continuations"]["continuation_tokens"] > 0
+    assert 0.5 < quant["target"]["continuations"]["greedy_agreement"] <= 1.0
+    assert 1.0 <= quant["tau_quantized"] <= 5 and 1.0 <= quant["tau_reference"] <= 5
     assert manifest["backends"] == ["onnxruntime"]  # the torch backend runs unquantized builds only
     import onnx
 
@@ -206,3 +211,19 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(sources, tmp_pat
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     lossless = [c for c in manifest["validation"]["checks"] if c["name"].startswith("lossless")]
     assert lossless and all(c["ok"] for c in lossless)
+
+
+def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
+    from eagle_export.build import calibration_prompts, evaluation_prompts
+    from eagle_export.recipe import load_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", sources),
+                         overrides={"calibration.num_samples": 5, "evaluation.num_prompts": 3})
+    target_dir = sources[0]
+    calibration = calibration_prompts(recipe, target_dir)
+    evaluation = evaluation_prompts(recipe, target_dir, calibration)
+    assert len(calibration) == 5 and len(evaluation) == 3
+    assert not {tuple(p) for p in calibration} & {tuple(p[:recipe["calibration"]["max_tokens"]]) for p in evaluation}
+    every = load_recipe(write_recipe(tmp_path / "r2.yaml", sources), overrides={"calibration.num_samples": 80})
+    with pytest.raises(EagleExportError, match="leaving none to evaluate"):
+        evaluation_prompts(every, target_dir, calibration_prompts(every, target_dir))

@@ -231,3 +231,21 @@ def test_fp8_sample_target_stays_close_to_fp32(sample_target):
         top5 = target(*args)[0][0].topk(5, dim=-1).indices
         in_top5.append((top5 == qtarget(*args)[0][0].argmax(-1, keepdim=True)).any(-1))
     assert torch.cat(in_top5).float().mean() > 0.95
+
+
+def test_greedy_continuation_agreement_and_tau(models, fp8):
+    target, drafter, prompts = models
+    same = Q.greedy_continuation_agreement(target, target, prompts, new_tokens=12)
+    assert same["greedy_agreement"] == 1.0 and same["free_running_prefix"] == 1.0
+    assert same["continuation_tokens"] == 24 and same["prompts"] == 2
+    qtarget, qdrafter = fp8
+    quant = Q.greedy_continuation_agreement(target, qtarget, prompts, new_tokens=12)
+    assert 0.5 < quant["greedy_agreement"] <= 1.0 and 0.0 <= quant["free_running_prefix"] <= 1.0
+    # A broken model (its last layer's MLP zeroed) must show up as disagreement.
+    broken = copy.deepcopy(target)
+    broken.layers[-1].mlp.down_proj.weight.zero_()
+    assert Q.greedy_continuation_agreement(target, broken, prompts, new_tokens=12)["greedy_agreement"] < 0.9
+    # tau of a drafter against itself is that drafter's tau; it is >= 1 and <= depth + 1.
+    tau = Q.speculative_tau(target, drafter, prompts, 12, DEPTH)
+    assert 1.0 <= tau <= DEPTH + 1
+    assert Q.speculative_tau(target, drafter, prompts, 12, DEPTH) == tau
