@@ -114,7 +114,7 @@ def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
     reference_drafter = copy.deepcopy(drafter)
     reference_drafter.share_embeddings(reference_target.embed_tokens)
     report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)},
-              "evaluation": {**ev, "prompts_used": len(evaluation)}}
+              "evaluation": {**ev, "prompts_used": len(evaluation), "prompt_ids": evaluation}}
     if precision["drafter"] in QUANTIZED:
         # The drafter calibrates on the target's aux states, so take them before the target changes.
         Q.quantize(drafter, precision["drafter"], Q.drafter_calibration_batches(target, prompts), exclude=keep)
@@ -239,7 +239,9 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             from .validate import validate_build_dir
 
             write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
-            content["validation"] = validate_build_dir(tmp, reference=(target, drafter), quick=True)
+            # Validation compares with the unquantized models: the ones here are quantized in place.
+            unquantized = None if model_precisions & set(QUANTIZED) else (target, drafter)
+            content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
             if not content["validation"]["ok"]:
                 raise EagleExportError("the build failed its own validation: "
                                        + "; ".join(content["validation"]["failures"]),

@@ -101,8 +101,10 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
             overrides[key] = value
     manifest = run_build(load_recipe(recipe, overrides), out_dir, force=force, echo=click.echo)
     checks = manifest["validation"]["checks"]
+    passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
     click.echo(f"built {out_dir}: {len(manifest['artifacts'])} artifacts, backends "
-               f"{', '.join(manifest['backends'])}; validation {sum(c['ok'] for c in checks)}/{len(checks)} checks passed")
+               f"{', '.join(manifest['backends'])}; validation {passed}/{len(checks)} checks passed"
+               + (f", {skipped} skipped (`eagle-export validate` says why)" if skipped else ""))
 
 
 @main.command()
@@ -116,8 +118,9 @@ def validate(build_dir, as_json):
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
+        label = {True: "ok  ", False: "FAIL", None: "SKIP"}
         for check in report["checks"]:
-            click.echo(f"{'ok  ' if check['ok'] else 'FAIL'}  {check['name']}: {check['detail']}")
+            click.echo(f"{label[check['ok']]}  {check['name']}: {check['detail']}")
     if not report["ok"]:
         sys.exit(1)
 

@@ -143,11 +143,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up_proj = None  # gate and up as one Linear once passes.fuse_gate_up has run
+        self.intermediate_size = intermediate  # an int of its own: a quantized down_proj may not keep in_features
 
     def forward(self, x):
         if self.gate_up_proj is not None:
             # split at a Python int, not chunk(2): the exporter turns chunk into shape arithmetic
-            gate, up = self.gate_up_proj(x).split(self.down_proj.in_features, dim=-1)
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -42,15 +42,13 @@ def _eos_ids(manifest: dict) -> tuple[int, ...]:
 
 
 def torch_models(manifest: dict):
-    """The build's torch modules, rebuilt from its sources with the same model passes."""
+    """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
+    even for a quantized build (validation compares its graphs with them)."""
     from .checkpoint import load_drafter, load_target
     from .passes.base import PassManager
     from .passes.model_pipeline import EagleModels, model_passes
 
     models = manifest["models"]
-    if models["target"]["precision"] in ("fp8", "nvfp4") or models["drafter"]["precision"] in ("fp8", "nvfp4"):
-        raise EagleExportError("the torch backend runs unquantized builds only",
-                               "use --backend onnxruntime (FP8) or tensorrt for this build")
     for role in ("target", "drafter"):
         if not Path(manifest["sources"][role]).is_dir():
             raise EagleExportError(f"the torch backend needs the {role} checkpoint {manifest['sources'][role]}, "
@@ -91,6 +89,11 @@ def make_backend(path: Path, manifest: dict, backend: str, threads: int | None =
                                "use --backend onnxruntime, or rebuild on a machine with TensorRT and a GPU")
     if backend == "torch":
         from .unrolled import TargetGraph, UnrolledDrafter
+
+        models = manifest["models"]
+        if models["target"]["precision"] in ("fp8", "nvfp4") or models["drafter"]["precision"] in ("fp8", "nvfp4"):
+            raise EagleExportError("the torch backend runs unquantized builds only",
+                                   "use --backend onnxruntime (FP8) or tensorrt for this build")
 
         target, drafter = torch_models(manifest)
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,12 +3,19 @@
 1. every artifact's sha256 against the manifest;
 2. the ONNX graphs against the torch modules they came from (rebuilt from the recorded sources
    with the same passes), on the same inputs: ids identical, values within the dtype's tolerance;
+   a quantized graph, whose quantized torch module is gone, against the unquantized torch model
+   on the held-out prompts the build recorded: its greedy (draft) ids must agree with it about as
+   often as the torch fake-quantized model's did at build time;
 3. the lossless loop: speculative decoding through the build's graphs equals target-only greedy
    decoding through the same target graph, and (unquantized builds) the torch target's own.
+
+A check is (name, ok, detail) with ok True, False or None; None is a check that could not run
+here, the reason in detail: it is reported as skipped, never counted as passed.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -21,6 +28,13 @@ from .runtime import GenerationConfig
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
 CHECK_PROMPTS = ("Explain what a speculative decoder does.", "Write a haiku about autumn.",
                  "List three prime numbers.")
+QUANTIZED = ("fp8", "nvfp4")
+# A quantized graph may agree with the unquantized model this much less often than the torch
+# fake-quantized model did at build time, for the graph's own rounding.
+AGREEMENT_MARGIN = 0.05
+# A checked drafter position is a graph row as wide as its prompt, so checking them all would cost
+# quadratically in the prompt length: these many per prompt, evenly spaced, the last included.
+DRAFTER_POSITIONS = 32
 
 
 def _random_inputs(target, drafter, depth: int, batch: int = 2, past: int = 6, tokens: int = 5):
@@ -40,7 +54,8 @@ def _random_inputs(target, drafter, depth: int, batch: int = 2, past: int = 6, t
     return target_args, drafter_args
 
 
-def _numerics(build_dir: Path, manifest: dict, target, drafter) -> list[tuple[str, bool, str]]:
+def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
+    """The graphs of the roles not in `skip` against their torch modules, on random inputs."""
     from . import contract as C
     from .export import ort_session, run_onnx
     from .unrolled import TargetGraph, UnrolledDrafter
@@ -50,27 +65,113 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter) -> list[tuple[st
     dtype = manifest["models"]["target"]["dtype"]
     tol = TOLERANCE[dtype]
     checks = []
+    if "target" not in skip:
+        spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
+        args = target_args
+        with torch.no_grad():
+            expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
+        got = run_onnx(ort_session(build_dir / "target.onnx"), spec, args)
+        agree = (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item()
+        aux_err = ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
+                   / expected[C.AUX_HIDDEN].float().abs().max()).item()
+        ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and aux_err <= tol
+        checks.append(("target graph vs torch", ok, f"greedy agreement {agree:.4f}, aux rel. error {aux_err:.2e} "
+                                                    f"(tolerance {tol:g})"))
+    if "drafter" not in skip:
+        depth = manifest["depth"]
+        spec = C.drafter_graph(drafter.config, depth, False)
+        args = drafter_args
+        with torch.no_grad():
+            expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
+        got = run_onnx(ort_session(build_dir / "drafter.onnx"), spec, args)
+        agree = (got[C.DRAFT_IDS] == expected[C.DRAFT_IDS]).float().mean().item()
+        prob_err = (got[C.DRAFT_TOKEN_PROBS].float() - expected[C.DRAFT_TOKEN_PROBS].float()).abs().max().item()
+        ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and prob_err <= max(tol, 1e-4)
+        checks.append(("drafter graph vs torch", ok, f"draft-id agreement {agree:.4f}, prob. error {prob_err:.2e}"))
+    return checks
+
+
+def _agreement_check(manifest: dict, role: str, agree: float, prompts: int, positions: int) -> tuple:
+    """Pass at AGREEMENT_MARGIN below the build-time agreement, and 3 standard errors lower when
+    only some of its positions were checked (quick: one prompt; drafter: a sample of each), as one
+    prompt's agreement strays from the average by far more than the margin on small models.
+    Checking every recorded position leaves no sampling allowance (finite population correction)."""
+    measured, recorded_prompts = manifest["quantization"][role], manifest["quantization"]["evaluation"]["prompt_ids"]
+    p, total = measured["top1_agreement"], measured["positions"]
+    sampling = 3 * math.sqrt(p * (1 - p) / positions * max(0.0, 1 - positions / total))
+    floor = p - AGREEMENT_MARGIN - sampling
+    return (f"quantized {role} graph vs unquantized torch", agree >= floor,
+            f"{'greedy' if role == 'target' else 'step-0 draft'} agreement {agree:.4f} at {positions} positions "
+            f"of {prompts}/{len(recorded_prompts)} prompts; torch fake-quant {p:.4f} at all {total} at build time; "
+            f"pass >= {floor:.4f} (margin {AGREEMENT_MARGIN:g} + sampling {sampling:.3f})")
+
+
+@torch.no_grad()
+def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: list[list[int]]) -> tuple:
+    """target.onnx's greedy ids against the unquantized torch target's argmax over every position
+    of the prompts' prefills (the positions manifest.quantization.target.top1_agreement covers)."""
+    from . import contract as C
+    from .quant_export import run_quantized_graph
+
+    # One right-padded batch, one graph run: causal attention keeps the padding out of every
+    # real position, and an NVFP4 graph is loaded into onnx.reference once.
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = torch.tensor(p)
+    positions = torch.arange(ids.shape[1]).repeat(len(prompts), 1)
+    past_key, past_value = target.empty_cache(len(prompts), 0)
+    args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
     spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
-    args = target_args
-    with torch.no_grad():
-        expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
-    got = run_onnx(ort_session(build_dir / "target.onnx"), spec, args)
-    agree = (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item()
-    aux_err = ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
-               / expected[C.AUX_HIDDEN].float().abs().max()).item()
-    ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and aux_err <= tol
-    checks.append(("target graph vs torch", ok, f"greedy agreement {agree:.4f}, aux rel. error {aux_err:.2e} "
-                                                f"(tolerance {tol:g})"))
-    depth = manifest["depth"]
-    spec = C.drafter_graph(drafter.config, depth, False)
-    args = drafter_args
-    with torch.no_grad():
-        expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
-    got = run_onnx(ort_session(build_dir / "drafter.onnx"), spec, args)
-    agree = (got[C.DRAFT_IDS] == expected[C.DRAFT_IDS]).float().mean().item()
-    prob_err = (got[C.DRAFT_TOKEN_PROBS].float() - expected[C.DRAFT_TOKEN_PROBS].float()).abs().max().item()
-    ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and prob_err <= max(tol, 1e-4)
-    checks.append(("drafter graph vs torch", ok, f"draft-id agreement {agree:.4f}, prob. error {prob_err:.2e}"))
+    got = run_quantized_graph(build_dir / "target.onnx", spec, args)[C.GREEDY_IDS]
+    expected = target(*args)[0].argmax(-1)
+    real = positions < lengths[:, None]
+    agree = float((got == expected)[real].float().mean())
+    return _agreement_check(manifest, "target", agree, len(prompts), int(real.sum()))
+
+
+@torch.no_grad()
+def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, prompts: list[list[int]]) -> tuple:
+    """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
+    unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
+    from . import contract as C
+    from .quant_export import run_quantized_graph
+    from .quantize import drafter_calibration_batches
+
+    spec = C.drafter_graph(drafter.config, manifest["depth"], False)
+    dtype = drafter.fc.weight.dtype
+    agree, total = 0, 0
+    for ids, aux, positions in drafter_calibration_batches(target, prompts):
+        width = ids.shape[1]
+        k, v = drafter.empty_cache(1, 0)
+        logits = drafter(ids, drafter.fuse_aux(aux.to(dtype)), positions, k, v, torch.zeros(1, dtype=torch.long))[0]
+        expected = drafter.to_target_ids(logits[0].argmax(-1))
+        # One graph row per checked position: the whole prompt with num_valid = position + 1, so
+        # the graph's first draft is its step-0 draft at that position.
+        rows = torch.linspace(width - 1, 0, min(DRAFTER_POSITIONS, width)).round().long().unique()
+        k, v = drafter.empty_cache(len(rows), 0)
+        args = (ids.repeat(len(rows), 1), aux.to(dtype).repeat(len(rows), 1, 1), rows + 1, k, v,
+                torch.zeros(len(rows), dtype=torch.long))
+        got = run_quantized_graph(build_dir / "drafter.onnx", spec, args)[C.DRAFT_IDS][:, 0]
+        agree += int((got == expected[rows]).sum())
+        total += len(rows)
+    return _agreement_check(manifest, "drafter", agree / total, len(prompts), total)
+
+
+def _quantized_graphs(build_dir: Path, manifest: dict, target, drafter, roles: set[str], quick: bool) -> list:
+    """The quantized roles' graphs against the unquantized torch models, on the build's held-out prompts."""
+    prompts = manifest["quantization"].get("evaluation", {}).get("prompt_ids")
+    if not prompts:
+        return [(f"quantized {role} graph vs unquantized torch", None,
+                 "the build recorded no evaluation prompt ids (made by an older eagle-export): rebuild to check")
+                for role in sorted(roles, reverse=True)]
+    # NVFP4 graphs run in onnx.reference, slow on a large model: quick checks one prompt.
+    prompts = prompts[:1] if quick else prompts
+    checks = []
+    if "target" in roles:
+        checks.append(quantized_target_check(build_dir, manifest, target, prompts))
+    if "drafter" in roles:
+        checks.append(quantized_drafter_check(build_dir, manifest, target, drafter, prompts))
     return checks
 
 
@@ -97,7 +198,8 @@ def _lossless(build_dir: Path, manifest: dict, target, prompts_count: int, new_t
 
 
 def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
-    """Run every check; `reference` = (target, drafter) torch modules when the caller has them."""
+    """Run every check; `reference` = the unquantized (target, drafter) torch modules the build was
+    made from, when the caller has them (else they are rebuilt from the recorded sources)."""
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
     checks = []
@@ -107,18 +209,16 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     if problems:  # nothing else is trustworthy
         return _summary(checks)
     precisions = {manifest["models"][m]["precision"] for m in ("target", "drafter")}
-    quantized = bool(precisions & {"fp8", "nvfp4"})
-    if reference is None and not quantized:
+    quantized = {m for m in ("target", "drafter") if manifest["models"][m]["precision"] in QUANTIZED}
+    if reference is None:
         from .session import torch_models
 
         reference = torch_models(manifest)
-    if not quantized:
-        checks += _numerics(build_dir, manifest, *reference)
-    else:
-        checks.append(("graphs vs torch", True, "quantized build: its metrics against the unquantized "
-                                                "reference were recorded at build time (manifest.quantization)"))
+    checks += _numerics(build_dir, manifest, *reference, skip=quantized)
+    if quantized:
+        checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
     if "nvfp4" in precisions:
-        checks.append(("lossless loop", True, "skipped: ONNX Runtime has no FP4 kernels on this machine"))
+        checks.append(("lossless loop", None, "not run: ONNX Runtime, which runs the loop here, has no FP4 kernels"))
     else:
         target = None if quantized else reference[0]
         checks += _lossless(build_dir, manifest, target, 2 if quick else 3, 16 if quick else 32)
@@ -126,9 +226,13 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
 
 
 def _summary(checks) -> dict:
-    failures = [f"{name}: {detail}" for name, ok, detail in checks if not ok]
+    """ok None (skipped) is neither a pass nor a failure: it is listed on its own."""
+    checks = [(name, None if ok is None else bool(ok), detail) for name, ok, detail in checks]  # no numpy bools
+    status = {True: "passed", False: "failed", None: "skipped"}
+    failures = [f"{name}: {detail}" for name, ok, detail in checks if ok is False]
     return {"ok": not failures, "failures": failures,
-            "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks]}
+            "skipped": [f"{name}: {detail}" for name, ok, detail in checks if ok is None],
+            "checks": [{"name": n, "ok": ok, "status": status[ok], "detail": d} for n, ok, d in checks]}
 
 
 def validate(build_dir) -> dict:

@@ -188,14 +188,29 @@ def test_engines_for_another_gpu_are_refused(built, tmp_path):
     assert opened.runtime.backend.name == "onnxruntime"
 
 
-def test_fp8_build_quantizes_records_metrics_and_stays_lossless(sources, tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", sources).read_text()
+def quantized_build(sources, root, precision: str):
+    """A tiny build with both models at `precision`, calibrated on 4 prompts."""
+    recipe = write_recipe(root / "r.yaml", sources).read_text()
     recipe = recipe.replace("precision: {target: fp32, drafter: fp32}",
-                            "precision: {target: fp8, drafter: fp8}\ncalibration: {num_samples: 4, max_tokens: 32}")
-    (tmp_path / "r.yaml").write_text(recipe)
-    result = CliRunner().invoke(main, ["build", "--recipe", str(tmp_path / "r.yaml"), "-o", str(tmp_path / "out")])
+                            f"precision: {{target: {precision}, drafter: {precision}}}\n"
+                            "calibration: {num_samples: 4, max_tokens: 32}")
+    (root / "r.yaml").write_text(recipe)
+    result = CliRunner().invoke(main, ["build", "--recipe", str(root / "r.yaml"), "-o", str(root / "out")])
     assert result.exit_code == 0, result.output
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    return root / "out", result.output
+
+
+@pytest.fixture(scope="module")
+def fp8_built(tmp_path_factory, sources):
+    return quantized_build(sources, tmp_path_factory.mktemp("fp8"), "fp8")
+
+
+GRAPH_CHECKS = ("quantized target graph vs unquantized torch", "quantized drafter graph vs unquantized torch")
+
+
+def test_fp8_build_quantizes_records_metrics_and_stays_lossless(fp8_built):
+    out, _ = fp8_built
+    manifest = json.loads((out / "manifest.json").read_text())
     quant = manifest["quantization"]
     assert quant["target"]["precision"] == "fp8" and quant["target"]["top1_agreement"] > 0.8
     assert quant["drafter"]["kl"] < 0.05 and quant["calibration"]["prompts_used"] == 4
@@ -207,10 +222,78 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(sources, tmp_pat
     assert manifest["backends"] == ["onnxruntime"]  # the torch backend runs unquantized builds only
     import onnx
 
-    ops = {n.op_type for n in onnx.load(tmp_path / "out" / "target.onnx").graph.node}
+    ops = {n.op_type for n in onnx.load(out / "target.onnx").graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     lossless = [c for c in manifest["validation"]["checks"] if c["name"].startswith("lossless")]
     assert lossless and all(c["ok"] for c in lossless)
+    # The graphs were run against the unquantized models on the recorded prompts; nothing was skipped.
+    prompt_ids = quant["evaluation"]["prompt_ids"]
+    assert len(prompt_ids) == 4 and all(isinstance(i, int) for p in prompt_ids for i in p)
+    checks = {c["name"]: c for c in manifest["validation"]["checks"]}
+    assert all(checks[name]["status"] == "passed" and "1/4 prompts" in checks[name]["detail"]
+               for name in GRAPH_CHECKS)
+    assert manifest["validation"]["skipped"] == [] and all(c["ok"] is True for c in checks.values())
+
+
+def scale_first_fp8_weight(path, factor: float) -> None:
+    """Multiply the scale of the first FP8 weight's DequantizeLinear (a Constant node) by `factor`."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    model = onnx.load(path)
+    fp8 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT8E4M3FN}
+    scale = next(n.input[1] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp8)
+    tensor = next(n for n in model.graph.node if n.op_type == "Constant" and n.output[0] == scale).attribute[0].t
+    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * factor, tensor.name))
+    onnx.save(model, path)
+
+
+def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_path):
+    from eagle_export.manifest import artifact_hashes
+
+    out, _ = fp8_built
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    scale_first_fp8_weight(copy / "target.onnx", 1000.0)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["artifacts"] = artifact_hashes(copy)  # a consistent build with a wrong graph in it
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["validate", str(copy)])
+    assert result.exit_code == 1, result.output
+    assert f"FAIL  {GRAPH_CHECKS[0]}: greedy agreement" in result.output
+    assert f"ok    {GRAPH_CHECKS[1]}" in result.output
+    # The lossless loop runs this same graph on both sides, so it cannot see the fault.
+    assert "ok    lossless: speculative == autoregressive" in result.output
+
+
+def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_built, tmp_path):
+    from eagle_export.validate import validate_build_dir
+
+    out, _ = fp8_built
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["quantization"]["evaluation"]["prompt_ids"]  # as an older eagle-export wrote it
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    report = validate_build_dir(copy, quick=True)
+    skipped = {c["name"]: c for c in report["checks"] if c["status"] == "skipped"}
+    assert report["ok"] and set(skipped) == set(GRAPH_CHECKS) and len(report["skipped"]) == 2
+    assert all(c["ok"] is None and "recorded no evaluation prompt ids" in c["detail"] for c in skipped.values())
+
+
+def test_nvfp4_build_runs_its_graphs_and_skips_the_lossless_loop(sources, tmp_path):
+    out, log = quantized_build(sources, tmp_path, "nvfp4")
+    assert "validation 3/4 checks passed, 1 skipped" in log
+    manifest = json.loads((out / "manifest.json").read_text())
+    checks = {c["name"]: c for c in manifest["validation"]["checks"]}
+    assert all(checks[name]["status"] == "passed" for name in GRAPH_CHECKS)
+    assert checks["lossless loop"]["ok"] is None and checks["lossless loop"]["status"] == "skipped"
+    assert manifest["validation"]["skipped"] == ["lossless loop: " + checks["lossless loop"]["detail"]]
+    result = CliRunner().invoke(main, ["validate", str(out)])  # every recorded prompt, in onnx.reference
+    assert result.exit_code == 0, result.output
+    assert "SKIP  lossless loop: not run: ONNX Runtime" in result.output and "no FP4 kernels" in result.output
+    assert f"ok    {GRAPH_CHECKS[0]}: greedy agreement" in result.output and "4/4 prompts" in result.output
+    assert f"ok    {GRAPH_CHECKS[1]}" in result.output
 
 
 def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
