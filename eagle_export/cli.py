@@ -250,11 +250,14 @@ def list_passes():
 @click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
 @click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")
 @click.option("--tau-prompts", default=0, show_default=True, type=int, help="MT-bench prompts to measure tau on (needs --draft).")
+@click.option("--continuation-prompts", default=0, show_default=True, type=int,
+              help="MT-bench prompts whose greedy continuations (--max-new-tokens) the quantized target must follow.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Continuation length for tau and agreement.")
 @click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K for tau and the drafter graph.")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(), help="Export and check the quantized graphs here.")
 @click.option("--json", "json_file", default=None, type=click.Path(), help="Write the metrics to this file.")
-def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts, depth,
-                     out_dir, json_file):
+def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts,
+                     continuation_prompts, max_new_tokens, depth, out_dir, json_file):
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
     from pathlib import Path
 
@@ -262,7 +265,9 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
 
     report = quantize_models(target_dir, drafter_dir, precision, out_dir, depth,
                              exclude=tuple(k for k in keep.split(",") if k), calib_prompts=calib_prompts,
-                             eval_prompts=eval_prompts, tau_prompts=tau_prompts, progress=click.echo)
+                             eval_prompts=eval_prompts, tau_prompts=tau_prompts,
+                             continuation_prompts=continuation_prompts, max_new_tokens=max_new_tokens,
+                             progress=click.echo)
     text = json.dumps(report, indent=2)
     click.echo(text)
     if json_file:

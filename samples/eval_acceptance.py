@@ -17,12 +17,14 @@ prompt of the first set.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.prompts import ChatTemplate, prompt_sets
 from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
@@ -76,9 +78,16 @@ def score(args) -> None:
     target = load_target(sample_target_dir(), aux_layer_ids=AUX_LAYER_IDS).eval()
     eos_ids = (target.config.eos_token_id,)
     results = {}
+    drafters = []
     for drafter_dir in args.drafters:
         drafter = load_drafter(drafter_dir, target=target, dtype=torch.float32)
-        name = Path(drafter_dir).name
+        drafters.append((Path(drafter_dir).name, drafter))
+        if args.quantize:  # ModelOpt, calibrated on the target's aux states for ShareGPT conversations
+            calibration = Q.drafter_calibration_batches(target, Q.chat_prompts(sample_target_dir(), "sharegpt", 16))
+            for precision in args.quantize:
+                quantized = Q.quantize(copy.deepcopy(drafter), precision, calibration)
+                drafters.append((f"{Path(drafter_dir).name} ({precision})", quantized))
+    for name, drafter in drafters:
         results[name] = {}
         for set_name in args.sets:
             saved = torch.load(data / f"{set_name}.pt")
@@ -89,7 +98,7 @@ def score(args) -> None:
                                          DEPTHS, eos_ids)
                 for k in DEPTHS:
                     accepted[k] += replayed[k].accepted
-                if i == 0 and set_name == args.sets[0] and args.cross_check:  # replay == the loop itself
+                if i == 0 and set_name == args.sets[0] and args.cross_check and "(" not in name:  # replay == the loop itself
                     for k in (2, 5):
                         loop = speculative_generate(target, drafter, rec["sequence"][:rec["prompt_len"]], max_new, k,
                                                     eos_ids)
@@ -118,6 +127,15 @@ def markdown_tables(results: dict) -> str:
         for set_name, by_depth in sets.items():
             rates = by_depth[max(DEPTHS)]["acceptance_by_depth"]
             lines.append(f"| {name} | {set_name} | " + " | ".join(f"{r:.2f}" for r in rates) + " |")
+    quantized = [n for n in results if n.endswith(")")]
+    if quantized:
+        lines += ["", "Quantized drafters: tau at K=4 relative to the same drafter unquantized:", "",
+                  "| drafter | " + " | ".join(next(iter(results.values()))) + " |",
+                  "|---|" + "---|" * len(next(iter(results.values())))]
+        for name in quantized:
+            base = results[name.rsplit(" (", 1)[0]]
+            lines.append(f"| {name} | " + " | ".join(f"{by_depth[4]['tau'] / base[s][4]['tau']:.3f}"
+                                                     for s, by_depth in results[name].items()) + " |")
     return "\n".join(lines)
 
 
@@ -137,6 +155,8 @@ def main():
     s.add_argument("--json", default="acceptance.json")
     s.add_argument("--no-cross-check", dest="cross_check", action="store_false")
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--quantize", nargs="*", default=[], choices=Q.PRECISIONS,
+                   help="also score each drafter quantized with ModelOpt at these precisions (target unquantized)")
     args = parser.parse_args()
     generate(args) if args.command == "generate" else score(args)
 
