@@ -402,7 +402,10 @@ def quantize_models(target_dir, drafter_dir, precision: str, out_dir=None, depth
 
     progress = progress or (lambda message: None)
     target = load_target(target_dir).eval()
-    drafter = load_drafter(drafter_dir, target=target).eval() if drafter_dir else None
+    # One dtype for the pair: the drafter reads the target's aux states (a bf16 drafter beside an
+    # fp32 target would fail inside its first Linear).
+    dtype = target.embed_tokens.weight.dtype
+    drafter = load_drafter(drafter_dir, target=target, dtype=dtype).eval() if drafter_dir else None
     if drafter is not None:
         target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
     calib = chat_prompts(target_dir, "sharegpt", calib_prompts)

@@ -249,3 +249,15 @@ def test_greedy_continuation_agreement_and_tau(models, fp8):
     tau = Q.speculative_tau(target, drafter, prompts, 12, DEPTH)
     assert 1.0 <= tau <= DEPTH + 1
     assert Q.speculative_tau(target, drafter, prompts, 12, DEPTH) == tau
+
+
+def test_quantize_models_takes_a_bf16_drafter_beside_an_fp32_target(tmp_path):
+    """Published drafters are bf16 while the target loads in fp32 here: the pair gets one dtype."""
+    from safetensors.torch import load_file, save_file
+
+    target_dir = write_tiny_target(tmp_path / "t", "llama", num_hidden_layers=3)
+    drafter_dir = write_tiny_drafter(tmp_path / "d", "3.1", aux=(0, 1, 2))
+    for f in drafter_dir.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
+    report = Q.quantize_models(target_dir, drafter_dir, "fp8", calib_prompts=2, eval_prompts=2)
+    assert 0.0 <= report["drafter"]["kl"] and report["drafter"]["positions"] > 0
