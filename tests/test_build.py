@@ -154,6 +154,8 @@ def test_interrupted_build_leaves_nothing(sources, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import sys
+        import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import eagle_export.export as E
         real = E.export_drafter
         def slow_export(*args, **kwargs):

@@ -86,6 +86,8 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path):
     """A real SIGINT (Ctrl-C) to a process in the middle of a build."""
     script = textwrap.dedent(f"""
         import time, pathlib
+        import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from eagle_export.manifest import atomic_build_dir
         with atomic_build_dir(pathlib.Path({str(tmp_path)!r}) / "build") as tmp:
             (tmp / "target.onnx").write_bytes(b"partial")
