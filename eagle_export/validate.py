@@ -188,8 +188,12 @@ def _lossless(build_dir: Path, manifest: dict, target, prompts_count: int, new_t
     ar = opened.runtime.generate(prompts, config, speculative=False)
     same = all(s.tokens == a.tokens for s, a in zip(spec, ar))
     tau = sum(r.stats.tau for r in spec) / len(spec)
-    checks = [("lossless: speculative == autoregressive (onnxruntime)", same,
-               f"{len(prompts)} prompts x {new_tokens} tokens, batch {len(prompts)}, tau {tau:.2f}")]
+    detail = f"{len(prompts)} prompts x {new_tokens} tokens, batch {len(prompts)}, tau {tau:.2f}"
+    if not same:  # where each prompt first parts ways tells a numerics flip from a broken loop
+        first = [next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), None)
+                 for s, a in zip(spec, ar)]
+        detail += "; first differing token per prompt: " + ", ".join("-" if i is None else str(i) for i in first)
+    checks = [("lossless: speculative == autoregressive (onnxruntime)", same, detail)]
     if target is not None:
         torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens) for s, p in zip(spec, prompts))
         checks.append(("lossless: speculative (onnxruntime) == torch target greedy", torch_greedy,
