@@ -110,10 +110,10 @@ def prepare(args) -> None:
     print(f"prepare: done, {meta['tokens']} tokens in {meta['sequences']} sequences, {meta['seconds']} s", flush=True)
 
 
-def sharegpt_first_turns(template: ChatTemplate, max_prompt_tokens: int, skip: int = 0):
+def sharegpt_first_turns(template: ChatTemplate, max_prompt_tokens: int):
     """First user turns of ShareGPT conversations, as chat prompts (generation prompt appended)."""
     for i, messages in enumerate(sharegpt_conversations()):
-        if i < skip or not messages or messages[0]["role"] != "user":
+        if not messages or messages[0]["role"] != "user":
             continue
         ids = template.encode_chat(messages[:1], add_generation_prompt=True)
         if 8 <= len(ids) <= max_prompt_tokens:
