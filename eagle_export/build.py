@@ -18,9 +18,8 @@ import torch
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
 from .manifest import atomic_build_dir, write_manifest
-from .recipe import Recipe
+from .recipe import QUANTIZED, Recipe
 
-QUANTIZED = ("fp8", "nvfp4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 

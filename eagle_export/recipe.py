@@ -17,6 +17,7 @@ import yaml
 from .errors import EagleExportError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
+QUANTIZED = ("fp8", "nvfp4")  # the precisions that go through ModelOpt
 CALIBRATION_SETS = ("mt-bench", "sharegpt", "humaneval")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SAMPLE_RECIPE = RECIPES_DIR / "smollm2-135m-eagle3.1.yaml"

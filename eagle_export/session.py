@@ -10,6 +10,7 @@ import torch
 
 from .errors import EagleExportError
 from .manifest import read_manifest, verify_artifacts
+from .recipe import QUANTIZED
 from .runtime import SpeculativeRuntime
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
@@ -91,7 +92,7 @@ def make_backend(path: Path, manifest: dict, backend: str, threads: int | None =
         from .unrolled import TargetGraph, UnrolledDrafter
 
         models = manifest["models"]
-        if models["target"]["precision"] in ("fp8", "nvfp4") or models["drafter"]["precision"] in ("fp8", "nvfp4"):
+        if models["target"]["precision"] in QUANTIZED or models["drafter"]["precision"] in QUANTIZED:
             raise EagleExportError("the torch backend runs unquantized builds only",
                                    "use --backend onnxruntime (FP8) or tensorrt for this build")
 

@@ -22,13 +22,13 @@ import torch
 
 from .errors import EagleExportError
 from .manifest import read_manifest, verify_artifacts
+from .recipe import QUANTIZED
 from .runtime import GenerationConfig
 
 # max |onnx - torch| / max |torch| allowed for logits and draft probabilities, by export dtype
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
 CHECK_PROMPTS = ("Explain what a speculative decoder does.", "Write a haiku about autumn.",
                  "List three prime numbers.")
-QUANTIZED = ("fp8", "nvfp4")
 # A quantized graph may agree with the unquantized model this much less often than the torch
 # fake-quantized model did at build time, for the graph's own rounding.
 AGREEMENT_MARGIN = 0.05
