@@ -77,35 +77,42 @@ def prepare(args) -> None:
         total += len(ids)
         if total >= args.tokens:
             break
-    # The draft vocabulary: the most frequent tokens, counted over the training text (inputs and the
-    # target's continuations are the same text here); ties and the remainder go to the lowest ids.
-    counts = Counter(t for ids in sequences for t in ids)
-    ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), t))
-    draft_to_target = np.array(sorted(ranked[:args.draft_vocab]), dtype=np.int64)
-    np.save(out / "draft_vocab.npy", draft_to_target)
-
-    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    aux = np.lib.format.open_memmap(out / "aux.npy", mode="w+", dtype=np.float16,
-                                    shape=(int(offsets[-1]), target.aux_width))
-    tokens = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
-    greedy = np.lib.format.open_memmap(out / "greedy.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
+    start, results, done = time.time(), [], 0
     empty_k, empty_v = target.empty_cache(1, 0)
-    start = time.time()
     with torch.no_grad():
         for i, ids in enumerate(sequences):
-            x = torch.tensor([ids])
-            logits, aux_states, _, _ = target(x, torch.arange(len(ids))[None], empty_k, empty_v, torch.tensor([0]))
-            a, b = offsets[i], offsets[i + 1]
-            aux[a:b] = aux_states[0].numpy().astype(np.float16)
-            tokens[a:b] = ids
-            greedy[a:b] = logits[0].argmax(-1).numpy()
+            logits, aux, _, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], empty_k, empty_v,
+                                       torch.tensor([0]))
+            results.append((ids, aux[0].numpy().astype(np.float16), logits[0].argmax(-1).numpy()))
+            done += len(ids)
             if i % 10 == 0:
-                print(f"prepare: {b}/{offsets[-1]} tokens, {b / (time.time() - start):.0f} tokens/s", flush=True)
+                print(f"prepare: {done}/{total} tokens, {done / (time.time() - start):.0f} tokens/s", flush=True)
+    # The draft vocabulary: the most frequent tokens, counted over the training text (inputs and the
+    # target's continuations are the same text here).
+    counts = Counter(t for ids in sequences for t in ids)
+    write_dataset(out, results, counts, args, target, target_dir, start, seq_len=args.seq_len)
+
+
+def write_dataset(out: Path, results, counts: Counter, args, target, target_dir: Path, start: float, **meta) -> None:
+    """The cache both drafters train from: per token its id, aux states (fp16) and the target's greedy
+    next token, as numpy memmaps indexed by meta.json's offsets; and the draft vocabulary, the
+    `--draft-vocab` most frequent tokens of `counts` (ties and the remainder go to the lowest ids)."""
+    lengths = np.array([len(r[0]) for r in results], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n = int(offsets[-1])
+    aux = np.lib.format.open_memmap(out / "aux.npy", mode="w+", dtype=np.float16, shape=(n, target.aux_width))
+    tokens = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=np.int32, shape=(n,))
+    greedy = np.lib.format.open_memmap(out / "greedy.npy", mode="w+", dtype=np.int32, shape=(n,))
+    for i, (t, a, g) in enumerate(results):
+        tokens[offsets[i]:offsets[i + 1]] = t
+        aux[offsets[i]:offsets[i + 1]] = a.astype(np.float16)
+        greedy[offsets[i]:offsets[i + 1]] = g
     aux.flush(), tokens.flush(), greedy.flush()
+    ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), t))
+    np.save(out / "draft_vocab.npy", np.array(sorted(ranked[:args.draft_vocab]), dtype=np.int64))
     meta = {"target": str(target_dir), "aux_layer_ids": list(args.aux_layer_ids), "offsets": offsets.tolist(),
-            "sequences": len(sequences), "tokens": int(offsets[-1]), "seq_len": args.seq_len,
-            "draft_vocab": args.draft_vocab, "seconds": round(time.time() - start, 1)}
+            "sequences": len(results), "tokens": n, **meta, "draft_vocab": args.draft_vocab,
+            "seconds": round(time.time() - start, 1)}
     (out / "meta.json").write_text(json.dumps(meta))
     print(f"prepare: done, {meta['tokens']} tokens in {meta['sequences']} sequences, {meta['seconds']} s", flush=True)
 
@@ -169,7 +176,6 @@ def prepare_self_distilled(args, target, template, target_dir: Path, out: Path) 
         if i >= 2000 or len(prompts) == args.max_prompts:
             break
         prompts.append(ids)
-    width = target.aux_width
     eos_id = target.config.eos_token_id
     results, start, total = [], time.time(), 0
     for first in range(0, len(prompts), args.batch):
@@ -179,26 +185,10 @@ def prepare_self_distilled(args, target, template, target_dir: Path, out: Path) 
               f"{total / (time.time() - start):.0f} tokens/s", flush=True)
         if total >= args.tokens or (args.max_minutes and time.time() - start > 60 * args.max_minutes):
             break  # `--max-prompts len(results)` reproduces this data exactly
-    lengths = np.array([len(r[0]) for r in results], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    aux = np.lib.format.open_memmap(out / "aux.npy", mode="w+", dtype=np.float16, shape=(int(offsets[-1]), width))
-    tokens = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
-    greedy = np.lib.format.open_memmap(out / "greedy.npy", mode="w+", dtype=np.int32, shape=(int(offsets[-1]),))
-    for i, (t, a, g) in enumerate(results):
-        tokens[offsets[i]:offsets[i + 1]] = t
-        aux[offsets[i]:offsets[i + 1]] = a.astype(np.float16)
-        greedy[offsets[i]:offsets[i + 1]] = g
-    aux.flush(), tokens.flush(), greedy.flush()
     # Draft vocabulary: the tokens the target itself emits most often (what the drafter must propose).
-    counts = Counter(np.asarray(greedy).tolist())
-    ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), t))
-    np.save(out / "draft_vocab.npy", np.array(sorted(ranked[:args.draft_vocab]), dtype=np.int64))
-    meta = {"target": str(target_dir), "aux_layer_ids": list(args.aux_layer_ids), "offsets": offsets.tolist(),
-            "sequences": len(results), "tokens": int(offsets[-1]), "self_distilled": True, "batch": args.batch,
-            "max_new_tokens": args.max_new_tokens, "draft_vocab": args.draft_vocab,
-            "seconds": round(time.time() - start, 1)}
-    (out / "meta.json").write_text(json.dumps(meta))
-    print(f"prepare: done, {meta['tokens']} tokens in {meta['sequences']} sequences, {meta['seconds']} s", flush=True)
+    counts = Counter(int(t) for _, _, g in results for t in g)
+    write_dataset(out, results, counts, args, target, target_dir, start, self_distilled=True, batch=args.batch,
+                  max_new_tokens=args.max_new_tokens)
 
 
 def load_data(data: Path):
