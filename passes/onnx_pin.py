@@ -6,9 +6,10 @@ import onnx_ir as ir
 
 from .base import PassBase, PassResult
 
-# onnx 1.23's helpers stamp IR version 14 on new models and ONNX Runtime 1.31 refuses to load
-# them; IR 10 (onnx 1.16) is understood by ONNX Runtime and TensorRT 10's parser alike. Anything
-# that builds a ModelProto (exporter, tests) should use this constant rather than its own number.
+# onnx 1.23's helpers stamp IR version 14 on new models; ONNX Runtime up to 1.31 refuses to load
+# them (1.32 accepts them) and TensorRT 10's parser bundles an older onnx. IR 10 (onnx 1.16) is
+# understood by every ONNX Runtime and TensorRT parser this project supports. Anything that builds
+# a ModelProto (exporter, tests) should use this constant rather than its own number.
 ONNX_IR_VERSION = 10
 
 

@@ -217,9 +217,9 @@ def test_pin_ir_version_makes_a_default_onnx_model_loadable():
     proto = make_model([helper.make_node("Relu", ["x"], ["out"], name="relu")],
                        [tensor("x", FLOAT, [4])], [tensor("out", FLOAT, [4])],
                        ir_version=onnx.IR_VERSION)
-    assert onnx.IR_VERSION > ONNX_IR_VERSION  # what onnx's helpers write by default
-    with pytest.raises(Exception, match="(?i)ir.?version|unsupported model"):
-        run(proto, {"x": np.ones(4, np.float32)})
+    # What onnx's helpers write by default, which ONNX Runtime <= 1.31 and TensorRT 10's parser refuse
+    # (whether the installed ONNX Runtime refuses it depends on its version, so it is not asserted).
+    assert onnx.IR_VERSION > ONNX_IR_VERSION
     model = ir.from_proto(proto)
     result = PinIrVersionPass()(model)
     assert (result.modified, result.changes) == (True, {"previous_ir_version": onnx.IR_VERSION})
