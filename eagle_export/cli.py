@@ -261,13 +261,16 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
     from pathlib import Path
 
+    from .quant_export import export_and_check
     from .quantize import quantize_models
 
-    report = quantize_models(target_dir, drafter_dir, precision, out_dir, depth,
-                             exclude=tuple(k for k in keep.split(",") if k), calib_prompts=calib_prompts,
-                             eval_prompts=eval_prompts, tau_prompts=tau_prompts,
-                             continuation_prompts=continuation_prompts, max_new_tokens=max_new_tokens,
-                             progress=click.echo)
+    report, qtarget, qdrafter = quantize_models(
+        target_dir, drafter_dir, precision, depth, exclude=tuple(k for k in keep.split(",") if k),
+        calib_prompts=calib_prompts, eval_prompts=eval_prompts, tau_prompts=tau_prompts,
+        continuation_prompts=continuation_prompts, max_new_tokens=max_new_tokens, progress=click.echo)
+    if out_dir is not None:
+        click.echo(f"exporting and checking the {precision} graphs in {out_dir}")
+        report["graphs"] = export_and_check(qtarget, qdrafter, depth, Path(out_dir))
     text = json.dumps(report, indent=2)
     click.echo(text)
     if json_file:

@@ -5,7 +5,7 @@ FP8 (ModelOpt's quantizers): the TorchScript exporter writes ModelOpt's `trt::TR
 float8e4m3fn zero point of 0 (opset 19+), and each weight's Q is folded into an FP8 initializer, so
 a weight is stored once, in FP8, behind a DequantizeLinear.
 
-NVFP4 (`quantize.NVFP4Linear`): activations are `trt::TRT_FP4DynamicQuantize` -> DequantizeLinear
+NVFP4 (`nvfp4.NVFP4Linear`): activations are `trt::TRT_FP4DynamicQuantize` -> DequantizeLinear
 (FP8 block scales x fp32 global scale) -> DequantizeLinear (FLOAT4E2M1, block_size 16, axis -1);
 weights are FLOAT4E2M1 and FLOAT8E4M3FN initializers behind the same double DequantizeLinear.
 FLOAT4E2M1 in DequantizeLinear needs opset 23, so NVFP4 graphs declare it (as ModelOpt does).
@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 from . import contract as C
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
 from .export import drafter_example, save_model, target_example
+from .nvfp4 import pack_nvfp4
 from .unrolled import TargetGraph, UnrolledDrafter
 
 EXPORT_OPSET = 20
@@ -203,8 +204,6 @@ def trt_lint_findings(model: onnx.ModelProto) -> list[str]:
 def export_quantized_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path) -> dict:
     """Export a graph module holding ModelOpt FP8 quantizers and/or NVFP4Linears to `path`.
     ModelOpt NVFP4 quantizers (the CUDA fake-quant path) are first packed into NVFP4Linears, in place."""
-    from .quantize import pack_nvfp4
-
     start = time.perf_counter()
     pack_nvfp4(module)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():

@@ -19,6 +19,7 @@ from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
 from eagle_export.export import drafter_example, run_onnx, target_example
 from eagle_export.fp4_reference import reference_evaluator
+from eagle_export.nvfp4 import NVFP4Linear
 from eagle_export.quant_export import (export_quantized_drafter, export_quantized_target, fp8_ort_session,
                                        trt_lint_findings)
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -148,7 +149,7 @@ def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
 
 def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4):
     qtarget, _ = nvfp4
-    assert isinstance(qtarget.layers[0].self_attn.q_proj, Q.NVFP4Linear)
+    assert isinstance(qtarget.layers[0].self_attn.q_proj, NVFP4Linear)
     path = tmp_path / "target_nvfp4.onnx"
     report = export_quantized_target(qtarget, path, return_logits=True)
     model = onnx.load(path)
@@ -259,5 +260,5 @@ def test_quantize_models_takes_a_bf16_drafter_beside_an_fp32_target(tmp_path):
     drafter_dir = write_tiny_drafter(tmp_path / "d", "3.1", aux=(0, 1, 2))
     for f in drafter_dir.glob("*.safetensors"):
         save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
-    report = Q.quantize_models(target_dir, drafter_dir, "fp8", calib_prompts=2, eval_prompts=2)
+    report, _, _ = Q.quantize_models(target_dir, drafter_dir, "fp8", calib_prompts=2, eval_prompts=2)
     assert 0.0 <= report["drafter"]["kl"] and report["drafter"]["positions"] > 0

@@ -1,0 +1,128 @@
+"""NVFP4 on CPU: ModelOpt's NVFP4 numerics as plain torch modules, and their ONNX form.
+
+NVFP4 is E2M1 in blocks of 16 along the input axis, with FP8 (E4M3) block scales and an fp32
+global scale. ModelOpt's fake-quantization kernel for it asserts a CUDA tensor, so on CPU the
+calibrated Linears are converted to `NVFP4Linear` (`pack_nvfp4`): weights packed by ModelOpt's
+NVFP4QTensor (plain torch), activations quantized per block at run time with the global scale
+amax/(6*448) from ModelOpt's calibrated amax. Its numerics are NVFP4QTensor's, and it is the
+module the NVFP4 ONNX graph is exported from: under `torch.onnx.export` it writes TensorRT's
+`TRT_FP4DynamicQuantize` for activations and a placeholder node per weight that `quant_export`
+rewrites
+into FP4/FP8 initializers behind two DequantizeLinear nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import EagleExportError
+
+NVFP4_BLOCK = 16
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+
+
+def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of x along its last axis, with ModelOpt's NVFP4QTensor (plain torch)."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    packed, block_scale, g = NVFP4QTensor.quantize(x.float(), NVFP4_BLOCK, weights_scaling_factor_2=global_scale)
+    return packed.dequantize(torch.float32, scale=block_scale, double_scale=g,
+                             block_sizes={-1: NVFP4_BLOCK}).to(x.dtype)
+
+
+class _NVFP4Activation(torch.autograd.Function):
+    """Export only: TensorRT's TRT_FP4DynamicQuantize followed by the double DequantizeLinear
+    (FP8 block scales times the fp32 global scale). While tracing only the shape of the forward
+    matters, and running NVFP4QTensor inside a traced Function breaks the TorchScript tracer."""
+
+    @staticmethod
+    def forward(ctx, x, global_scale: float):
+        return x.clone()
+
+    @staticmethod
+    def symbolic(g, x, global_scale: float):
+        scale = g.op("Constant", value_t=torch.tensor(global_scale, dtype=torch.float32))
+        x_f4, block_f8 = g.op("trt::TRT_FP4DynamicQuantize", x, scale, axis_i=-1, block_size_i=NVFP4_BLOCK,
+                              scale_type_i=17, outputs=2)  # 17: onnx.TensorProto.FLOAT8E4M3FN
+        block_scale = g.op("DequantizeLinear", block_f8, scale)
+        return g.op("DequantizeLinear", x_f4, block_scale, axis_i=-1, block_size_i=NVFP4_BLOCK).setType(x.type())
+
+
+class _NVFP4Weight(torch.autograd.Function):
+    """The dequantized NVFP4 weight in torch; in ONNX a placeholder node carrying the packed codes
+    and scales as attributes, which `quant_export` replaces with FP4 and FP8 initializers and two
+    DequantizeLinear nodes (ONNX's TorchScript exporter cannot write FLOAT4E2M1 tensors itself)."""
+
+    @staticmethod
+    def forward(ctx, weight, linear: "NVFP4Linear"):
+        return weight
+
+    @staticmethod
+    def symbolic(g, weight, linear: "NVFP4Linear"):
+        return g.op("eagle::NVFP4Weight", weight, codes_t=linear.weight_codes,
+                    block_scales_t=linear.weight_block_scales.view(torch.uint8),
+                    global_scale_f=float(linear.weight_global_scale), block_size_i=NVFP4_BLOCK).setType(weight.type())
+
+
+class NVFP4Linear(nn.Module):
+    """A Linear with NVFP4 weights (packed by NVFP4QTensor) and, unless weight-only, NVFP4 inputs
+    quantized per block at run time with the calibrated global scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: float | None,
+                 weight_global_scale: torch.Tensor | None = None):
+        super().__init__()
+        from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+        if weight.shape[-1] % NVFP4_BLOCK:
+            raise EagleExportError(f"a Linear with {weight.shape[-1]} inputs cannot take NVFP4 blocks of {NVFP4_BLOCK}",
+                                   "exclude it from quantization (exclude=...) or use fp8")
+        packed, block_scales, global_scale = NVFP4QTensor.quantize(
+            weight.detach().float(), NVFP4_BLOCK, weights_scaling_factor_2=weight_global_scale)
+        self.register_buffer("weight_codes", packed._quantized_data)           # uint8 [out, in/2]
+        self.register_buffer("weight_block_scales", block_scales)              # float8_e4m3fn [out, in/16]
+        self.register_buffer("weight_global_scale", global_scale.reshape(()))  # fp32
+        self.register_buffer("weight", packed.dequantize(
+            torch.float32, scale=block_scales, double_scale=global_scale, block_sizes={-1: NVFP4_BLOCK}).to(weight.dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # ModelOpt's activation global scale: amax / (E2M1 max * E4M3 max).
+        self.input_global_scale = None if input_amax is None else float(input_amax) / (E2M1_MAX * E4M3_MAX)
+
+    def forward(self, x):
+        weight = self.weight
+        if torch.onnx.is_in_onnx_export():
+            weight = _NVFP4Weight.apply(weight, self)
+            if self.input_global_scale is not None:
+                x = _NVFP4Activation.apply(x, self.input_global_scale)
+        elif self.input_global_scale is not None:
+            x = nvfp4_qdq(x, torch.tensor(self.input_global_scale, dtype=torch.float32))
+        return F.linear(x, weight, self.bias)
+
+
+def pack_nvfp4(model: nn.Module) -> nn.Module:
+    """Replace every ModelOpt Linear with an enabled NVFP4 weight quantizer by an NVFP4Linear
+    (in place; other modules, FP8 ones included, are left as they are)."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    replacements = []
+    for name, module in model.named_modules():
+        wq = getattr(module, "weight_quantizer", None)
+        if not isinstance(module, nn.Linear) or wq is None or not wq.is_enabled:
+            continue
+        if wq.num_bits != (2, 1) or not wq.block_sizes or wq.block_sizes.get(-1) != NVFP4_BLOCK:
+            continue
+        iq = module.input_quantizer
+        input_amax = None
+        if iq.is_enabled:
+            if iq.amax is None:
+                raise EagleExportError(f"{name}'s input quantizer was never calibrated",
+                                       "calibrate with batches that run through every quantized Linear")
+            input_amax = float(iq.amax.float().max())
+        # The weight's global scale as ModelOpt's own exporter reads it from the quantizer.
+        global_scale = NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(wq).reshape(())
+        replacements.append((name, NVFP4Linear(module.weight, module.bias, input_amax, global_scale)))
+    for name, new in replacements:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
