@@ -8,6 +8,7 @@ Everything is written into a temporary directory beside the output and renamed a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
 from .manifest import atomic_build_dir, write_manifest
+from .prompts import ChatTemplate, chat_prompts
+from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -61,35 +64,19 @@ def base_dtype(precision: str, tensorrt_present: bool) -> str:
     return "fp16" if tensorrt_present else "fp32"
 
 
-def dataset_prompts(dataset: str, target_dir: Path, count: int, max_tokens: int) -> list[list[int]]:
-    """The first `count` conversations of a prompt set through the target's chat template."""
-    from . import prompts as P
-
-    template = P.ChatTemplate(target_dir)
-    if dataset == "mt-bench":
-        conversations = P.user_turns(P.mtbench_prompts())
-    elif dataset == "humaneval":
-        conversations = P.humaneval_messages()
-    elif dataset == "sharegpt":
-        conversations = list(P.sharegpt_conversations(limit=count))
-    else:
-        raise EagleExportError(f"unknown prompt set {dataset!r}", "use mt-bench, sharegpt or humaneval")
-    ids = [template.encode_chat(c)[:max_tokens] for c in conversations[:count]]
-    return [i for i in ids if i]
-
-
-def calibration_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
+def calibration_prompts(recipe: Recipe, template: ChatTemplate) -> list[list[int]]:
     cal = recipe["calibration"]
-    return dataset_prompts(cal["dataset"], target_dir, cal["num_samples"], cal["max_tokens"])
+    return list(chat_prompts(template, cal["dataset"], cal["num_samples"], cal["max_tokens"]))
 
 
-def evaluation_prompts(recipe: Recipe, target_dir: Path, calibration: list[list[int]]) -> list[list[int]]:
+def evaluation_prompts(recipe: Recipe, template: ChatTemplate, calibration: list[list[int]]) -> list[list[int]]:
     """Evaluation prompts the calibration never saw (metrics on calibration data flatter the quantizer)."""
     ev, cal = recipe["evaluation"], recipe["calibration"]
-    # Prompts keep their whole length here: a continuation must start where a real prompt ends.
-    candidates = dataset_prompts(ev["dataset"], target_dir, 10_000, 10 ** 9)
     seen = {tuple(p) for p in calibration}
-    held_out = [p for p in candidates if tuple(p[:cal["max_tokens"]]) not in seen][:ev["num_prompts"]]
+    # Prompts keep their whole length here: a continuation must start where a real prompt ends.
+    candidates = chat_prompts(template, ev["dataset"])
+    held_out = list(itertools.islice((p for p in candidates if tuple(p[:cal["max_tokens"]]) not in seen),
+                                     ev["num_prompts"]))
     if not held_out:
         raise EagleExportError(
             f"calibration uses every {ev['dataset']} prompt, leaving none to evaluate the quantized models on",
@@ -97,41 +84,23 @@ def evaluation_prompts(recipe: Recipe, target_dir: Path, calibration: list[list[
     return held_out
 
 
-def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> dict:
-    """Quantize the models the recipe asks for, in place, and measure them against unquantized copies
-    on held-out prompts: next-token agreement and KL, greedy continuations, draft agreement, tau."""
-    import copy
-
-    from . import quantize as Q
+def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
+    """Quantize the models the recipe asks for (`quantize_pair`) on the recipe's calibration set and
+    measure them on held-out prompts. Returns (target, drafter, report): quantized copies where the
+    recipe quantizes a model, the model given where it does not."""
     precision, ev = recipe["precision"], recipe["evaluation"]
-    keep = tuple(precision["keep_high_precision"])
-    prompts = calibration_prompts(recipe, target_dir)
+    template = ChatTemplate(target_dir)
+    prompts = calibration_prompts(recipe, template)
     if not prompts:
         raise EagleExportError("the calibration set gave no prompts", "raise calibration.num_samples")
-    evaluation = evaluation_prompts(recipe, target_dir, prompts)
-    reference_target = copy.deepcopy(target)
-    reference_drafter = copy.deepcopy(drafter)
-    reference_drafter.share_embeddings(reference_target.embed_tokens)
+    evaluation = evaluation_prompts(recipe, template, prompts)
+    qtarget, qdrafter, measured = quantize_pair(
+        target, drafter, *(precision[role] if precision[role] in QUANTIZED else None for role in ("target", "drafter")),
+        prompts, evaluation, evaluation, evaluation if ev["tau"] else [], tuple(precision["keep_high_precision"]),
+        recipe["depth"], ev["max_new_tokens"])
     report = {"calibration": {**recipe["calibration"], "prompts_used": len(prompts)},
               "evaluation": {**ev, "prompts_used": len(evaluation), "prompt_ids": evaluation}}
-    if precision["drafter"] in QUANTIZED:
-        # The drafter calibrates on the target's aux states, so take them before the target changes.
-        Q.quantize(drafter, precision["drafter"], Q.drafter_calibration_batches(target, prompts), exclude=keep)
-    if precision["target"] in QUANTIZED:
-        Q.quantize(target, precision["target"], Q.target_calibration_batches(target, prompts), exclude=keep)
-        report["target"] = {"precision": precision["target"],
-                            **Q.target_metrics(reference_target, target, evaluation),
-                            "continuations": Q.greedy_continuation_agreement(
-                                reference_target, target, evaluation, ev["max_new_tokens"])}
-    if precision["drafter"] in QUANTIZED:
-        report["drafter"] = {"precision": precision["drafter"],
-                             **Q.drafter_metrics(reference_drafter, drafter, reference_target, evaluation)}
-    if ev["tau"]:  # the pair as built (an unquantized target stays the reference one)
-        depth, n = recipe["depth"], ev["max_new_tokens"]
-        report["tau_reference"] = Q.speculative_tau(reference_target, reference_drafter, evaluation, n, depth)
-        report["tau_quantized"] = Q.speculative_tau(target, drafter, evaluation, n, depth)
-        report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
-    return report
+    return qtarget, qdrafter, {**report, **measured}
 
 
 def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
@@ -202,9 +171,10 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             pipeline = PassManager([p for p in model_passes() if p.name not in skip])
             pass_records = pipeline(EagleModels(target, drafter)).records
 
+        unquantized = target, drafter  # validation measures the graphs against them
         with log("quantize"):
             if precision["target"] in QUANTIZED or precision["drafter"] in QUANTIZED:
-                quant_report = quantize_stage(recipe, target, drafter, target_dir)
+                target, drafter, quant_report = quantize_stage(recipe, target, drafter, target_dir)
             else:
                 quant_report = {"skipped": f"target {precision['target']}, drafter {precision['drafter']}"}
 
@@ -238,8 +208,6 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             from .validate import validate_build_dir
 
             write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
-            # Validation compares with the unquantized models: the ones here are quantized in place.
-            unquantized = None if model_precisions & set(QUANTIZED) else (target, drafter)
             content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
             if not content["validation"]["ok"]:
                 raise EagleExportError("the build failed its own validation: "

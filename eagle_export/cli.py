@@ -161,7 +161,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
 
 @main.command()
 @click.argument("build_dir", type=click.Path())
-@click.option("--dataset", default="mt-bench", show_default=True, help="mt-bench, humaneval, or a text file (one prompt a line).")
+@click.option("--dataset", default="mt-bench", show_default=True,
+              help="mt-bench, humaneval, sharegpt, or a text file (one prompt a line).")
 @click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
@@ -175,11 +176,12 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
 
     from .bench import bench as run_bench
     from .bench import plot
+    from .prompts import chat_prompts
     from .runtime import GenerationConfig
     from .session import open_build
 
     opened = open_build(build_dir, backend=backend, threads=threads)
-    prompts = [opened.chat_prompt(text) for text in _dataset_prompts(dataset)[:num_prompts]]
+    prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)
     results = []
     for size in [int(b) for b in batch.split(",")]:
@@ -193,22 +195,6 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
         plot(results, plot_file)
-
-
-def _dataset_prompts(dataset: str) -> list[str]:
-    from pathlib import Path
-
-    from . import prompts as P
-
-    if dataset == "mt-bench":
-        return P.mtbench_prompts()
-    if dataset == "humaneval":
-        return P.humaneval_prompts()
-    path = Path(dataset)
-    if not path.is_file():
-        raise EagleExportError(f"dataset {dataset!r} is neither mt-bench, humaneval nor a file",
-                               "pass mt-bench, humaneval, or a text file with one prompt per line")
-    return [line for line in path.read_text().splitlines() if line.strip()]
 
 
 # Commands of later stages are added below this line, one function each.

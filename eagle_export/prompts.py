@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
-import io
+import itertools
 import json
 import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import EagleExportError
 from .sample import cache_root
@@ -160,14 +160,20 @@ class ChatTemplate:
         self.special_tokens = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool | None = None) -> str:
+        """The conversation as the model reads it. The generation prompt (the header of the
+        assistant's turn) follows by default where the conversation waits for the assistant, i.e.
+        its last turn is the user's: a finished conversation, such as a ShareGPT one that ends with
+        the assistant's turn, renders as the text it is, without an empty assistant turn after it."""
+        if add_generation_prompt is None:
+            add_generation_prompt = bool(messages) and messages[-1]["role"] == "user"
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     **{k: v or "" for k, v in self.special_tokens.items()})
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool | None = None) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt))
 
 
@@ -206,12 +212,42 @@ def long_context_messages(template: ChatTemplate, min_tokens: int = 1500, max_to
     return sets
 
 
+PROMPT_SETS = ("mt-bench", "humaneval", "sharegpt")
+
+
+def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
+    """The first `count` (default: all) conversations of a prompt set, as chat messages, in order:
+    `mt-bench` (turn 1), `humaneval` (each problem under an instruction to complete it), `sharegpt`
+    (every turn), or the path of a text file with one user prompt a line."""
+    if name == "mt-bench":
+        source: Iterable[list[dict]] = user_turns(mtbench_prompts())
+    elif name == "humaneval":
+        source = humaneval_messages()
+    elif name == "sharegpt":
+        source = sharegpt_conversations()
+    elif Path(name).is_file():
+        source = user_turns([line for line in Path(name).read_text().splitlines() if line.strip()])
+    else:
+        raise EagleExportError(f"prompt set {name!r} is neither {', '.join(PROMPT_SETS)} nor a file",
+                               f"pass one of {', '.join(PROMPT_SETS)}, or a text file with one prompt a line")
+    return itertools.islice(source, count)
+
+
+def chat_prompts(template: ChatTemplate, name: str, count: int | None = None,
+                 max_tokens: int | None = None) -> Iterator[list[int]]:
+    """Token ids of `conversations(name, count)` through the chat template (`render` says when the
+    generation prompt follows), each cut to `max_tokens`; empty ones are dropped. Lazy: a caller
+    that needs only some of a large set renders only those."""
+    rendered = (template.encode_chat(messages)[:max_tokens] for messages in conversations(name, count))
+    return (ids for ids in rendered if ids)
+
+
 def prompt_sets(template: ChatTemplate, names=("mtbench", "humaneval", "long", "perturbed"),
                 long_context_skip: int = 0) -> dict[str, list[list[int]]]:
     """Token ids of each named prompt set, rendered with the target's chat template."""
     sources = {
-        "mtbench": lambda: user_turns(mtbench_prompts()),
-        "humaneval": humaneval_messages,
+        "mtbench": lambda: conversations("mt-bench"),
+        "humaneval": lambda: conversations("humaneval"),
         "long": lambda: long_context_messages(template, skip=long_context_skip),
         "perturbed": lambda: user_turns(mtbench_prompts(), system=PERTURBED_SYSTEM_PROMPT),
     }

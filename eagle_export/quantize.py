@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
 from .nvfp4 import pack_nvfp4
+from .prompts import ChatTemplate, chat_prompts
 from .target import Target
 
 PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
@@ -143,22 +145,6 @@ class _Unregistered(nn.Module):
 
 
 # ---------------------------------------------------------------- calibration data
-
-def chat_prompts(target_dir, source: str = "sharegpt", count: int = 16, max_tokens: int = 384) -> list[list[int]]:
-    """Real prompts through the target's chat template: ShareGPT conversations (every turn, so the
-    statistics include assistant text) for calibration, MT-bench turn 1 for evaluation. Calibration
-    and evaluation sets are disjoint by construction."""
-    from . import prompts as P
-
-    template = P.ChatTemplate(target_dir)
-    if source == "sharegpt":
-        ids = [template.encode_chat(m, add_generation_prompt=False) for m in P.sharegpt_conversations(count)]
-    elif source == "mt-bench":
-        ids = [template.encode_chat(m) for m in P.user_turns(P.mtbench_prompts()[:count])]
-    else:
-        raise EagleExportError(f"unknown prompt source {source!r}", "use sharegpt or mt-bench")
-    return [i[:max_tokens] for i in ids if len(i) >= 2]
-
 
 def random_prompts(vocab_size: int, count: int = 4, length: int = 24, seed: int = 0) -> list[list[int]]:
     """Random ids, for tiny random models in tests (their tokenizer would mean nothing)."""
@@ -276,19 +262,56 @@ def drafter_metrics(reference: Drafter, quantized: Drafter, target: Target, prom
 
 # ---------------------------------------------------------------- the whole stage
 
+def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str | None,
+                  drafter_precision: str | None, calibration: list[list[int]], metric_prompts: list[list[int]],
+                  continuation_prompts: list[list[int]] = (), tau_prompts: list[list[int]] = (),
+                  exclude: Iterable[str] = DEFAULT_EXCLUDE, depth: int = 4, max_new_tokens: int = 64,
+                  progress=None) -> tuple[Target, Drafter | None, dict]:
+    """Quantize a target and its drafter (each to its precision; None leaves it as it is) and
+    measure the result against the pair as given, which stays untouched as the reference.
+
+    The drafter calibrates on the unquantized target's aux states for the calibration prompts.
+    Metrics, on prompts the calibration did not see: next-token agreement and KL (`metric_prompts`),
+    greedy continuations of `max_new_tokens` (`continuation_prompts`), draft agreement, and tau of
+    the quantized pair against the reference pair (`tau_prompts`, greedy, depth `depth`); empty
+    prompt lists skip their measurement. Returns (quantized target, quantized drafter, report)."""
+    progress = progress or (lambda message: None)
+    if not calibration:
+        raise EagleExportError("the calibration set gave no prompts", "calibrate on more prompts")
+    report = {}
+    qtarget, qdrafter = target, drafter
+    if target_precision is not None:
+        progress(f"quantizing the target to {target_precision} on {len(calibration)} prompts")
+        qtarget = quantize(copy.deepcopy(target), target_precision, target_calibration_batches(target, calibration),
+                           exclude)
+        report["target"] = {"precision": target_precision, **target_metrics(target, qtarget, metric_prompts)}
+        if continuation_prompts:
+            progress(f"greedy continuations of {max_new_tokens} tokens on {len(continuation_prompts)} prompts")
+            report["target"]["continuations"] = greedy_continuation_agreement(
+                target, qtarget, continuation_prompts, max_new_tokens)
+    if drafter is not None and drafter_precision is not None:
+        progress(f"quantizing the drafter to {drafter_precision} on the target's aux states")
+        qdrafter = copy.deepcopy(drafter)
+        qdrafter.share_embeddings(qtarget.embed_tokens)
+        quantize(qdrafter, drafter_precision, drafter_calibration_batches(target, calibration), exclude)
+        report["drafter"] = {"precision": drafter_precision,
+                             **drafter_metrics(drafter, qdrafter, target, metric_prompts)}
+    if drafter is not None and tau_prompts:  # the pair as quantized (an unquantized model stays the reference one)
+        progress(f"measuring tau on {len(tau_prompts)} prompts")
+        report["tau_reference"] = speculative_tau(target, drafter, tau_prompts, max_new_tokens, depth)
+        report["tau_quantized"] = speculative_tau(qtarget, qdrafter, tau_prompts, max_new_tokens, depth)
+        report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
+    return qtarget, qdrafter, report
+
+
 def quantize_models(target_dir, drafter_dir, precision: str, depth: int = 4,
                     exclude: Iterable[str] = DEFAULT_EXCLUDE, calib_prompts: int = 16, eval_prompts: int = 8,
                     tau_prompts: int = 0, continuation_prompts: int = 0, max_new_tokens: int = 64,
                     progress=None) -> tuple[dict, Target, Drafter | None]:
-    """Quantize a target and its drafter and measure them against the unquantized pair.
-    Returns the metrics (manifest-ready) and the quantized target and drafter.
-
-    Calibration: ShareGPT conversations; metrics: MT-bench turn 1 (both chat-templated).
-    tau (mean tokens per round, greedy, depth `depth`) on `tau_prompts` MT-bench prompts; greedy
-    agreement over `max_new_tokens`-token continuations on `continuation_prompts` of them."""
-    from .checkpoint import load_drafter, load_target
-
-    progress = progress or (lambda message: None)
+    """The `quantize` command: load a target (and optionally its drafter) and `quantize_pair` them,
+    calibrated on ShareGPT conversations and measured on MT-bench turn 1 (both chat-templated,
+    cut to 384 tokens): metrics on `eval_prompts` of them, continuations and tau on the first
+    `continuation_prompts` / `tau_prompts`. Returns (report, quantized target, quantized drafter)."""
     target = load_target(target_dir).eval()
     # One dtype for the pair: the drafter reads the target's aux states (a bf16 drafter beside an
     # fp32 target would fail inside its first Linear).
@@ -296,27 +319,13 @@ def quantize_models(target_dir, drafter_dir, precision: str, depth: int = 4,
     drafter = load_drafter(drafter_dir, target=target, dtype=dtype).eval() if drafter_dir else None
     if drafter is not None:
         target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
-    calib = chat_prompts(target_dir, "sharegpt", calib_prompts)
-    evals = chat_prompts(target_dir, "mt-bench", max(eval_prompts, tau_prompts, continuation_prompts))
+    template = ChatTemplate(target_dir)
+    calib = list(chat_prompts(template, "sharegpt", calib_prompts, max_tokens=384))
+    evals = list(chat_prompts(template, "mt-bench", max(eval_prompts, tau_prompts, continuation_prompts),
+                              max_tokens=384))
     report = {"precision": precision, "exclude": list(exclude), "calibration": f"sharegpt x{len(calib)}",
               "evaluation": f"mt-bench x{eval_prompts}"}
-
-    progress(f"quantizing the target to {precision} on {len(calib)} ShareGPT conversations")
-    qtarget = quantize(copy.deepcopy(target), precision, target_calibration_batches(target, calib), exclude)
-    report["target"] = target_metrics(target, qtarget, evals[:eval_prompts])
-    if continuation_prompts:
-        progress(f"greedy continuations of {max_new_tokens} tokens on {continuation_prompts} MT-bench prompts")
-        report["target"]["continuations"] = greedy_continuation_agreement(
-            target, qtarget, evals[:continuation_prompts], max_new_tokens)
-    qdrafter = None
-    if drafter is not None:
-        progress("quantizing the drafter on the target's aux states")
-        qdrafter = copy.deepcopy(drafter)
-        qdrafter.share_embeddings(qtarget.embed_tokens)
-        quantize(qdrafter, precision, drafter_calibration_batches(target, calib), exclude)
-        report["drafter"] = drafter_metrics(drafter, qdrafter, target, evals[:eval_prompts])
-        if tau_prompts:
-            progress(f"measuring tau on {tau_prompts} MT-bench prompts")
-            report["tau_reference"] = speculative_tau(target, drafter, evals[:tau_prompts], max_new_tokens, depth)
-            report["tau_quantized"] = speculative_tau(qtarget, qdrafter, evals[:tau_prompts], max_new_tokens, depth)
-    return report, qtarget, qdrafter
+    qtarget, qdrafter, measured = quantize_pair(
+        target, drafter, precision, precision, calib, evals[:eval_prompts], evals[:continuation_prompts],
+        evals[:tau_prompts], exclude, depth, max_new_tokens, progress)
+    return {**report, **measured}, qtarget, qdrafter

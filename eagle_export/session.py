@@ -24,12 +24,15 @@ class OpenBuild:
     tokenizer: object | None
     eos_ids: tuple[int, ...]
 
-    def chat_prompt(self, text: str) -> list[int]:
+    def chat_template(self):
         from .prompts import ChatTemplate
 
         if not (self.path / "tokenizer_config.json").is_file():
             raise EagleExportError(f"{self.path} has no chat template", "pass --prompt instead of --chat")
-        return ChatTemplate(self.path).encode_chat([{"role": "user", "content": text}])
+        return ChatTemplate(self.path)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        return self.chat_template().encode_chat([{"role": "user", "content": text}])
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

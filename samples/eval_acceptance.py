@@ -26,7 +26,7 @@ import torch
 
 from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.prompts import ChatTemplate, prompt_sets
+from eagle_export.prompts import ChatTemplate, chat_prompts, prompt_sets
 from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
 from eagle_export.sample import sample_target_dir
 
@@ -83,7 +83,8 @@ def score(args) -> None:
         drafter = load_drafter(drafter_dir, target=target, dtype=torch.float32)
         drafters.append((Path(drafter_dir).name, drafter))
         if args.quantize:  # ModelOpt, calibrated on the target's aux states for ShareGPT conversations
-            calibration = Q.drafter_calibration_batches(target, Q.chat_prompts(sample_target_dir(), "sharegpt", 16))
+            prompts = chat_prompts(ChatTemplate(sample_target_dir()), "sharegpt", 16, max_tokens=384)
+            calibration = Q.drafter_calibration_batches(target, list(prompts))
             for precision in args.quantize:
                 quantized = Q.quantize(copy.deepcopy(drafter), precision, calibration)
                 drafters.append((f"{Path(drafter_dir).name} ({precision})", quantized))

@@ -300,15 +300,16 @@ def test_nvfp4_build_runs_its_graphs_and_skips_the_lossless_loop(sources, tmp_pa
 
 def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
     from eagle_export.build import calibration_prompts, evaluation_prompts
+    from eagle_export.prompts import ChatTemplate
     from eagle_export.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", sources),
                          overrides={"calibration.num_samples": 5, "evaluation.num_prompts": 3})
-    target_dir = sources[0]
-    calibration = calibration_prompts(recipe, target_dir)
-    evaluation = evaluation_prompts(recipe, target_dir, calibration)
+    template = ChatTemplate(sources[0])
+    calibration = calibration_prompts(recipe, template)
+    evaluation = evaluation_prompts(recipe, template, calibration)
     assert len(calibration) == 5 and len(evaluation) == 3
     assert not {tuple(p) for p in calibration} & {tuple(p[:recipe["calibration"]["max_tokens"]]) for p in evaluation}
     every = load_recipe(write_recipe(tmp_path / "r2.yaml", sources), overrides={"calibration.num_samples": 80})
     with pytest.raises(EagleExportError, match="leaving none to evaluate"):
-        evaluation_prompts(every, target_dir, calibration_prompts(every, target_dir))
+        evaluation_prompts(every, template, calibration_prompts(every, template))

@@ -82,3 +82,29 @@ def test_prompt_sets_render_with_the_chat_template(sample_target):
     lengths = [len(template.encode_chat(m)) for m in long]
     assert all(1500 <= n <= 3300 for n in lengths), lengths
     assert [m[-1]["content"] for m in long] == prompts.mtbench_prompts()[:2]
+
+
+def test_one_selector_renders_every_prompt_set_by_one_rule(tmp_path):
+    """The generation prompt follows a conversation that waits for the assistant and nothing else:
+    MT-bench, HumanEval and file prompts end with the assistant's header, a ShareGPT conversation
+    (which ends with the assistant's own turn) is rendered as the finished text it is."""
+    from tiny_models import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path, 16)
+    template = prompts.ChatTemplate(tmp_path)
+    generation_prompt = template.tokenizer.token_to_id("w3")
+    for name in ("mt-bench", "humaneval"):
+        ids = list(prompts.chat_prompts(template, name, 3))
+        assert len(ids) == 3 and all(i[-1] == generation_prompt for i in ids), name
+    sharegpt = list(prompts.conversations("sharegpt", 20))
+    rendered = list(prompts.chat_prompts(template, "sharegpt", 20))
+    assert len(rendered) == 20
+    for messages, ids in zip(sharegpt, rendered):
+        assert (ids[-1] == generation_prompt) == (messages[-1]["role"] == "user")
+    assert any(m[-1]["role"] == "assistant" for m in sharegpt)
+    assert [len(i) for i in prompts.chat_prompts(template, "sharegpt", 5, max_tokens=7)] == [7] * 5
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("w4 w5\n\nw6\n")
+    assert list(prompts.chat_prompts(template, str(lines))) == [[1, 4, 5, 2, 3], [1, 6, 2, 3]]
+    with pytest.raises(EagleExportError, match="neither mt-bench, humaneval, sharegpt nor a file"):
+        prompts.chat_prompts(template, "mtbench")

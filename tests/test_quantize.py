@@ -20,6 +20,7 @@ from eagle_export.errors import EagleExportError
 from eagle_export.export import drafter_example, run_onnx, target_example
 from eagle_export.fp4_reference import reference_evaluator
 from eagle_export.nvfp4 import NVFP4Linear
+from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.quant_export import (export_quantized_drafter, export_quantized_target, fp8_ort_session,
                                        trt_lint_findings)
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -220,8 +221,9 @@ def test_metrics_against_the_unquantized_models(models, fp8, nvfp4):
 def test_fp8_sample_target_stays_close_to_fp32(sample_target):
     """SmolLM2-135M-Instruct in FP8, calibrated on ShareGPT, measured on MT-bench prompts."""
     target = load_target(sample_target).eval()
-    calib = Q.chat_prompts(sample_target, "sharegpt", 4, max_tokens=128)
-    evals = Q.chat_prompts(sample_target, "mt-bench", 3)
+    template = ChatTemplate(sample_target)
+    calib = list(chat_prompts(template, "sharegpt", 4, max_tokens=128))
+    evals = list(chat_prompts(template, "mt-bench", 3, max_tokens=384))
     qtarget = Q.quantize(copy.deepcopy(target), "fp8", Q.target_calibration_batches(target, calib))
     metrics = Q.target_metrics(target, qtarget, evals)
     # Measured on 6 MT-bench prompts (400 positions): agreement 0.87, KL 0.059 (NVFP4: 0.67, 0.68).
