@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
+from .export import export_drafter, export_target
 from .manifest import atomic_build_dir, write_manifest
 from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
@@ -104,29 +105,16 @@ def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
 
 
 def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
-    """target.onnx, drafter.onnx (and drafter_sampling.onnx): quantized models take the Q/DQ exporter."""
-    from .export import export_drafter, export_target
-    from .quant_export import export_quantized_drafter, export_quantized_target
-
+    """target.onnx, drafter.onnx (and drafter_sampling.onnx), quantized models through the Q/DQ rewrites."""
     precision, depth, sampling = recipe["precision"], recipe["depth"], recipe["sampling"]
-    quantized_target = precision["target"] in QUANTIZED
-    quantized_drafter = precision["drafter"] in QUANTIZED
-
-    def checked(report: dict, name: str) -> dict:
-        if report.get("lint_findings"):
-            raise EagleExportError(f"{name} fails the TensorRT lint: " + "; ".join(report["lint_findings"][:5]),
-                                   "this is a bug in the export: report it with the recipe")
-        return report
+    quantized = {role: precision[role] in QUANTIZED for role in ("target", "drafter")}
 
     def drafter_graph(file: str, sample: bool) -> dict:
-        path = build_dir / file
-        report = (export_quantized_drafter(drafter, depth, path, sampling=sample) if quantized_drafter
-                  else export_drafter(drafter, depth, sample, path))
-        return {"file": file, "sampling": sample, **checked(report, file)}
+        report = export_drafter(drafter, depth, sample, build_dir / file, quantized["drafter"])
+        return {"file": file, "sampling": sample, **report}
 
-    target_report = (export_quantized_target(target, build_dir / "target.onnx", return_logits=sampling)
-                     if quantized_target else export_target(target, build_dir / "target.onnx", return_logits=sampling))
-    graphs = {"target": {"file": "target.onnx", "return_logits": sampling, **checked(target_report, "target.onnx")},
+    target_report = export_target(target, build_dir / "target.onnx", sampling, quantized["target"])
+    graphs = {"target": {"file": "target.onnx", "return_logits": sampling, **target_report},
               "drafter": drafter_graph("drafter.onnx", False)}
     if sampling:
         graphs["drafter_sampling"] = drafter_graph("drafter_sampling.onnx", True)

@@ -247,8 +247,7 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
     from pathlib import Path
 
-    from .quant_export import export_and_check
-    from .quantize import quantize_models
+    from .quantize import export_and_check, quantize_models
 
     report, qtarget, qdrafter = quantize_models(
         target_dir, drafter_dir, precision, depth, exclude=tuple(k for k in keep.split(",") if k),

@@ -1,7 +1,8 @@
 """ONNX export of the target graph and the unrolled drafter graph, plus the ONNX Runtime check.
 
 Export uses the TorchScript exporter (`dynamo=False`) at opset `contract.ONNX_OPSET`, with dynamic
-axes only for batch, tokens and past length. The example inputs give the cache a few slots
+axes only for batch, tokens and past length. Quantized modules (ModelOpt FP8 quantizers, NVFP4Linears)
+export at `qdq.EXPORT_OPSET` and then go through the Q/DQ rewrites of `qdq.py`. The example inputs give the cache a few slots
 (S >= 1, `past` dynamic) so that no shape computation is traced on an empty tensor, where the
 exporter may specialize a zero-sized dimension; the exported graphs run with S = 0 (tested).
 
@@ -10,7 +11,8 @@ modules cast explicitly (RMSNorm statistics, RoPE angles, attention softmax and 
 probabilities in fp32), and each of those casts is an explicit Cast node.
 
 After export, the ONNX clean-up pipeline (`passes.onnx_pipeline`, which pins `ir_version` so ONNX
-Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export.
+Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export,
+quantized or not.
 A model above 2 GB (the protobuf limit) is saved with its weights in one external data file.
 """
 
@@ -30,7 +32,9 @@ import torch
 from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
+from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
+from .qdq import EXPORT_OPSET, finish_quantized, fp8_weight_codes
 from .unrolled import TargetGraph, UnrolledDrafter, check_depth
 
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,35 +74,39 @@ def drafter_example(drafter, depth: int, sampling: bool, batch: int = 2, past: i
     return args
 
 
-def lint_and_clean(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-    """The ONNX clean-up pipeline (ending with the ir_version pin), then the TensorRT lint.
-    Returns the model and what was done: the pass records and the lint findings."""
-    ir_model = ir.from_proto(model)
-    result = onnx_pipeline()(ir_model)
-    findings = [str(f) for f in lint_model(result.model).findings]
-    return ir.to_proto(result.model), {"passes": [r.to_json() for r in result.records], "lint_findings": findings}
+def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path, quantized: bool = False) -> dict:
+    """Export `module` to `path` by `spec`, clean it up and lint it; any lint finding fails the export.
+    Returns node counts, seconds, the Q/DQ rewrite counts (quantized) and the pass/lint report.
 
-
-def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path) -> dict:
-    """Export `module` to `path` by `spec`; returns node counts, seconds and the pass/lint report."""
+    quantized: `module` holds ModelOpt FP8 quantizers and/or NVFP4Linears (ModelOpt's own NVFP4
+    quantizers, the CUDA fake-quant path, are first packed into NVFP4Linears, in place); it exports
+    at `qdq.EXPORT_OPSET` and `qdq.finish_quantized` rewrites it into TensorRT's Q/DQ form."""
     start = time.perf_counter()
+    if quantized:
+        pack_nvfp4(module)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():
         raw = Path(tmp) / path.name
-        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=C.ONNX_OPSET,
+        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=EXPORT_OPSET if quantized else C.ONNX_OPSET,
                           input_names=spec.input_names, output_names=spec.output_names,
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
         model = onnx.load(str(raw))
     exported_nodes = len(model.graph.node)
     export_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    model, report = lint_and_clean(model)
+    rewrites = {}
+    if quantized:
+        model, rewrites = finish_quantized(model, fp8_weight_codes(module))
+    result = onnx_pipeline()(ir.from_proto(model))
+    findings = [str(f) for f in lint_model(result.model).findings]
+    model = ir.to_proto(result.model)
     passes_seconds = time.perf_counter() - start
-    if report["lint_findings"]:
-        raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(report["lint_findings"][:5]),
+    if findings:
+        raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
                                "this is a bug in the export: report it with the model's config.json")
     save_model(model, path)
     return {"nodes_exported": exported_nodes, "nodes_after_passes": len(model.graph.node),
-            "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **report}
+            "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
+            "passes": [r.to_json() for r in result.records], "lint_findings": findings}
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
@@ -112,15 +120,15 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
                     location=data.name, size_threshold=1024)
 
 
-def export_target(target, path: Path, return_logits: bool) -> dict:
+def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:
     spec = C.target_graph(target.config, len(target.aux_layer_ids), return_logits)
-    return export_graph(TargetGraph(target, return_logits).eval(), target_example(target), spec, path)
+    return export_graph(TargetGraph(target, return_logits).eval(), target_example(target), spec, path, quantized)
 
 
-def export_drafter(drafter, depth: int, sampling: bool, path: Path) -> dict:
+def export_drafter(drafter, depth: int, sampling: bool, path: Path, quantized: bool = False) -> dict:
     spec = C.drafter_graph(drafter.config, depth, sampling)
     module = UnrolledDrafter(drafter, depth, sampling).eval()
-    return export_graph(module, drafter_example(drafter, depth, sampling), spec, path)
+    return export_graph(module, drafter_example(drafter, depth, sampling), spec, path, quantized)
 
 
 def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,
@@ -193,3 +201,28 @@ def run_onnx(session, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]
             array = value.numpy()
             out[name] = torch.from_numpy(array.astype(np.float32) if array.dtype == np.float16 else array)
     return out
+
+
+def fp8_ort_session(path, threads: int | None = None):
+    """An ONNX Runtime CPU session for FP8 Q/DQ graphs. Graph optimizations stay off: ORT's QDQ
+    fusion rewrites DequantizeLinear + MatMul into MatMulIntegerToFloat, which rejects float8."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_quantized_graph(path: Path, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]:
+    """Run an exported quantized graph on CPU: FP8 (and unquantized) graphs in ONNX Runtime, NVFP4
+    graphs in onnx.reference with the TRT_FP4DynamicQuantize kernel (ONNX Runtime has no FP4)."""
+    from .fp4_reference import reference_evaluator
+
+    model = onnx.load(str(path))
+    fp4 = any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
+    if not fp4 and not any(n.op_type == "TRT_FP4DynamicQuantize" for n in model.graph.node):
+        return run_onnx(fp8_ort_session(path), spec, args)
+    outputs = reference_evaluator(model).run(None, {n: a.numpy() for n, a in zip(spec.input_names, args)})
+    return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(spec.output_names, outputs)}

@@ -6,8 +6,7 @@ calibrated Linears are converted to `NVFP4Linear` (`pack_nvfp4`): weights packed
 NVFP4QTensor (plain torch), activations quantized per block at run time with the global scale
 amax/(6*448) from ModelOpt's calibrated amax. Its numerics are NVFP4QTensor's, and it is the
 module the NVFP4 ONNX graph is exported from: under `torch.onnx.export` it writes TensorRT's
-`TRT_FP4DynamicQuantize` for activations and a placeholder node per weight that `quant_export`
-rewrites
+`TRT_FP4DynamicQuantize` for activations and a placeholder node per weight that `qdq` rewrites
 into FP4/FP8 initializers behind two DequantizeLinear nodes.
 """
 
@@ -52,7 +51,7 @@ class _NVFP4Activation(torch.autograd.Function):
 
 class _NVFP4Weight(torch.autograd.Function):
     """The dequantized NVFP4 weight in torch; in ONNX a placeholder node carrying the packed codes
-    and scales as attributes, which `quant_export` replaces with FP4 and FP8 initializers and two
+    and scales as attributes, which `qdq` replaces with FP4 and FP8 initializers and two
     DequantizeLinear nodes (ONNX's TorchScript exporter cannot write FLOAT4E2M1 tensors itself)."""
 
     @staticmethod

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
+from .export import drafter_example, export_drafter, export_target, run_quantized_graph, target_example
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
 from .target import Target
+from .unrolled import TargetGraph, UnrolledDrafter
 
 PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
 DEFAULT_EXCLUDE = ("lm_head", "fc")
@@ -329,3 +333,49 @@ def quantize_models(target_dir, drafter_dir, precision: str, depth: int = 4,
         target, drafter, precision, precision, calib, evals[:eval_prompts], evals[:continuation_prompts],
         evals[:tau_prompts], exclude, depth, max_new_tokens, progress)
     return {**report, **measured}, qtarget, qdrafter
+
+
+# ---------------------------------------------------------------- the quantized graphs
+
+@torch.no_grad()
+def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec, args: tuple) -> dict:
+    """The exported graph against the quantized torch module it came from, on the same inputs:
+    exact agreement of integer outputs, max abs difference of the others."""
+    expected = dict(zip(spec.output_names, module(*args)))
+    got = run_quantized_graph(path, spec, args)
+    report = {}
+    for name, value in expected.items():
+        if value.dtype == torch.int64:
+            report[name + "_equal"] = bool(torch.equal(got[name], value))
+        else:
+            report[name + "_max_abs_diff"] = float((got[name].float() - value.float()).abs().max())
+    return report
+
+
+def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
+    """target.onnx and drafter.onnx from the quantized models, each checked against its torch module."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"target": export_target(qtarget, out_dir / "target.onnx", True, quantized=True)}
+    report["target"]["check"] = check_quantized_graph(
+        out_dir / "target.onnx", TargetGraph(qtarget, True).eval(),
+        C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True), _random_like(target_example(qtarget)))
+    if qdrafter is not None:
+        report["drafter"] = export_drafter(qdrafter, depth, False, out_dir / "drafter.onnx", quantized=True)
+        report["drafter"]["check"] = check_quantized_graph(
+            out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(),
+            C.drafter_graph(qdrafter.config, depth, False), _random_like(drafter_example(qdrafter, depth, False)))
+    return report
+
+
+def _random_like(args: tuple, vocab: int = 64) -> tuple:
+    """Example inputs with random ids, hidden states and caches (lengths and counts kept)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, a in enumerate(args):
+        if a.is_floating_point():
+            out.append(torch.randn(a.shape, generator=gen, dtype=a.dtype))
+        elif i == 0:
+            out.append(torch.randint(0, vocab, a.shape, generator=gen))
+        else:
+            out.append(a)
+    return tuple(out)

@@ -111,7 +111,7 @@ def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: lis
     """target.onnx's greedy ids against the unquantized torch target's argmax over every position
     of the prompts' prefills (the positions manifest.quantization.target.top1_agreement covers)."""
     from . import contract as C
-    from .quant_export import run_quantized_graph
+    from .export import run_quantized_graph
 
     # One right-padded batch, one graph run: causal attention keeps the padding out of every
     # real position, and an NVFP4 graph is loaded into onnx.reference once.
@@ -135,7 +135,7 @@ def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, pr
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
     from . import contract as C
-    from .quant_export import run_quantized_graph
+    from .export import run_quantized_graph
     from .quantize import drafter_calibration_batches
 
     spec = C.drafter_graph(drafter.config, manifest["depth"], False)

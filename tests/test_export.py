@@ -23,8 +23,8 @@ from eagle_export import contract as C
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.export import (ONNX_IR_VERSION, export_drafter, export_models, export_target, ort_session,
-                                 run_onnx)
+from eagle_export.export import (ONNX_IR_VERSION, export_drafter, export_graph, export_models, export_target,
+                                 ort_session, run_onnx)
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -308,6 +308,18 @@ def test_export_command_writes_both_graphs(tmp_path, dirs):
     deep = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
                                      "--depth", "9", "-o", str(tmp_path / "deep")])
     assert deep.exit_code == 2 and "depth" in deep.output and "Traceback" not in deep.output
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_lint_finding_fails_the_export_quantized_or_not(tmp_path, quantized):
+    class Determinant(torch.nn.Module):  # ONNX Det: not in TensorRT's parser support table
+        def forward(self, x):
+            return torch.linalg.det(x)
+
+    spec = C.GraphSpec((C.TensorSpec("x", (2, 3, 3), "float32"),), (C.TensorSpec("det", (2,), "float32"),))
+    with pytest.raises(EagleExportError, match="det.onnx fails the TensorRT lint: .*Det"):
+        export_graph(Determinant(), (torch.randn(2, 3, 3),), spec, tmp_path / "det.onnx", quantized=quantized)
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 @pytest.mark.parametrize("depth,dtype,problem", [(0, "fp32", "depth"), (9, "fp16", "depth"),

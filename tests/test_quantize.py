@@ -17,12 +17,11 @@ from eagle_export import contract as C
 from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
-from eagle_export.export import drafter_example, run_onnx, target_example
+from eagle_export.export import (drafter_example, export_drafter, export_target, fp8_ort_session, run_onnx,
+                                 target_example)
 from eagle_export.fp4_reference import reference_evaluator
 from eagle_export.nvfp4 import NVFP4Linear
 from eagle_export.prompts import ChatTemplate, chat_prompts
-from eagle_export.quant_export import (export_quantized_drafter, export_quantized_target, fp8_ort_session,
-                                       trt_lint_findings)
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -109,7 +108,7 @@ def test_nvfp4_through_modelopt_fake_quant_needs_cuda(models):
 def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_path, fp8):
     qtarget, _ = fp8
     path = tmp_path / "target_fp8.onnx"
-    report = export_quantized_target(qtarget, path, return_logits=True)
+    report = export_target(qtarget, path, True, quantized=True)
     model = onnx.load(path)
     counts = ops(model)
     assert not any(domain == "trt" for domain, _ in counts)  # ModelOpt's TRT_FP8 custom ops are gone
@@ -137,7 +136,7 @@ def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_pat
 def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
     _, qdrafter = fp8
     path = tmp_path / "drafter_fp8.onnx"
-    report = export_quantized_drafter(qdrafter, DEPTH, path)
+    report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["fp8_weights"] == 7 and report["lint_findings"] == []  # fc and lm_head stay fp32
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
     args = drafter_args(qdrafter)
@@ -152,7 +151,7 @@ def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4
     qtarget, _ = nvfp4
     assert isinstance(qtarget.layers[0].self_attn.q_proj, NVFP4Linear)
     path = tmp_path / "target_nvfp4.onnx"
-    report = export_quantized_target(qtarget, path, return_logits=True)
+    report = export_target(qtarget, path, True, quantized=True)
     model = onnx.load(path)
     counts = ops(model)
     activations = counts[("trt", "TRT_FP4DynamicQuantize")]
@@ -178,7 +177,7 @@ def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4
 def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
     _, qdrafter = nvfp4
     path = tmp_path / "drafter_nvfp4.onnx"
-    report = export_quantized_drafter(qdrafter, DEPTH, path)
+    report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["nvfp4_weights"] == 7 and report["lint_findings"] == []
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
     args = drafter_args(qdrafter)
@@ -194,7 +193,7 @@ def test_weight_only_graphs_quantize_no_activation(tmp_path, models, precision):
     target, _, prompts = models
     qtarget = Q.quantize(copy.deepcopy(target), precision, Q.target_calibration_batches(target, prompts))
     path = tmp_path / "t.onnx"
-    report = export_quantized_target(qtarget, path, return_logits=False)
+    report = export_target(qtarget, path, False, quantized=True)
     counts = ops(onnx.load(path))
     assert counts[("", "QuantizeLinear")] == 0 and counts[("trt", "TRT_FP4DynamicQuantize")] == 0
     assert report["fp8_weights" if precision.startswith("fp8") else "nvfp4_weights"] == 3 * 7

@@ -1,4 +1,5 @@
-"""ONNX export of quantized graphs, in the form TensorRT's ONNX parser reads.
+"""Q/DQ rewrites: a quantized graph as the TorchScript exporter writes it -> the form TensorRT's
+ONNX parser reads (`export.export_graph(..., quantized=True)` runs them).
 
 FP8 (ModelOpt's quantizers): the TorchScript exporter writes ModelOpt's `trt::TRT_FP8QuantizeLinear`
 / `TRT_FP8DequantizeLinear` custom ops; they become native QuantizeLinear / DequantizeLinear with a
@@ -10,33 +11,21 @@ NVFP4 (`nvfp4.NVFP4Linear`): activations are `trt::TRT_FP4DynamicQuantize` -> De
 weights are FLOAT4E2M1 and FLOAT8E4M3FN initializers behind the same double DequantizeLinear.
 FLOAT4E2M1 in DequantizeLinear needs opset 23, so NVFP4 graphs declare it (as ModelOpt does).
 
-The torch export runs at opset 20 (the TorchScript exporter's highest; FP8 Q/DQ need 19): the ops
-it writes mean the same at 20 and 23. Then the ONNX cleanup pipeline (passes/onnx_cleanup.py, which
-never folds Q/DQ; its CSE shares one Q between q/k/v and between gate/up, which read the same input
-with the same scale) and the TensorRT lint run; `ir_version` is pinned to 10 for ONNX Runtime.
-
-Checking on CPU: FP8 graphs run in ONNX Runtime with graph optimizations off (`fp8_ort_session`),
-NVFP4 graphs in onnx.reference with fp4_reference's kernel (`run_quantized_graph`).
+The torch export runs at opset 20 (`EXPORT_OPSET`, the TorchScript exporter's highest; FP8 Q/DQ
+need 19): the ops it writes mean the same at 20 and 23. After these rewrites the ONNX cleanup
+pipeline runs as for any graph (passes/onnx_cleanup.py never folds Q/DQ; its CSE shares one Q
+between q/k/v and between gate/up, which read the same input with the same scale).
 """
 
 from __future__ import annotations
 
-import tempfile
-import time
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import onnx
-import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from . import contract as C
-from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
-from .export import drafter_example, save_model, target_example
-from .nvfp4 import pack_nvfp4
-from .unrolled import TargetGraph, UnrolledDrafter
+from .passes import ONNX_IR_VERSION
 
 EXPORT_OPSET = 20
 NVFP4_OPSET = 23
@@ -188,114 +177,3 @@ def finish_quantized(model: onnx.ModelProto, fp8_weights: dict[str, np.ndarray] 
     model.ir_version = ONNX_IR_VERSION
     report["opset"] = opsets[""].version
     return model, report
-
-
-def cleanup(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]]:
-    """The ONNX cleanup pipeline (passes/onnx_cleanup.py; it never folds Q/DQ)."""
-    result = onnx_pipeline()(ir.from_proto(model))
-    return ir.to_proto(result.model), [r.to_json() for r in result.records]
-
-
-def trt_lint_findings(model: onnx.ModelProto) -> list[str]:
-    """The TensorRT-readiness lint's findings (empty when the graph is clean)."""
-    return [str(f) for f in lint_model(ir.from_proto(model)).findings]
-
-
-def export_quantized_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path) -> dict:
-    """Export a graph module holding ModelOpt FP8 quantizers and/or NVFP4Linears to `path`.
-    ModelOpt NVFP4 quantizers (the CUDA fake-quant path) are first packed into NVFP4Linears, in place."""
-    start = time.perf_counter()
-    pack_nvfp4(module)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():
-        raw = Path(tmp) / path.name
-        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=EXPORT_OPSET,
-                          input_names=spec.input_names, output_names=spec.output_names,
-                          dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
-        model = onnx.load(str(raw))
-    model, report = finish_quantized(model, fp8_weight_codes(module))
-    model, report["passes"] = cleanup(model)
-    report["lint_findings"] = trt_lint_findings(model)
-    save_model(model, path)
-    report["export_seconds"] = round(time.perf_counter() - start, 3)
-    return report
-
-
-def export_quantized_target(target, path: Path, return_logits: bool = True) -> dict:
-    spec = C.target_graph(target.config, len(target.aux_layer_ids), return_logits)
-    return export_quantized_graph(TargetGraph(target, return_logits).eval(), target_example(target), spec, path)
-
-
-def export_quantized_drafter(drafter, depth: int, path: Path, sampling: bool = False) -> dict:
-    spec = C.drafter_graph(drafter.config, depth, sampling)
-    return export_quantized_graph(UnrolledDrafter(drafter, depth, sampling).eval(),
-                                  drafter_example(drafter, depth, sampling), spec, path)
-
-
-def fp8_ort_session(path, threads: int | None = None):
-    """An ONNX Runtime CPU session for FP8 Q/DQ graphs. Graph optimizations stay off: ORT's QDQ
-    fusion rewrites DequantizeLinear + MatMul into MatMulIntegerToFloat, which rejects float8."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run_quantized_graph(path: Path, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]:
-    """Run an exported quantized graph on CPU: FP8 (and unquantized) graphs in ONNX Runtime, NVFP4
-    graphs in onnx.reference with the TRT_FP4DynamicQuantize kernel (ONNX Runtime has no FP4)."""
-    from .export import run_onnx
-    from .fp4_reference import reference_evaluator
-
-    model = onnx.load(str(path))
-    fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
-    if not fp4 and not any(n.op_type == "TRT_FP4DynamicQuantize" for n in model.graph.node):
-        return run_onnx(fp8_ort_session(path), spec, args)
-    outputs = reference_evaluator(model).run(None, {n: a.numpy() for n, a in zip(spec.input_names, args)})
-    return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(spec.output_names, outputs)}
-
-
-@torch.no_grad()
-def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec, args: tuple) -> dict:
-    """The exported graph against the quantized torch module it came from, on the same inputs:
-    exact agreement of integer outputs, max abs difference of the others."""
-    expected = dict(zip(spec.output_names, module(*args)))
-    got = run_quantized_graph(path, spec, args)
-    report = {}
-    for name, value in expected.items():
-        if value.dtype == torch.int64:
-            report[name + "_equal"] = bool(torch.equal(got[name], value))
-        else:
-            report[name + "_max_abs_diff"] = float((got[name].float() - value.float()).abs().max())
-    return report
-
-
-def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
-    """target.onnx and drafter.onnx from the quantized models, each checked against its torch module."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"target": export_quantized_target(qtarget, out_dir / "target.onnx", return_logits=True)}
-    report["target"]["check"] = check_quantized_graph(
-        out_dir / "target.onnx", TargetGraph(qtarget, True).eval(),
-        C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True), _random_like(target_example(qtarget)))
-    if qdrafter is not None:
-        report["drafter"] = export_quantized_drafter(qdrafter, depth, out_dir / "drafter.onnx")
-        report["drafter"]["check"] = check_quantized_graph(
-            out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(),
-            C.drafter_graph(qdrafter.config, depth, False), _random_like(drafter_example(qdrafter, depth, False)))
-    return report
-
-
-def _random_like(args: tuple, vocab: int = 64) -> tuple:
-    """Example inputs with random ids, hidden states and caches (lengths and counts kept)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, a in enumerate(args):
-        if a.is_floating_point():
-            out.append(torch.randn(a.shape, generator=gen, dtype=a.dtype))
-        elif i == 0:
-            out.append(torch.randint(0, vocab, a.shape, generator=gen))
-        else:
-            out.append(a)
-    return tuple(out)
