@@ -3,6 +3,11 @@
 torch: the exported torch modules themselves (the reference, and a GPU path); onnxruntime: the
 ONNX files (CPU, or the CUDA provider when installed); tensorrt: the engines. The runtime loop is
 the same for all three; only `target()` and `drafter()` differ.
+
+This is also the one home for running an exported ONNX file anywhere else (tests, validation, the
+quantize command's checks): `ort_session` makes every ONNX Runtime session, `run_onnx` runs one on
+torch tensors, and `run_graph` runs a graph file on CPU whatever it holds (NVFP4 graphs, which ONNX
+Runtime cannot run, go to onnx.reference with the reference kernel of TensorRT's FP4 quantizer).
 """
 
 from __future__ import annotations
@@ -10,10 +15,72 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from . import contract as C
 from .errors import EagleExportError
+from .fp4_reference import reference_evaluator
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def ort_session(path, providers=("CPUExecutionProvider",), threads: int | None = None, optimize: bool = True):
+    """An ONNX Runtime session for an exported graph. `optimize=False` turns ORT's graph optimizations
+    off, which FP8 Q/DQ graphs need: ORT's QDQ fusion rewrites DequantizeLinear + MatMul into
+    MatMulIntegerToFloat, whose kernels reject float8 inputs."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(path), options, providers=list(providers))
+    except Exception as e:  # ORT raises its own exception types for unreadable files
+        raise EagleExportError(f"ONNX Runtime cannot load {Path(path).name}: {str(e).splitlines()[0]}",
+                               "rebuild with `eagle-export build --force` (or export again)") from None
+
+
+def run_onnx(session, feeds: dict[str, torch.Tensor], output_names: list[str] | None = None
+             ) -> dict[str, torch.Tensor]:
+    """Run an ONNX Runtime session on CPU torch tensors given by name (names the graph does not take
+    are ignored); its outputs (`output_names`, default all) come back as torch tensors in the graph's
+    own dtypes. bf16 travels as its bits, as numpy has no bf16."""
+    import onnxruntime as ort
+
+    inputs = {}
+    for i in session.get_inputs():
+        tensor = feeds[i.name].contiguous()
+        if tensor.dtype == torch.bfloat16:
+            bits = tensor.view(torch.int16).numpy().view(np.uint16)
+            inputs[i.name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx.TensorProto.BFLOAT16)
+        else:
+            inputs[i.name] = ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
+    names = output_names or [o.name for o in session.get_outputs()]
+    out = {}
+    for name, value in zip(names, session.run_with_ort_values(names, inputs)):
+        if value.data_type() == "tensor(bfloat16)":
+            out[name] = torch.from_numpy(value.numpy().view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            out[name] = torch.from_numpy(value.numpy())
+    return out
+
+
+def run_graph(path, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run an exported graph file on CPU: in ONNX Runtime (graph optimizations off for Q/DQ graphs,
+    see `ort_session`), or, for NVFP4 graphs, which ONNX Runtime has no kernels for, in
+    onnx.reference with the TRT_FP4DynamicQuantize reference kernel."""
+    model = onnx.load(str(path))
+    fp4 = (any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
+           or any(n.op_type == "TRT_FP4DynamicQuantize" for n in model.graph.node))
+    if not fp4:
+        optimize = not any(n.op_type in QDQ_OPS for n in model.graph.node)
+        return run_onnx(ort_session(path, optimize=optimize), feeds)
+    names = [i.name for i in model.graph.input]
+    outputs = reference_evaluator(model).run(None, {n: feeds[n].numpy() for n in names})
+    return {o.name: torch.from_numpy(np.asarray(v)) for o, v in zip(model.graph.output, outputs)}
 
 
 class Backend:
@@ -72,19 +139,10 @@ class OnnxRuntimeBackend(Backend):
 
         available = ort.get_available_providers()
         providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        if not optimize:  # ORT fuses DequantizeLinear+MatMul into kernels that reject float8 inputs
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.providers = providers
 
-        def session(path):
-            try:
-                return ort.InferenceSession(str(path), options, providers=providers)
-            except Exception as e:  # ORT raises its own exception types for unreadable files
-                raise EagleExportError(f"ONNX Runtime cannot load {Path(path).name}: {str(e).splitlines()[0]}",
-                                       "rebuild with `eagle-export build --force`") from None
+        def session(path):  # ORT fuses DequantizeLinear+MatMul into kernels that reject float8 inputs
+            return ort_session(path, providers, threads, optimize)
 
         self.target_session, self.drafter_session = session(target_onnx), session(drafter_onnx)
         self.drafter_sampling_session = session(drafter_sampling_onnx) if drafter_sampling_onnx else None
@@ -97,18 +155,12 @@ class OnnxRuntimeBackend(Backend):
                          C.LOGITS in target_outputs, self.drafter_sampling_session is not None)
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
 
-    @staticmethod
-    def _run(session, feeds, output_names=None):
-        inputs = {i.name: feeds[i.name].numpy() for i in session.get_inputs()}
-        names = output_names or [o.name for o in session.get_outputs()]
-        return {n: torch.from_numpy(np.asarray(v)) for n, v in zip(names, session.run(names, inputs))}
-
     def target(self, feeds, need_logits=False):
         names = [o.name for o in self.target_session.get_outputs() if need_logits or o.name != C.LOGITS]
-        return self._run(self.target_session, feeds, names)
+        return run_onnx(self.target_session, feeds, names)
 
     def drafter(self, feeds, sampling=False):
-        return self._run(self.drafter_sampling_session if sampling else self.drafter_session, feeds)
+        return run_onnx(self.drafter_sampling_session if sampling else self.drafter_session, feeds)
 
 
 class TensorRTBackend(Backend):

@@ -62,6 +62,10 @@ class GraphSpec:
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
+    def feeds(self, args) -> dict:
+        """Positional graph inputs (in contract order), by name."""
+        return dict(zip(self.input_names, args))
+
     @property
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         """torch.onnx.export's `dynamic_axes` argument."""

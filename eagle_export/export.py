@@ -1,5 +1,7 @@
 """ONNX export of the target graph and the unrolled drafter graph, plus the ONNX Runtime check.
 
+Export only: `backends.py` runs the files (ONNX Runtime sessions, onnx.reference for NVFP4).
+
 Export uses the TorchScript exporter (`dynamo=False`) at opset `contract.ONNX_OPSET`, with dynamic
 axes only for batch, tokens and past length. Quantized modules (ModelOpt FP8 quantizers, NVFP4Linears)
 export at `qdq.EXPORT_OPSET` and then go through the Q/DQ rewrites of `qdq.py`. The example inputs give the cache a few slots
@@ -24,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -165,64 +166,3 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
              f"{summary['drafter']['nodes_after_passes']} after passes, {summary['drafter']['export_seconds']:.1f} s")
     (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-# ---------------------------------------------------------------- ONNX Runtime
-
-def ort_session(path, threads: int | None = None):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def to_feed(tensor: torch.Tensor):
-    """A torch tensor as an OrtValue (bf16 through its bits: numpy has no bf16)."""
-    import onnxruntime as ort
-
-    if tensor.dtype != torch.bfloat16:
-        return ort.OrtValue.ortvalue_from_numpy(tensor.contiguous().numpy())
-    bits = tensor.view(torch.int16).numpy().view(np.uint16)
-    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx.TensorProto.BFLOAT16)
-
-
-def run_onnx(session, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]:
-    """Feed torch `args` in contract order, return the outputs as fp32/int64 torch tensors by name."""
-    feeds = {name: to_feed(a) for name, a in zip(spec.input_names, args)}
-    values = session.run_with_ort_values(None, feeds)
-    out = {}
-    for name, value in zip([o.name for o in session.get_outputs()], values):
-        if value.data_type() == "tensor(bfloat16)":
-            bits = torch.from_numpy(value.numpy().view(np.int16).copy())
-            out[name] = bits.view(torch.bfloat16).float()
-        else:
-            array = value.numpy()
-            out[name] = torch.from_numpy(array.astype(np.float32) if array.dtype == np.float16 else array)
-    return out
-
-
-def fp8_ort_session(path, threads: int | None = None):
-    """An ONNX Runtime CPU session for FP8 Q/DQ graphs. Graph optimizations stay off: ORT's QDQ
-    fusion rewrites DequantizeLinear + MatMul into MatMulIntegerToFloat, which rejects float8."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run_quantized_graph(path: Path, spec: C.GraphSpec, args: tuple) -> dict[str, torch.Tensor]:
-    """Run an exported quantized graph on CPU: FP8 (and unquantized) graphs in ONNX Runtime, NVFP4
-    graphs in onnx.reference with the TRT_FP4DynamicQuantize kernel (ONNX Runtime has no FP4)."""
-    from .fp4_reference import reference_evaluator
-
-    model = onnx.load(str(path))
-    fp4 = any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
-    if not fp4 and not any(n.op_type == "TRT_FP4DynamicQuantize" for n in model.graph.node):
-        return run_onnx(fp8_ort_session(path), spec, args)
-    outputs = reference_evaluator(model).run(None, {n: a.numpy() for n, a in zip(spec.input_names, args)})
-    return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(spec.output_names, outputs)}

@@ -34,7 +34,8 @@ from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
-from .export import drafter_example, export_drafter, export_target, run_quantized_graph, target_example
+from .backends import run_graph
+from .export import drafter_example, export_drafter, export_target, target_example
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
 from .target import Target
@@ -342,7 +343,7 @@ def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec
     """The exported graph against the quantized torch module it came from, on the same inputs:
     exact agreement of integer outputs, max abs difference of the others."""
     expected = dict(zip(spec.output_names, module(*args)))
-    got = run_quantized_graph(path, spec, args)
+    got = run_graph(path, spec.feeds(args))
     report = {}
     for name, value in expected.items():
         if value.dtype == torch.int64:

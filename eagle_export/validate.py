@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .backends import run_graph
 from .errors import EagleExportError
 from .manifest import read_manifest, verify_artifacts
 from .recipe import QUANTIZED
@@ -57,7 +58,6 @@ def _random_inputs(target, drafter, depth: int, batch: int = 2, past: int = 6, t
 def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
     """The graphs of the roles not in `skip` against their torch modules, on random inputs."""
     from . import contract as C
-    from .export import ort_session, run_onnx
     from .unrolled import TargetGraph, UnrolledDrafter
 
     target_args, drafter_args = _random_inputs(target, drafter, manifest["depth"])
@@ -70,7 +70,7 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list
         args = target_args
         with torch.no_grad():
             expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
-        got = run_onnx(ort_session(build_dir / "target.onnx"), spec, args)
+        got = run_graph(build_dir / "target.onnx", spec.feeds(args))
         agree = (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item()
         aux_err = ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
                    / expected[C.AUX_HIDDEN].float().abs().max()).item()
@@ -83,7 +83,7 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list
         args = drafter_args
         with torch.no_grad():
             expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
-        got = run_onnx(ort_session(build_dir / "drafter.onnx"), spec, args)
+        got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))
         agree = (got[C.DRAFT_IDS] == expected[C.DRAFT_IDS]).float().mean().item()
         prob_err = (got[C.DRAFT_TOKEN_PROBS].float() - expected[C.DRAFT_TOKEN_PROBS].float()).abs().max().item()
         ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and prob_err <= max(tol, 1e-4)
@@ -111,7 +111,6 @@ def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: lis
     """target.onnx's greedy ids against the unquantized torch target's argmax over every position
     of the prompts' prefills (the positions manifest.quantization.target.top1_agreement covers)."""
     from . import contract as C
-    from .export import run_quantized_graph
 
     # One right-padded batch, one graph run: causal attention keeps the padding out of every
     # real position, and an NVFP4 graph is loaded into onnx.reference once.
@@ -123,7 +122,7 @@ def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: lis
     past_key, past_value = target.empty_cache(len(prompts), 0)
     args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
     spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
-    got = run_quantized_graph(build_dir / "target.onnx", spec, args)[C.GREEDY_IDS]
+    got = run_graph(build_dir / "target.onnx", spec.feeds(args))[C.GREEDY_IDS]
     expected = target(*args)[0].argmax(-1)
     real = positions < lengths[:, None]
     agree = float((got == expected)[real].float().mean())
@@ -135,7 +134,6 @@ def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, pr
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
     from . import contract as C
-    from .export import run_quantized_graph
     from .quantize import drafter_calibration_batches
 
     spec = C.drafter_graph(drafter.config, manifest["depth"], False)
@@ -152,7 +150,7 @@ def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, pr
         k, v = drafter.empty_cache(len(rows), 0)
         args = (ids.repeat(len(rows), 1), aux.to(dtype).repeat(len(rows), 1, 1), rows + 1, k, v,
                 torch.zeros(len(rows), dtype=torch.long))
-        got = run_quantized_graph(build_dir / "drafter.onnx", spec, args)[C.DRAFT_IDS][:, 0]
+        got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))[C.DRAFT_IDS][:, 0]
         agree += int((got == expected[rows]).sum())
         total += len(rows)
     return _agreement_check(manifest, "drafter", agree / total, len(prompts), total)

@@ -27,11 +27,11 @@ from collections import Counter
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 import torch
 from torch import nn
 
 from eagle_export import contract as C
+from eagle_export.backends import ort_session
 from eagle_export.config import DrafterConfig, TargetConfig
 from eagle_export.drafter import Drafter
 from eagle_export.export import export_graph, target_example
@@ -106,16 +106,10 @@ class FuseAux(nn.Module):
         return self.drafter.fuse_aux(aux)
 
 
-def session(path: Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def export_fuse_aux(drafter: Drafter, example: torch.Tensor, path: Path) -> ort.InferenceSession:
+def export_fuse_aux(drafter: Drafter, example: torch.Tensor, path: Path):
     torch.onnx.export(FuseAux(drafter), (example,), str(path), dynamo=False, opset_version=17,
                       input_names=["aux"], output_names=["out"], dynamic_axes={"aux": {0: "b", 1: "t"}})
-    return session(path)
+    return ort_session(path, threads=1)
 
 
 def export_target(target: Target, path: Path) -> onnx.ModelProto:
@@ -181,7 +175,7 @@ def main():
         lens = torch.tensor([128])
         feed = dict(zip(C.target_graph(targets["as is"].config, len(AUX), False).input_names,
                         (ids.numpy(), pos.numpy(), k.numpy(), v.numpy(), lens.numpy())))
-        target_sessions = {k: session(tmp / f"target_{k.replace(' ', '_')}.onnx") for k in targets}
+        target_sessions = {k: ort_session(tmp / f"target_{k.replace(' ', '_')}.onnx", threads=1) for k in targets}
         runs = max(20, args.runs // 10)
         whole = interleaved_medians({f"ort[{name}]": (lambda s=s: s.run(None, feed))
                                      for name, s in target_sessions.items()}

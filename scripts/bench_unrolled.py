@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.export import export_drafter, export_target, ort_session, to_feed
+from eagle_export.backends import ort_session
+from eagle_export.export import export_drafter, export_target
 from eagle_export import contract as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -37,7 +38,7 @@ def feeds(spec, drafter, depth, width, batch, past):
     args = (torch.randint(0, cfg.vocab_size, (batch, width)),
             torch.randn(batch, width, cfg.num_aux * cfg.target_hidden_size),
             torch.full((batch,), width), cache, cache.clone(), torch.full((batch,), past - width))
-    return {name: to_feed(a) for name, a in zip(spec.input_names, args)}
+    return {name: a.numpy() for name, a in spec.feeds(args).items()}
 
 
 def main():
@@ -69,7 +70,8 @@ def main():
             print(f"{name:12} export {s['export_seconds']:6.2f} s  passes {s['passes_seconds']:6.2f} s  "
                   f"nodes {s['nodes_exported']} -> {s['nodes_after_passes']}")
 
-        unrolled, single = ort_session(tmp / "drafter4.onnx", args.threads), ort_session(tmp / "drafter1.onnx", args.threads)
+        unrolled, single = (ort_session(tmp / "drafter4.onnx", threads=args.threads),
+                           ort_session(tmp / "drafter1.onnx", threads=args.threads))
         spec4, spec1 = C.drafter_graph(drafter.config, 4, False), C.drafter_graph(drafter.config, 1, False)
         print(f"ONNX Runtime CPU, {args.threads} thread(s), past {args.past}, median of {args.runs} runs (ms):")
         for batch in (1, 4):

@@ -23,8 +23,8 @@ from eagle_export import contract as C
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.export import (ONNX_IR_VERSION, export_drafter, export_graph, export_models, export_target,
-                                 ort_session, run_onnx)
+from eagle_export.backends import ort_session, run_onnx
+from eagle_export.export import ONNX_IR_VERSION, export_drafter, export_graph, export_models, export_target
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -97,7 +97,7 @@ def test_drafter_onnx_matches_torch_fp32(tmp_path, dirs, version, depth, samplin
     # batch 1 and ragged batch 3 at sizes other than the export example's, and an empty cache (S = 0)
     for num_valid, cache_lens, past in [([depth], [5], 7), ([1, depth + 1, 2], [0, 9, 4], 12), ([2, 1], [0, 0], 0)]:
         args = drafter_inputs(drafter, depth, num_valid, cache_lens, past, sampling, seed=depth)
-        compare(spec, run_onnx(session, spec, args), module(*args), 1e-4)
+        compare(spec, run_onnx(session, spec.feeds(args)), module(*args), 1e-4)
 
 
 @pytest.mark.parametrize("return_logits", [True, False])
@@ -109,7 +109,7 @@ def test_target_onnx_matches_torch_fp32(tmp_path, dirs, return_logits):
     module = TargetGraph(target, return_logits)
     for batch, tokens, cache_lens, past in [(1, 9, [0], 0), (3, 5, [6, 0, 2], 8), (2, 1, [3, 7], 7)]:
         args = target_inputs(target, batch, tokens, cache_lens, past, seed=tokens)
-        compare(spec, run_onnx(session, spec, args), module(*args), 1e-4)
+        compare(spec, run_onnx(session, spec.feeds(args)), module(*args), 1e-4)
 
 
 # ---------------------------------------------------------------- fp16 / bf16
@@ -153,7 +153,7 @@ def test_fp16_ort_agrees_with_fp32_torch(fp16_models, dirs):
     target16, drafter16 = load_pair(dirs, "3.1", torch.float16)
     spec = C.target_graph(target16.config, len(AUX), True)
     args = target_inputs(target16, 4, 64, [0, 5, 11, 2], 12, dtype=torch.float16)
-    got = run_onnx(ort_session(out / "target.onnx"), spec, args)
+    got = run_onnx(ort_session(out / "target.onnx"), spec.feeds(args))
     greedy, logits, *_ = TargetGraph(target32, True)(*as_float(args))
     assert (got["logits"] - logits).abs().max() <= 2e-2
     assert greedy_agreement(got["greedy_ids"], greedy) >= 0.995
@@ -163,7 +163,7 @@ def test_fp16_ort_agrees_with_fp32_torch(fp16_models, dirs):
     agree = []
     for seed in range(8):
         args = drafter_inputs(drafter16, 4, [5, 1, 3, 4], [3, 0, 8, 6], 9, True, seed, torch.float16)
-        got, expected = run_onnx(session, spec, args), module(*as_float(args))
+        got, expected = run_onnx(session, spec.feeds(args)), module(*as_float(args))
         assert (got["draft_probs"] - expected[2]).abs().max() <= 1e-2
         agree.append(greedy_agreement(got["draft_ids"], expected[0]))
     assert np.mean(agree) >= 0.995
@@ -218,19 +218,20 @@ def speculative_greedy(target_session, drafter_session, target, drafter, prompt,
     tk, tv = target.empty_cache(1, capacity)
     dk, dv = drafter.empty_cache(1, capacity)
     n = len(prompt)
-    out = run_onnx(target_session, tspec, (torch.tensor([prompt]), torch.arange(n)[None], tk, tv, torch.tensor([0])))
+    out = run_onnx(target_session, tspec.feeds((torch.tensor([prompt]), torch.arange(n)[None], tk, tv,
+                                                torch.tensor([0]))))
     tk[:, :, :, :n], tv[:, :, :, :n] = out["new_key"], out["new_value"]
     tokens = [int(out["greedy_ids"][0, -1])]
     # drafter prefill: t_1..t_n with a_0..a_{n-1} in one call (the drafter's tokens axis is dynamic)
-    d = run_onnx(drafter_session, dspec, (torch.tensor([prompt[1:] + tokens]), out["aux_hidden"],
-                                          torch.tensor([n]), dk, dv, torch.tensor([0])))
+    d = run_onnx(drafter_session, dspec.feeds((torch.tensor([prompt[1:] + tokens]), out["aux_hidden"],
+                                                torch.tensor([n]), dk, dv, torch.tensor([0]))))
     dk[..., :n, :], dv[..., :n, :] = d["new_key"][..., :n, :], d["new_value"][..., :n, :]
     length, accepted_counts = n, []
     while len(tokens) < max_new:
         drafts = d["draft_ids"][0].tolist()
         verify = torch.tensor([[tokens[-1]] + drafts])
-        out = run_onnx(target_session, tspec, (verify, length + torch.arange(depth + 1)[None], tk, tv,
-                                               torch.tensor([length])))
+        out = run_onnx(target_session, tspec.feeds((verify, length + torch.arange(depth + 1)[None], tk, tv,
+                                                    torch.tensor([length]))))
         greedy = out["greedy_ids"][0].tolist()
         m = 0
         while m < depth and drafts[m] == greedy[m]:
@@ -241,7 +242,7 @@ def speculative_greedy(target_session, drafter_session, target, drafter, prompt,
         ids[0, :m + 1] = torch.tensor(accepted)
         aux = torch.zeros_like(out["aux_hidden"])
         aux[:, :m + 1] = out["aux_hidden"][:, :m + 1]
-        d = run_onnx(drafter_session, dspec, (ids, aux, torch.tensor([m + 1]), dk, dv, torch.tensor([length])))
+        d = run_onnx(drafter_session, dspec.feeds((ids, aux, torch.tensor([m + 1]), dk, dv, torch.tensor([length]))))
         dk[..., length:length + m + 1, :] = d["new_key"][..., :m + 1, :]
         dv[..., length:length + m + 1, :] = d["new_value"][..., :m + 1, :]
         length += m + 1  # rejected drafts roll back by length alone
@@ -285,7 +286,7 @@ def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkey
     assert (tmp_path / "drafter.onnx.data").stat().st_size > (tmp_path / "drafter.onnx").stat().st_size
     spec = C.drafter_graph(drafter.config, 2, False)
     args = drafter_inputs(drafter, 2, [3, 1], [4, 0], 6, False)
-    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec, args), UnrolledDrafter(drafter, 2, False)(*args),
+    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec.feeds(args)), UnrolledDrafter(drafter, 2, False)(*args),
             1e-4)
 
 
@@ -350,7 +351,7 @@ def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, dep
         export_target(target, tmp_path / "target.onnx", return_logits=True)
         spec = C.target_graph(target.config, 3, True)
         args = target_inputs(target, 2, 6, [0, 4], 5)
-        got, expected = run_onnx(ort_session(tmp_path / "target.onnx"), spec, args), TargetGraph(target, True)(*args)
+        got, expected = run_onnx(ort_session(tmp_path / "target.onnx"), spec.feeds(args)), TargetGraph(target, True)(*args)
         # 30 layers of fp32 rounding reach ~2.5e-4 on logits near 15: logits, aux and K/V are held to
         # 1e-4 of their largest magnitude, the probabilities to 1e-4 absolute, the greedy ids exactly.
         compare(spec, got, expected, 1e-4, relative=True)
@@ -359,5 +360,5 @@ def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, dep
     export_drafter(drafter, depth, True, tmp_path / "drafter.onnx")
     spec = C.drafter_graph(drafter.config, depth, True)
     args = drafter_inputs(drafter, depth, [depth + 1, 2], [7, 0], 9, True)
-    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec, args),
+    compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec.feeds(args)),
             UnrolledDrafter(drafter, depth, True)(*args), 1e-4, relative=True)  # probabilities: absolute

@@ -17,9 +17,8 @@ from eagle_export import contract as C
 from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
-from eagle_export.export import (drafter_example, export_drafter, export_target, fp8_ort_session, run_onnx,
-                                 target_example)
-from eagle_export.fp4_reference import reference_evaluator
+from eagle_export.backends import ort_session, run_graph, run_onnx
+from eagle_export.export import drafter_example, export_drafter, export_target, target_example
 from eagle_export.nvfp4 import NVFP4Linear
 from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -78,11 +77,6 @@ def initializer_types(model):
     return Counter(t.data_type for t in model.graph.initializer)
 
 
-def reference_run(model, spec, args):
-    outputs = reference_evaluator(model).run(None, {n: a.numpy() for n, a in zip(spec.input_names, args)})
-    return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(spec.output_names, outputs)}
-
-
 def test_config_excludes_lm_head_and_fc_but_not_fc_norm(models, fp8):
     qtarget, qdrafter = fp8
     assert qdrafter.midlayer.self_attn.q_proj.weight_quantizer.is_enabled
@@ -127,7 +121,7 @@ def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_pat
     spec = C.target_graph(qtarget.config, 3, True)
     args = target_args(qtarget)
     expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
-    got = run_onnx(fp8_ort_session(path), spec, args)
+    got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
     assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
     for name in ("logits", "aux_hidden", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
@@ -141,7 +135,7 @@ def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
     args = drafter_args(qdrafter)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
-    got = run_onnx(fp8_ort_session(path), spec, args)
+    got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
     for name in ("draft_token_probs", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
@@ -168,7 +162,7 @@ def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4
     spec = C.target_graph(qtarget.config, 3, True)
     args = target_args(qtarget)
     expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
-    got = reference_run(model, spec, args)
+    got = run_graph(path, spec.feeds(args))
     assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
     for name in ("logits", "aux_hidden", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
@@ -182,7 +176,7 @@ def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
     args = drafter_args(qdrafter)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
-    got = reference_run(onnx.load(path), spec, args)
+    got = run_graph(path, spec.feeds(args))
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
     for name in ("draft_token_probs", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
