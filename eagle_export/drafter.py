@@ -80,6 +80,19 @@ class Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
+    def step(self, input_ids, hidden, positions, past_k, past_v, mask, prefix_kv=None):
+        """The drafter step every path runs (forward, the unrolled graph, the reference's parallel
+        drafts): embed the tokens, RoPE at `positions`, the decoder layer over the cache, final norm.
+        input_ids, positions [B,T]; hidden [B,T,H]; past_k, past_v [B,Hkv,S,D]; mask broadcast to
+        [B,Hq,T,S(+prefix)]; prefix_kv: extra keys/values after the cache (see Attention)
+        -> (normed state [B,T,H], lm_head's input; feedback state [B,T,H]; new_k, new_v [B,Hkv,T,D])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, hidden.dtype)
+        h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv)
+        normed = self.norm(h)
+        # The feedback rule: EAGLE-3 feeds back the pre-norm state, EAGLE-3.1 (norm_output) the normed one.
+        return normed, (normed if self.config.norm_output else h), new_k, new_v
+
     def forward(self, input_ids, hidden, positions, k_cache, v_cache, cache_lens):
         """One drafter step over T tokens.
         input_ids, positions [B,T]; hidden [B,T,H] (fuse_aux(aux) at step 0, else the feedback);
@@ -87,12 +100,8 @@ class Drafter(nn.Module):
         -> (draft logits [B,T,Vd], feedback hidden [B,T,H], new_k, new_v [1,B,Hkv,T,D])."""
         if self.embed_tokens is None:
             raise RuntimeError("the drafter has no embedding table: call share_embeddings(target.embed_tokens)")
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, hidden.dtype)
         mask = attention_mask(positions, cache_lens, k_cache.shape[3])
-        h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, k_cache[0], v_cache[0], mask)
-        normed = self.norm(h)
-        feedback = normed if self.config.norm_output else h
+        normed, feedback, new_k, new_v = self.step(input_ids, hidden, positions, k_cache[0], v_cache[0], mask)
         return self.lm_head(normed), feedback, new_k.unsqueeze(0), new_v.unsqueeze(0)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from .backends import run_graph
 from .export import drafter_example, export_drafter, export_target, target_example
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
+from .reference import draft_chain, mean_accepted_length, speculative_generate
 from .target import Target
 from .unrolled import TargetGraph, UnrolledDrafter
 
@@ -76,23 +77,12 @@ def quant_config(precision: str, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> di
 def calibration_step(model: nn.Module, batch: tuple) -> None:
     """Run one calibration batch the way the model runs in decoding.
 
-    Target batches are its forward arguments. Drafter batches are (input_ids, aux, positions):
-    step 0 on fuse_aux(aux), then feedback steps on its own greedy drafts."""
-    if not isinstance(model, Drafter):
+    Target batches are its forward arguments. Drafter batches are (input_ids, aux): step 0 on
+    fuse_aux(aux), then DRAFTER_CALIBRATION_STEPS feedback steps on its own greedy drafts."""
+    if isinstance(model, Drafter):
+        draft_chain(model, *batch, depth=DRAFTER_CALIBRATION_STEPS + 1)
+    else:
         model(*batch)
-        return
-    ids, aux, positions = batch
-    b, t = ids.shape
-    k, v = model.empty_cache(b, t + DRAFTER_CALIBRATION_STEPS, dtype=aux.dtype)
-    zeros = torch.zeros(b, dtype=torch.long)
-    logits, hidden, nk, nv = model(ids, model.fuse_aux(aux), positions, k[..., :0, :], v[..., :0, :], zeros)
-    k[..., :t, :], v[..., :t, :] = nk, nv
-    for s in range(DRAFTER_CALIBRATION_STEPS):
-        token = model.to_target_ids(logits[:, -1:].argmax(-1))
-        pos = positions[:, -1:] + 1 + s
-        logits, hidden, nk, nv = model(token, hidden[:, -1:], pos, k[..., :t + s, :], v[..., :t + s, :],
-                                       torch.full((b,), t + s))
-        k[..., t + s:t + s + 1, :], v[..., t + s:t + s + 1, :] = nk, nv
 
 
 def quantize(model: nn.Module, precision: str, calib_batches: Iterable[tuple],
@@ -169,13 +159,12 @@ def target_calibration_batches(target: Target, prompts: list[list[int]]) -> list
 
 @torch.no_grad()
 def drafter_calibration_batches(target: Target, prompts: list[list[int]]) -> list[tuple]:
-    """(ids t_1..t_n, aux a_0..a_{n-1}, positions 0..n-1) per prompt, the EAGLE-3 pairing, with
+    """(ids t_1..t_n, aux a_0..a_{n-1}) per prompt, the EAGLE-3 pairing (at positions 0..n-1), with
     t_n the target's own greedy next token: the drafter's real step-0 input on these prompts."""
     batches = []
     for ids, args in zip(prompts, target_calibration_batches(target, prompts)):
         logits, aux, _, _ = target(*args)
-        shifted = torch.tensor([ids[1:] + [int(logits[0, -1].argmax())]])
-        batches.append((shifted, aux, torch.arange(len(ids))[None]))
+        batches.append((torch.tensor([ids[1:] + [int(logits[0, -1].argmax())]]), aux))
     return batches
 
 
@@ -229,8 +218,6 @@ def greedy_continuation_agreement(reference: Target, quantized: Target, prompts:
 @torch.no_grad()
 def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int, depth: int) -> float:
     """Mean tokens per round (greedy, chain depth `depth`) of the reference loop over `prompts`."""
-    from .reference import mean_accepted_length, speculative_generate
-
     return mean_accepted_length([m for ids in prompts
                                  for m in speculative_generate(target, drafter, ids, new_tokens, depth).accepted])
 
@@ -239,27 +226,15 @@ def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], 
 def drafter_metrics(reference: Drafter, quantized: Drafter, target: Target, prompts: list[list[int]]) -> dict:
     """Draft agreement on the (unquantized) target's aux states: step 0 at every position (top-1
     agreement and KL of the draft distribution), then each drafter's own feedback chain from the
-    last position (fraction of chained draft ids that agree)."""
+    last position (fraction of the DRAFTER_CALIBRATION_STEPS drafts fed back that agree)."""
     ref_all, quant_all, chain_agree, chain_total = [], [], 0, 0
-    for ids, aux, positions in drafter_calibration_batches(target, prompts):
-        chains = []
-        for model in (reference, quantized):
-            t = ids.shape[1]
-            k, v = model.empty_cache(1, t + DRAFTER_CALIBRATION_STEPS, dtype=aux.dtype)
-            logits, hidden, nk, nv = model(ids, model.fuse_aux(aux), positions, k[..., :0, :], v[..., :0, :],
-                                           torch.zeros(1, dtype=torch.long))
-            (ref_all if model is reference else quant_all).append(logits[0])
-            k[..., :t, :], v[..., :t, :] = nk, nv
-            chain = []
-            for s in range(DRAFTER_CALIBRATION_STEPS):
-                token = model.to_target_ids(logits[:, -1:].argmax(-1))
-                chain.append(int(token))
-                logits, hidden, nk, nv = model(token, hidden[:, -1:], torch.tensor([[t + s]]),
-                                               k[..., :t + s, :], v[..., :t + s, :], torch.tensor([t + s]))
-                k[..., t + s:t + s + 1, :], v[..., t + s:t + s + 1, :] = nk, nv
-            chains.append(chain)
-        chain_agree += sum(a == b for a, b in zip(*chains))
-        chain_total += len(chains[0])
+    for ids, aux in drafter_calibration_batches(target, prompts):
+        ref, quant = (draft_chain(model, ids, aux, DRAFTER_CALIBRATION_STEPS + 1) for model in (reference, quantized))
+        ref_all.append(ref.step0_logits[0])
+        quant_all.append(quant.step0_logits[0])
+        fed_back = slice(0, DRAFTER_CALIBRATION_STEPS)
+        chain_agree += int((ref.drafts[0, fed_back] == quant.drafts[0, fed_back]).sum())
+        chain_total += DRAFTER_CALIBRATION_STEPS
     ref, quant = torch.cat(ref_all), torch.cat(quant_all)
     return {"top1_agreement": float((ref.argmax(-1) == quant.argmax(-1)).float().mean()),
             "kl": _kl(ref, quant), "chain_agreement": chain_agree / chain_total, "positions": ref.shape[0]}

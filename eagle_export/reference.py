@@ -9,7 +9,9 @@ Verification is greedy (temperature 0: lossless, the output equals target-only g
 or rejection sampling (accept draft d with probability min(1, p(d)/q(d)), else sample from
 norm(max(0, p - q))), which preserves the target's sampling distribution.
 
-`parallel_drafts` computes, in one pass, the chain the drafter proposes after every prefix of a
+`draft_chain` runs the drafter's chain in plain single steps (step 0 over the given rows, then
+feedback steps), as decoding does: calibration, quantization metrics and the unrolled graph's
+test oracle use it. `parallel_drafts` computes, in one pass, the chain the drafter proposes after every prefix of a
 known token sequence (training-time test); on a target-greedy sequence it reproduces the drafts of
 the loop exactly, which `replay_greedy` uses to score many depths from one target generation.
 """
@@ -21,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafter import Drafter
-from .layers import rope_cos_sin
 from .target import Target
 
 
@@ -162,6 +163,51 @@ def speculative_generate(target: Target, drafter: Drafter, prompt_ids: list[int]
     return result
 
 
+@dataclass
+class DraftChain:
+    step0_logits: torch.Tensor  # [B,T,Vd]: step 0 at every input row
+    logits: torch.Tensor        # [B,K,Vd]: what each draft was chosen from (the last row's, step by step)
+    indices: torch.Tensor       # [B,K] the drafts in the draft vocabulary
+    drafts: torch.Tensor        # [B,K] the drafts in target ids
+    new_key: torch.Tensor       # [1,B,Hkv,T+K-1,D]: the T step-0 entries, then one per later step
+    new_value: torch.Tensor
+
+
+@torch.no_grad()
+def draft_chain(drafter: Drafter, ids: torch.Tensor, aux: torch.Tensor, depth: int, past_key=None, past_value=None,
+                choose=None) -> DraftChain:
+    """The chain of `depth` drafts as decoding proposes it, in plain drafter steps.
+
+    Step 0 runs the rows ids [B,T] (t_{p+1} .. ) with fuse_aux(aux) [B,T,A*Ht] (a_p .. ) at positions
+    S..S+T-1 after a cache of S entries (past_key/past_value [1,B,Hkv,S,D], none by default); each
+    later step feeds the previous draft and the previous step's feedback state, one row. Draft k
+    comes from the last row of step k-1: `choose(logits [B,Vd], k) -> draft-vocabulary indices [B]`,
+    argmax by default."""
+    b, t = ids.shape
+    if past_key is None:
+        past_key, past_value = drafter.empty_cache(b, 0, dtype=aux.dtype)
+    choose = choose or (lambda logits, k: logits.argmax(-1))
+    start = past_key.shape[3]
+    logits, hidden, new_k, new_v = drafter(ids, drafter.fuse_aux(aux), start + torch.arange(t).expand(b, t),
+                                           past_key, past_value, torch.full((b,), start))
+    step0_logits, last, hidden = logits, logits[:, -1], hidden[:, -1:]
+    keys, values = torch.cat([past_key, new_k], 3), torch.cat([past_value, new_v], 3)
+    chosen, indices = [], []
+    for k in range(depth):
+        if k > 0:
+            length = keys.shape[3]
+            logits, hidden, new_k, new_v = drafter(token, hidden, torch.full((b, 1), length), keys, values,
+                                                   torch.full((b,), length))
+            keys, values = torch.cat([keys, new_k], 3), torch.cat([values, new_v], 3)
+            last = logits[:, -1]
+        chosen.append(last)
+        indices.append(choose(last, k))
+        token = drafter.to_target_ids(indices[-1])[:, None]
+    indices = torch.stack(indices, 1)
+    return DraftChain(step0_logits, torch.stack(chosen, 1), indices, drafter.to_target_ids(indices),
+                      keys[..., start:, :], values[..., start:, :])
+
+
 def parallel_drafts(drafter: Drafter, next_ids: torch.Tensor, aux: torch.Tensor, depth: int,
                     first_chain: int = 0) -> list[torch.Tensor]:
     """Training-time test: the drafter's chain after every prefix, all positions at once.
@@ -181,20 +227,16 @@ def parallel_drafts(drafter: Drafter, next_ids: torch.Tensor, aux: torch.Tensor,
     for k in range(depth):
         start = 0 if k == 0 else first_chain  # step 0 also builds the keys of every earlier position
         positions = torch.arange(start + k, t + k).expand(b, t - start)
-        embeds = drafter.embed_tokens(next_ids[:, start + k:t + k]).to(hidden.dtype)
-        cos, sin = rope_cos_sin(positions, drafter.inv_freq, hidden.dtype)
         past_k = torch.cat(keys, dim=2) if keys else hidden.new_zeros(b, drafter.config.num_kv_heads, 0,
                                                                        drafter.config.head_dim)
         past_v = torch.cat(values, dim=2) if values else past_k
         mask = torch.cat([causal[start:]] + [own] * k, dim=-1)[None, None, None]
-        h, new_k, new_v = drafter.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
+        normed, hidden, new_k, new_v = drafter.step(next_ids[:, start + k:t + k], hidden, positions, past_k, past_v, mask)
         keys.append(new_k)
         values.append(new_v)
         if k == 0:
-            h = h[:, first_chain:]
-        normed = drafter.norm(h)
+            normed, hidden = normed[:, first_chain:], hidden[:, first_chain:]
         out.append(drafter.lm_head(normed))
-        hidden = normed if drafter.config.norm_output else h
     return out
 
 

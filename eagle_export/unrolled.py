@@ -30,7 +30,6 @@ from torch import nn
 
 from .drafter import Drafter
 from .errors import EagleExportError
-from .layers import rope_cos_sin
 from .target import Target
 
 MAX_DEPTH = 8
@@ -67,15 +66,6 @@ class UnrolledDrafter(nn.Module):
                                    "load it with load_drafter(path, target=target) to share the target's")
         self.drafter, self.depth, self.sampling = drafter, depth, sampling
 
-    def _layer(self, ids, hidden, positions, past_k, past_v, mask, prefix_kv):
-        """One drafter layer pass -> (normed state, feedback state, new K, new V [B,Hkv,T,D])."""
-        d = self.drafter
-        embeds = d.embed_tokens(ids).to(hidden.dtype)
-        cos, sin = rope_cos_sin(positions, d.inv_freq, hidden.dtype)
-        h, new_k, new_v = d.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv)
-        normed = d.norm(h)
-        return normed, (normed if d.config.norm_output else h), new_k, new_v
-
     def _choose(self, normed, step, temperature, uniform_noise):
         """normed [B,1,H] -> (draft index [B,1], its probability [B,1], the distribution [B,1,Vd]) in fp32."""
         logits = self.drafter.lm_head(normed).float()
@@ -107,8 +97,7 @@ class UnrolledDrafter(nn.Module):
         mask = torch.cat([past_ok.expand(-1, width, -1), causal[None] & row_valid[:, None, :]], dim=-1)
         hidden = d.fuse_aux(aux_hidden)
         positions = cache_lens[:, None] + rows[None, :]
-        normed, feedback, keys, values = self._layer(input_ids, hidden, positions, past_k, past_v,
-                                                     mask[:, None, None], None)
+        normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None])
         # The last valid row of each sequence, selected by a one-hot sum (exact; plainer to every
         # backend than a gather with a per-sequence index).
         last = (rows[None, :] == (num_valid - 1)[:, None])[:, :, None]                   # [B,W,1]
@@ -123,8 +112,8 @@ class UnrolledDrafter(nn.Module):
                 positions = (cache_lens + num_valid - 1 + step)[:, None]
                 earlier = (cache_lens >= 0)[:, None, None].expand(-1, 1, step)           # all True, [B,1,step]
                 mask = torch.cat([past_ok, row_valid[:, None, :], earlier], dim=-1)
-                normed, feedback, new_k, new_v = self._layer(target_token, feedback, positions, past_k, past_v,
-                                                             mask[:, None, None], (keys, values))
+                normed, feedback, new_k, new_v = d.step(target_token, feedback, positions, past_k, past_v,
+                                                        mask[:, None, None], (keys, values))
                 keys, values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
             token, prob, dist = self._choose(normed, step, temperature, uniform_noise)
             target_token = d.to_target_ids(token)                                       # [B,1]

@@ -23,7 +23,9 @@ import torch
 from .backends import run_graph
 from .errors import EagleExportError
 from .manifest import read_manifest, verify_artifacts
+from .quantize import drafter_calibration_batches
 from .recipe import QUANTIZED
+from .reference import draft_chain
 from .runtime import GenerationConfig
 
 # max |onnx - torch| / max |torch| allowed for logits and draft probabilities, by export dtype
@@ -134,16 +136,13 @@ def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, pr
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
     from . import contract as C
-    from .quantize import drafter_calibration_batches
 
     spec = C.drafter_graph(drafter.config, manifest["depth"], False)
     dtype = drafter.fc.weight.dtype
     agree, total = 0, 0
-    for ids, aux, positions in drafter_calibration_batches(target, prompts):
+    for ids, aux in drafter_calibration_batches(target, prompts):
         width = ids.shape[1]
-        k, v = drafter.empty_cache(1, 0)
-        logits = drafter(ids, drafter.fuse_aux(aux.to(dtype)), positions, k, v, torch.zeros(1, dtype=torch.long))[0]
-        expected = drafter.to_target_ids(logits[0].argmax(-1))
+        expected = drafter.to_target_ids(draft_chain(drafter, ids, aux.to(dtype), 1).step0_logits[0].argmax(-1))
         # One graph row per checked position: the whole prompt with num_valid = position + 1, so
         # the graph's first draft is its step-0 draft at that position.
         rows = torch.linspace(width - 1, 0, min(DRAFTER_POSITIONS, width)).round().long().unique()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from eagle_export import reference
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -24,36 +25,28 @@ def drafter(request, tmp_path_factory, target):
 
 def oracle(drafter, input_ids, aux, num_valid, past_key, past_value, cache_lens, depth,
            temperature=None, noise=None):
-    """K single-step Drafter.forward calls per sequence, each over exactly its valid cache and rows."""
+    """Per sequence, the reference's chain of single Drafter steps over exactly its valid cache and rows."""
     ids, probs, dists, keys, values = [], [], [], [], []
     for b in range(input_ids.shape[0]):
         n, c = int(num_valid[b]), int(cache_lens[b])
-        kc, vc = past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c]
-        logits, hidden, nk, nv = drafter(input_ids[b:b + 1, :n], drafter.fuse_aux(aux[b:b + 1, :n]),
-                                         c + torch.arange(n)[None], kc, vc, torch.tensor([c]))
-        kc, vc = torch.cat([kc, nk], 3), torch.cat([vc, nv], 3)
-        logits, hidden = logits[:, -1:], hidden[:, -1:]
-        row_ids, row_probs, row_dists = [], [], []
-        for step in range(depth):
-            if step > 0:
-                logits, hidden, nk, nv = drafter(token, hidden, torch.tensor([[c + n - 1 + step]]), kc, vc,
-                                                 torch.tensor([kc.shape[3]]))
-                kc, vc = torch.cat([kc, nk], 3), torch.cat([vc, nv], 3)
+
+        def distribution(logits):
+            return torch.softmax(logits.float() / (1.0 if temperature is None else float(temperature[b])), -1)
+
+        def choose(logits, step):
+            p = distribution(logits[0])
             if temperature is None:
-                p = torch.softmax(logits[0, 0].float(), -1)
-                choice = int(p.argmax())
-            else:
-                p = torch.softmax(logits[0, 0].float() / float(temperature[b]), -1)
-                choice = min(int(torch.searchsorted(p.cumsum(-1), noise[b, step], right=True)), p.numel() - 1)
-            token = drafter.to_target_ids(torch.tensor([[choice]]))
-            row_ids.append(int(token))
-            row_probs.append(float(p[choice]))
-            row_dists.append(p)
-        ids.append(row_ids)
-        probs.append(row_probs)
-        dists.append(torch.stack(row_dists))
-        keys.append(kc[:, 0, :, c:])  # the n step-0 entries, then one per later step
-        values.append(vc[:, 0, :, c:])
+                return p.argmax()[None]
+            return torch.clamp(torch.searchsorted(p.cumsum(-1), noise[b, step], right=True), max=p.numel() - 1)[None]
+
+        chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], depth,
+                                      past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c], choose)
+        p = distribution(chain.logits[0])  # [depth, Vd]
+        ids.append(chain.drafts[0].tolist())
+        probs.append(p.gather(-1, chain.indices[0, :, None])[:, 0].tolist())
+        dists.append(p)
+        keys.append(chain.new_key[:, 0])  # the n step-0 entries, then one per later step
+        values.append(chain.new_value[:, 0])
     return torch.tensor(ids), torch.tensor(probs), torch.stack(dists), keys, values
 
 
