@@ -102,28 +102,28 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu"):
-        dtype = target_graph.target.embed_tokens.weight.dtype
-        super().__init__(drafter_graph.depth, dtype, target_graph.return_logits, drafter_sampling_graph is not None)
-        self.target_graph, self.drafter_graph = target_graph, drafter_graph
-        self.drafter_sampling_graph = drafter_sampling_graph
+        target = target_graph.target
+        super().__init__(drafter_graph.depth, target.embed_tokens.weight.dtype, target_graph.return_logits,
+                         drafter_sampling_graph is not None)
         self.device = device
-        self.target_names = [C.GREEDY_IDS] + ([C.LOGITS] if target_graph.return_logits else []) + [
-            C.AUX_HIDDEN, C.NEW_KEY, C.NEW_VALUE]
+        # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
+        self.target_graph = (target_graph,
+                             C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))
+        self.drafter_graphs = {sampling: (graph, C.drafter_graph(graph.drafter.config, graph.depth, sampling))
+                               for sampling, graph in ((False, drafter_graph), (True, drafter_sampling_graph))
+                               if graph is not None}
+
+    @staticmethod
+    def _run(graph, spec, feeds):
+        return dict(zip(spec.output_names, graph(*[feeds[name] for name in spec.input_names])))
 
     @torch.inference_mode()
     def target(self, feeds, need_logits=False):
-        args = [feeds[n] for n in (C.INPUT_IDS, C.POSITIONS, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS)]
-        return dict(zip(self.target_names, self.target_graph(*args)))
+        return self._run(*self.target_graph, feeds)
 
     @torch.inference_mode()
     def drafter(self, feeds, sampling=False):
-        names = [C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS]
-        graph = self.drafter_sampling_graph if sampling else self.drafter_graph
-        if sampling:
-            names += [C.TEMPERATURE, C.UNIFORM_NOISE]
-        outputs = graph(*[feeds[n] for n in names])
-        out_names = [C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS] + ([C.DRAFT_PROBS] if sampling else []) + [C.NEW_KEY, C.NEW_VALUE]
-        return dict(zip(out_names, outputs))
+        return self._run(*self.drafter_graphs[sampling], feeds)
 
 
 _ORT_TO_TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,

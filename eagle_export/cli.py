@@ -8,6 +8,7 @@ import sys
 import click
 
 from . import __version__
+from .contract import MAX_DEPTH
 from .errors import EagleExportError
 
 
@@ -87,7 +88,7 @@ def doctor(as_json):
 @click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
 @click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).")
 @click.option("--drafter", help="Override the recipe's drafter directory.")
-@click.option("--depth", type=int, help="Override the speculation depth K (1..8).")
+@click.option("--depth", type=int, help=f"Override the speculation depth K (1..{MAX_DEPTH}).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
 def build(recipe, out_dir, force, target, drafter, depth, sets):
@@ -203,7 +204,8 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
 @main.command("export")
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target LLM directory (Hugging Face).")
 @click.option("--draft", "drafter_dir", required=True, type=click.Path(), help="EAGLE-3 / 3.1 drafter directory.")
-@click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K (1..8) of the unrolled drafter.")
+@click.option("--depth", default=4, show_default=True, type=int,
+              help=f"Speculation depth K (1..{MAX_DEPTH}) of the unrolled drafter.")
 @click.option("--dtype", default="fp16", show_default=True, help="Export precision: fp32, fp16 or bf16.")
 @click.option("--sampling", is_flag=True, help="Export the sampling drafter and a target that also returns logits.")
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Output directory.")

@@ -25,11 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .config import DrafterConfig, TargetConfig
 
-BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the only dynamic axes
+BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the dynamic axes of the inputs
+# The drafter's new K/V axis, W+K-1: named so because ONNX has no arithmetic on axis names.
+DRAFT_NEW_TOKENS = "tokens_plus_depth_minus_1"
 MODEL_DTYPE = "model"
 ONNX_OPSET = 17  # TensorRT 10.x parses opsets 9..20; every op used here exists at 17
+MAX_DEPTH = 8  # the deepest unrolled drafter graph (speculation depth K)
 
 INPUT_IDS, POSITIONS, AUX_HIDDEN, NUM_VALID = "input_ids", "positions", "aux_hidden", "num_valid"
 PAST_KEY, PAST_VALUE, CACHE_LENS = "past_key", "past_value", "cache_lens"
@@ -53,6 +58,7 @@ class TensorSpec:
 class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    vocab_size: int = 0  # input_ids are target-vocabulary ids below this
 
     @property
     def input_names(self) -> list[str]:
@@ -88,13 +94,12 @@ def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphS
                TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, num_aux * cfg.hidden_size), MODEL_DTYPE),
                TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE),
                TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE))
-    return GraphSpec(inputs, outputs)
+    return GraphSpec(inputs, outputs, cfg.vocab_size)
 
 
 def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
-    """The new K/V axis is W+K-1: it is named so because ONNX has no arithmetic on axis names."""
     cache = (1, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
-    new_cache = (1, BATCH, cfg.num_kv_heads, "tokens_plus_depth_minus_1", cfg.head_dim)
+    new_cache = (1, BATCH, cfg.num_kv_heads, DRAFT_NEW_TOKENS, cfg.head_dim)
     inputs = [TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),
               TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, cfg.num_aux * cfg.target_hidden_size), MODEL_DTYPE),
               TensorSpec(NUM_VALID, (BATCH,), "int64"),
@@ -108,5 +113,37 @@ def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
                    TensorSpec(UNIFORM_NOISE, (BATCH, depth), "float32")]
         outputs.append(TensorSpec(DRAFT_PROBS, (BATCH, depth, cfg.draft_vocab_size), "float32"))
     outputs += [TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE), TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE)]
-    return GraphSpec(tuple(inputs), tuple(outputs))
+    return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
+
+
+def example_args(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple:
+    """Inputs for `spec`, in contract order, with its dynamic axes at `sizes` ({BATCH, TOKENS, PAST}
+    -> int) and MODEL_DTYPE tensors in `dtype`.
+
+    The bookkeeping is a ragged batch either way: cache_lens cycle PAST, PAST // 2; positions continue
+    each sequence's cache; num_valid cycle TOKENS, 1. The rest is the export example without a
+    generator (zero ids, caches and hidden states; temperature 1; noise 0.5) and random with one
+    (ids below the vocabulary size, normal caches and hidden states, temperatures in [0.5, 1.5),
+    uniform noise), for checks that must see non-trivial values."""
+    batch, tokens, past = sizes[BATCH], sizes[TOKENS], sizes[PAST]
+    cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
+    values = {CACHE_LENS: cache_lens, POSITIONS: cache_lens[:, None] + torch.arange(tokens),
+              NUM_VALID: torch.tensor([tokens, 1] * batch)[:batch]}
+    args = []
+    for t in spec.inputs:
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
+        if t.name in values:
+            args.append(values[t.name])
+        elif t.name == INPUT_IDS:
+            args.append(torch.zeros(shape, dtype=torch.long) if generator is None
+                        else torch.randint(0, spec.vocab_size, shape, generator=generator))
+        elif t.name == TEMPERATURE:
+            args.append(torch.ones(shape) if generator is None else 0.5 + torch.rand(shape, generator=generator))
+        elif t.name == UNIFORM_NOISE:
+            args.append(torch.full(shape, 0.5) if generator is None else torch.rand(shape, generator=generator))
+        else:  # caches and hidden states
+            args.append(torch.zeros(shape, dtype=dtype) if generator is None
+                        else torch.randn(shape, generator=generator).to(dtype))
+    return tuple(args)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .contract import BATCH, PAST, TOKENS, GraphSpec
+from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
 
 # A cache view always has at least one slot (masked out by cache_lens when empty), so no profile
@@ -37,7 +37,7 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
         raise ValueError(f"unknown phase {phase!r}")
     if graph == "drafter":
         lo, opt, hi = ranges[TOKENS]
-        ranges["tokens_plus_depth_minus_1"] = (lo + k - 1, opt + k - 1, hi + k - 1)
+        ranges[DRAFT_NEW_TOKENS] = (lo + k - 1, opt + k - 1, hi + k - 1)
     return ranges
 
 

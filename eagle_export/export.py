@@ -40,6 +40,9 @@ from .unrolled import TargetGraph, UnrolledDrafter, check_depth
 
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# The axis sizes graphs are traced at (the drafter's tokens: decoding's W = K+1 rows). The cache has
+# a few slots so that no shape computation is traced on an empty tensor (see the docstring).
+EXAMPLE_SIZES = {C.BATCH: 2, C.TOKENS: 3, C.PAST: 4}
 # Protobuf cannot serialize 2 GiB; above this many bytes of weights they go to an external data file.
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2
 
@@ -50,29 +53,6 @@ def resolve_export_dtype(dtype: str) -> torch.dtype:
     if name not in EXPORT_DTYPES:
         raise EagleExportError(f"unknown export dtype {dtype!r}", f"use one of {', '.join(EXPORT_DTYPES)}")
     return EXPORT_DTYPES[name]
-
-
-def target_example(target, batch: int = 2, tokens: int = 3, past: int = 4) -> tuple:
-    cfg = target.config
-    dtype = target.embed_tokens.weight.dtype
-    cache = torch.zeros(cfg.num_layers, batch, cfg.num_kv_heads, past, cfg.head_dim, dtype=dtype)
-    cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
-    positions = cache_lens[:, None] + torch.arange(tokens)
-    return (torch.zeros(batch, tokens, dtype=torch.long), positions, cache, cache.clone(), cache_lens)
-
-
-def drafter_example(drafter, depth: int, sampling: bool, batch: int = 2, past: int = 4) -> tuple:
-    cfg = drafter.config
-    dtype = drafter.fc.weight.dtype
-    width = depth + 1
-    cache = torch.zeros(1, batch, cfg.num_kv_heads, past, cfg.head_dim, dtype=dtype)
-    args = (torch.zeros(batch, width, dtype=torch.long),
-            torch.zeros(batch, width, cfg.num_aux * cfg.target_hidden_size, dtype=dtype),
-            torch.tensor([width, 1] * batch)[:batch], cache, cache.clone(),
-            torch.tensor([past, past // 2] * batch)[:batch])
-    if sampling:
-        args += (torch.ones(batch), torch.full((batch, depth), 0.5))
-    return args
 
 
 def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path, quantized: bool = False) -> dict:
@@ -123,13 +103,15 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
 
 def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:
     spec = C.target_graph(target.config, len(target.aux_layer_ids), return_logits)
-    return export_graph(TargetGraph(target, return_logits).eval(), target_example(target), spec, path, quantized)
+    args = C.example_args(spec, EXAMPLE_SIZES, dtype=target.embed_tokens.weight.dtype)
+    return export_graph(TargetGraph(target, return_logits).eval(), args, spec, path, quantized)
 
 
 def export_drafter(drafter, depth: int, sampling: bool, path: Path, quantized: bool = False) -> dict:
     spec = C.drafter_graph(drafter.config, depth, sampling)
-    module = UnrolledDrafter(drafter, depth, sampling).eval()
-    return export_graph(module, drafter_example(drafter, depth, sampling), spec, path, quantized)
+    args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: depth + 1}, dtype=drafter.fc.weight.dtype)
+    return export_graph(UnrolledDrafter(drafter, depth, sampling).eval(), args, spec, path, quantized)
+
 
 
 def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,

@@ -35,7 +35,7 @@ from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
 from .backends import run_graph
-from .export import drafter_example, export_drafter, export_target, target_example
+from .export import EXAMPLE_SIZES, export_drafter, export_target
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
 from .reference import draft_chain, mean_accepted_length, speculative_generate
@@ -329,29 +329,19 @@ def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec
 
 
 def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
-    """target.onnx and drafter.onnx from the quantized models, each checked against its torch module."""
+    """target.onnx and drafter.onnx from the quantized models, each checked against its torch module
+    on random inputs of the export's sizes."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    spec = C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True)
     report = {"target": export_target(qtarget, out_dir / "target.onnx", True, quantized=True)}
     report["target"]["check"] = check_quantized_graph(
-        out_dir / "target.onnx", TargetGraph(qtarget, True).eval(),
-        C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True), _random_like(target_example(qtarget)))
+        out_dir / "target.onnx", TargetGraph(qtarget, True).eval(), spec,
+        C.example_args(spec, EXAMPLE_SIZES, generator, qtarget.embed_tokens.weight.dtype))
     if qdrafter is not None:
+        spec = C.drafter_graph(qdrafter.config, depth, False)
         report["drafter"] = export_drafter(qdrafter, depth, False, out_dir / "drafter.onnx", quantized=True)
         report["drafter"]["check"] = check_quantized_graph(
-            out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(),
-            C.drafter_graph(qdrafter.config, depth, False), _random_like(drafter_example(qdrafter, depth, False)))
+            out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(), spec,
+            C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: depth + 1}, generator, qdrafter.fc.weight.dtype))
     return report
-
-
-def _random_like(args: tuple, vocab: int = 64) -> tuple:
-    """Example inputs with random ids, hidden states and caches (lengths and counts kept)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, a in enumerate(args):
-        if a.is_floating_point():
-            out.append(torch.randn(a.shape, generator=gen, dtype=a.dtype))
-        elif i == 0:
-            out.append(torch.randint(0, vocab, a.shape, generator=gen))
-        else:
-            out.append(a)
-    return tuple(out)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from .contract import MAX_DEPTH
 from .errors import EagleExportError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
@@ -27,7 +28,7 @@ SCHEMA = {
     "name": (str, None, None),
     "target": (str, None, None),
     "drafter": (str, None, None),
-    "depth": (int, 4, lambda v: 1 <= v <= 8 or "must be between 1 and 8"),
+    "depth": (int, 4, lambda v: 1 <= v <= MAX_DEPTH or f"must be between 1 and {MAX_DEPTH}"),
     "sampling": (bool, False, None),
     "precision": {
         "target": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),

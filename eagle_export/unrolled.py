@@ -28,18 +28,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import contract as C
 from .drafter import Drafter
 from .errors import EagleExportError
 from .target import Target
 
-MAX_DEPTH = 8
 MIN_TEMPERATURE = 1e-5  # a temperature of 0 asks for greedy: the sampling graph treats it as nearly so
 
 
 def check_depth(depth: int) -> None:
-    if not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+    if not isinstance(depth, int) or not 1 <= depth <= C.MAX_DEPTH:
         raise EagleExportError(f"speculation depth {depth!r} is out of range",
-                               f"choose a depth K from 1 to {MAX_DEPTH}")
+                               f"choose a depth K from 1 to {C.MAX_DEPTH}")
 
 
 class TargetGraph(nn.Module):

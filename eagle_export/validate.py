@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from . import contract as C
 from .backends import run_graph
 from .errors import EagleExportError
 from .manifest import read_manifest, verify_artifacts
@@ -27,6 +28,7 @@ from .quantize import drafter_calibration_batches
 from .recipe import QUANTIZED
 from .reference import draft_chain
 from .runtime import GenerationConfig
+from .unrolled import TargetGraph, UnrolledDrafter
 
 # max |onnx - torch| / max |torch| allowed for logits and draft probabilities, by export dtype
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
@@ -35,41 +37,22 @@ CHECK_PROMPTS = ("Explain what a speculative decoder does.", "Write a haiku abou
 # A quantized graph may agree with the unquantized model this much less often than the torch
 # fake-quantized model did at build time, for the graph's own rounding.
 AGREEMENT_MARGIN = 0.05
+# The random graph inputs' sizes: other than the export example's, so the dynamic axes are exercised.
+CHECK_SIZES = {C.BATCH: 2, C.TOKENS: 5, C.PAST: 6}
 # A checked drafter position is a graph row as wide as its prompt, so checking them all would cost
 # quadratically in the prompt length: these many per prompt, evenly spaced, the last included.
 DRAFTER_POSITIONS = 32
 
 
-def _random_inputs(target, drafter, depth: int, batch: int = 2, past: int = 6, tokens: int = 5):
-    """Seeded, non-trivial graph inputs: random ids, cache contents and aux states, ragged lengths."""
-    g = torch.Generator().manual_seed(0)
-    t, d = target.config, drafter.config
-    dtype = target.embed_tokens.weight.dtype
-    lens = torch.tensor([past, past // 2])[:batch]
-    cache = torch.randn(t.num_layers, batch, t.num_kv_heads, past, t.head_dim, generator=g).to(dtype)
-    target_args = (torch.randint(0, t.vocab_size, (batch, tokens), generator=g), lens[:, None] + torch.arange(tokens),
-                   cache, torch.randn(cache.shape, generator=g).to(dtype), lens)
-    width = depth + 1
-    dcache = torch.randn(1, batch, d.num_kv_heads, past, d.head_dim, generator=g).to(dtype)
-    aux = torch.randn(batch, width, d.num_aux * d.target_hidden_size, generator=g)
-    drafter_args = (torch.randint(0, t.vocab_size, (batch, width), generator=g), aux.to(dtype),
-                    torch.tensor([width, 2])[:batch], dcache, torch.randn(dcache.shape, generator=g).to(dtype), lens)
-    return target_args, drafter_args
-
-
 def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
     """The graphs of the roles not in `skip` against their torch modules, on random inputs."""
-    from . import contract as C
-    from .unrolled import TargetGraph, UnrolledDrafter
-
-    target_args, drafter_args = _random_inputs(target, drafter, manifest["depth"])
-
+    generator = torch.Generator().manual_seed(0)
     dtype = manifest["models"]["target"]["dtype"]
     tol = TOLERANCE[dtype]
     checks = []
     if "target" not in skip:
         spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
-        args = target_args
+        args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype)
         with torch.no_grad():
             expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
         got = run_graph(build_dir / "target.onnx", spec.feeds(args))
@@ -82,7 +65,7 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list
     if "drafter" not in skip:
         depth = manifest["depth"]
         spec = C.drafter_graph(drafter.config, depth, False)
-        args = drafter_args
+        args = C.example_args(spec, {**CHECK_SIZES, C.TOKENS: depth + 1}, generator, drafter.fc.weight.dtype)
         with torch.no_grad():
             expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
         got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))
@@ -112,8 +95,6 @@ def _agreement_check(manifest: dict, role: str, agree: float, prompts: int, posi
 def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: list[list[int]]) -> tuple:
     """target.onnx's greedy ids against the unquantized torch target's argmax over every position
     of the prompts' prefills (the positions manifest.quantization.target.top1_agreement covers)."""
-    from . import contract as C
-
     # One right-padded batch, one graph run: causal attention keeps the padding out of every
     # real position, and an NVFP4 graph is loaded into onnx.reference once.
     lengths = torch.tensor([len(p) for p in prompts])
@@ -135,8 +116,6 @@ def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: lis
 def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, prompts: list[list[int]]) -> tuple:
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
-    from . import contract as C
-
     spec = C.drafter_graph(drafter.config, manifest["depth"], False)
     dtype = drafter.fc.weight.dtype
     agree, total = 0, 0

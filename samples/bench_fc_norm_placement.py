@@ -34,12 +34,11 @@ from eagle_export import contract as C
 from eagle_export.backends import ort_session
 from eagle_export.config import DrafterConfig, TargetConfig
 from eagle_export.drafter import Drafter
-from eagle_export.export import export_graph, target_example
+from eagle_export.export import export_target as export_target_graph
 from eagle_export.layers import rms_normalize
 from eagle_export.passes.eagle_models import EagleModels
 from eagle_export.passes.fold_norms import FoldFcNorm, FoldFcNormIntoTarget
 from eagle_export.target import Target
-from eagle_export.unrolled import TargetGraph
 
 AUX = (2, 15, 27)
 TARGET = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -114,8 +113,7 @@ def export_fuse_aux(drafter: Drafter, example: torch.Tensor, path: Path):
 
 def export_target(target: Target, path: Path) -> onnx.ModelProto:
     """The real target graph, through the project's export (ONNX clean-up pipeline included)."""
-    export_graph(TargetGraph(target, return_logits=False), target_example(target),
-                 C.target_graph(target.config, len(AUX), return_logits=False), path)
+    export_target_graph(target, path, return_logits=False)
     return onnx.load(str(path))
 
 

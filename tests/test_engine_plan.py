@@ -103,3 +103,26 @@ def test_tensorrt_builds_and_runs_a_strongly_typed_graph(tmp_path):
     x = torch.randn(3, 8, device="cuda")
     y = TensorRTSession(tmp_path / "tiny.engine").run({"x": x})["y"]
     assert torch.allclose(y.cpu(), x.cpu() @ torch.from_numpy(weight), atol=1e-3)
+
+
+def test_example_args_follow_the_spec_by_name():
+    import torch
+
+    from eagle_export import contract as C
+
+    target_cfg = TargetConfig.from_hf(tiny_target_config("llama"))
+    drafter_cfg = DrafterConfig.from_hf(tiny_drafter_config("3.1"))
+    sizes = {C.BATCH: 3, C.TOKENS: 5, C.PAST: 6}
+    for spec in (target_graph(target_cfg, 3, return_logits=True), drafter_graph(drafter_cfg, 4, sampling=True)):
+        zeros = spec.feeds(C.example_args(spec, sizes, dtype=torch.float16))
+        random = spec.feeds(C.example_args(spec, sizes, torch.Generator().manual_seed(0), torch.float16))
+        for t in spec.inputs:
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
+            dtype = {"int64": torch.int64, "float32": torch.float32, C.MODEL_DTYPE: torch.float16}[t.dtype]
+            for args in (zeros, random):
+                assert args[t.name].shape == shape and args[t.name].dtype == dtype, t.name
+        assert zeros[C.CACHE_LENS].tolist() == random[C.CACHE_LENS].tolist() == [6, 3, 6]  # ragged
+        assert not zeros[C.PAST_KEY].any() and random[C.PAST_KEY].std() > 0.5
+        assert 0 < random[C.INPUT_IDS].max() < spec.vocab_size == 320
+    assert zeros[C.NUM_VALID].tolist() == [5, 1, 5] and zeros[C.UNIFORM_NOISE].eq(0.5).all()
+    assert ((0.5 <= random[C.TEMPERATURE]) & (random[C.TEMPERATURE] < 1.5)).all()

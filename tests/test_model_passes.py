@@ -277,16 +277,13 @@ def test_exported_target_graph_loses_gain_multiplies_and_matmuls(checkpoints, tm
 
     import onnx
 
-    from eagle_export import contract
-    from eagle_export.export import export_graph, target_example
-    from eagle_export.unrolled import TargetGraph
+    from eagle_export.export import export_target
 
     models = load_pair(checkpoints, "llama", "drafter3.1")
     result = model_pipeline("target")(copy.deepcopy(models))
     ops = {}
     for name, target in (("before", models.target), ("after", result.model.target)):
-        spec = contract.target_graph(target.config, 3, return_logits=False)
-        export_graph(TargetGraph(target, return_logits=False), target_example(target), spec, tmp_path / f"{name}.onnx")
+        export_target(target, tmp_path / f"{name}.onnx", return_logits=False)
         ops[name] = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx")).graph.node)
     folded = {r.name: r for r in result.records}["fold_norm_gains"].changes["norms_folded"] - 3  # 3 in the drafter
     assert ops["before"]["Mul"] - ops["after"]["Mul"] == folded == 13  # 6 layers x 2 + the final norm

@@ -18,7 +18,7 @@ from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
 from eagle_export.backends import ort_session, run_graph, run_onnx
-from eagle_export.export import drafter_example, export_drafter, export_target, target_example
+from eagle_export.export import EXAMPLE_SIZES, export_drafter, export_target
 from eagle_export.nvfp4 import NVFP4Linear
 from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -55,18 +55,8 @@ def nvfp4(models):
     return quantized_pair(models, "nvfp4")
 
 
-def target_args(target, seed=0):
-    ids, positions, k, v, lens = target_example(target, batch=2, tokens=5, past=4)
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 320, ids.shape, generator=gen), positions, torch.randn(k.shape, generator=gen),
-            torch.randn(v.shape, generator=gen), lens)
-
-
-def drafter_args(drafter, seed=0):
-    ids, aux, valid, k, v, lens = drafter_example(drafter, DEPTH, sampling=False)
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 320, ids.shape, generator=gen), torch.randn(aux.shape, generator=gen), valid,
-            torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen), lens)
+def random_args(spec, tokens):
+    return C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: tokens}, torch.Generator().manual_seed(0))
 
 
 def ops(model):
@@ -119,7 +109,7 @@ def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_pat
     assert report["lint_findings"] == []
 
     spec = C.target_graph(qtarget.config, 3, True)
-    args = target_args(qtarget)
+    args = random_args(spec, 5)
     expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
     got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
     assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
@@ -133,7 +123,7 @@ def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
     report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["fp8_weights"] == 7 and report["lint_findings"] == []  # fc and lm_head stay fp32
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
-    args = drafter_args(qdrafter)
+    args = random_args(spec, DEPTH + 1)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
     got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
@@ -160,7 +150,7 @@ def test_nvfp4_target_graph_is_trt_form_and_matches_packed_torch(tmp_path, nvfp4
     assert report["lint_findings"] == []
 
     spec = C.target_graph(qtarget.config, 3, True)
-    args = target_args(qtarget)
+    args = random_args(spec, 5)
     expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
     got = run_graph(path, spec.feeds(args))
     assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
@@ -174,7 +164,7 @@ def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
     report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["nvfp4_weights"] == 7 and report["lint_findings"] == []
     spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
-    args = drafter_args(qdrafter)
+    args = random_args(spec, DEPTH + 1)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
     got = run_graph(path, spec.feeds(args))
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
