@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
+from .manifest import Engine
 
 # A cache view always has at least one slot (masked out by cache_lens when empty), so no profile
 # has to cover zero-length tensors.
@@ -67,29 +68,29 @@ def engine_file_name(graph: str, compute_capability: str, trt_version: str) -> s
     return f"{graph}.sm{sm}.trt{trt}.engine"
 
 
-def engine_compatibility_problems(meta: dict, compute_capability: str | None, trt_version: str | None) -> list[str]:
+def engine_compatibility_problems(meta: Engine, compute_capability: str | None, trt_version: str | None) -> list[str]:
     """Why an engine recorded in a manifest cannot run here; empty when it can."""
     problems = []
     if trt_version is None:
         problems.append("TensorRT is not installed")
-    elif meta["tensorrt"].split(".")[:2] != trt_version.split(".")[:2]:
-        problems.append(f"built with TensorRT {meta['tensorrt']}, this machine has {trt_version}")
+    elif meta.tensorrt.split(".")[:2] != trt_version.split(".")[:2]:
+        problems.append(f"built with TensorRT {meta.tensorrt}, this machine has {trt_version}")
     if compute_capability is None:
         problems.append("no CUDA GPU")
-    elif meta["compute_capability"] != compute_capability:
-        problems.append(f"built for compute capability {meta['compute_capability']} ({meta.get('gpu', '?')}), "
+    elif meta.compute_capability != compute_capability:
+        problems.append(f"built for compute capability {meta.compute_capability} ({meta.gpu}), "
                         f"this GPU has {compute_capability}")
     return problems
 
 
-def pick_engine(engines: list[dict], compute_capability: str | None, trt_version: str | None) -> dict:
+def pick_engine(engines: list[Engine], compute_capability: str | None, trt_version: str | None) -> Engine:
     """The manifest's engine entry that fits this machine, or an error listing why none does."""
     reasons = []
     for meta in engines:
         problems = engine_compatibility_problems(meta, compute_capability, trt_version)
         if not problems:
             return meta
-        reasons.append(f"{meta['file']}: {'; '.join(problems)}")
+        reasons.append(f"{meta.file}: {'; '.join(problems)}")
     raise EagleExportError("no engine in this build fits this machine: " + " | ".join(reasons) if reasons
                            else "this build has no TensorRT engines",
                            "rebuild the engines here with `eagle-export build --force`, or use --backend onnxruntime")

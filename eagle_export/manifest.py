@@ -1,4 +1,9 @@
-"""The build manifest (what was built, from what, with which proof) and the atomic build directory."""
+"""The build manifest (what was built, from what, with which proof) and the atomic build directory.
+
+`manifest.json` is written as a plain dict (`write_manifest`); readers that act on it (opening a
+build, validating it) go through `Manifest`, a typed view of the fields they need, so a field is
+named in one place and an incomplete manifest fails with a clear error. The JSON format is the same.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
+from .recipe import QUANTIZED
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -66,6 +73,119 @@ def read_manifest(build_dir: str | Path) -> dict:
         raise EagleExportError(f"{path} has manifest format {manifest.get('format')}, this tool reads "
                                f"{MANIFEST_FORMAT}", "rebuild with this version of eagle-export")
     return manifest
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How often a quantized model's top-1 agreed with the unquantized one's at build time
+    (manifest.quantization.<role>), over this many positions."""
+    top1_agreement: float
+    positions: int
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """manifest.models.<role>, with the checkpoint it came from (manifest.sources.<role>)."""
+    source: str
+    precision: str
+    dtype: str
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int = 1  # the drafter graph's one layer (recorded for the target only)
+    aux_layer_ids: tuple[int, ...] = ()
+    eos_token_id: int | tuple[int, ...] | None = None
+    agreement: Agreement | None = None  # quantized models only
+
+    @property
+    def quantized(self) -> bool:
+        return self.precision in QUANTIZED
+
+
+@dataclass(frozen=True)
+class GraphFile:
+    """manifest.graphs.<graph>: the ONNX file and how it was exported."""
+    file: str
+    return_logits: bool = False  # target
+    sampling: bool = False  # drafter
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One entry of manifest.engines: a TensorRT engine for one graph, GPU and TensorRT release."""
+    graph: str
+    file: str
+    tensorrt: str
+    compute_capability: str
+    gpu: str = "?"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A typed view of a build's manifest.json; `data` is the JSON as written."""
+    data: dict
+    depth: int
+    sampling: bool
+    max_context: int
+    target: BuiltModel
+    drafter: BuiltModel
+    target_graph: GraphFile
+    drafter_graph: GraphFile
+    drafter_sampling_graph: GraphFile | None
+    engines: tuple[Engine, ...]
+    engines_skipped: str | None  # why there are none
+    skipped_passes: tuple[str, ...]
+    evaluation_prompts: tuple[tuple[int, ...], ...]  # a quantized build's held-out prompts (none before 0.1)
+    artifacts: dict[str, dict]
+
+    @classmethod
+    def read(cls, build_dir: str | Path) -> Manifest:
+        return cls.from_json(read_manifest(build_dir), Path(build_dir) / MANIFEST)
+
+    @classmethod
+    def from_json(cls, data: dict, where: str | Path = MANIFEST) -> Manifest:
+        try:
+            quantization = data["quantization"]
+
+            def model(role: str) -> BuiltModel:
+                m = data["models"][role]
+                measured = quantization.get(role)
+                return BuiltModel(
+                    data["sources"][role], m["precision"], m["dtype"], m["hidden_size"], m["num_kv_heads"],
+                    m["head_dim"], m.get("num_layers", 1), tuple(m.get("aux_layer_ids", ())),
+                    tuple(m["eos_token_id"]) if isinstance(m.get("eos_token_id"), list) else m.get("eos_token_id"),
+                    Agreement(measured["top1_agreement"], measured["positions"]) if measured else None)
+
+            def graph(name: str) -> GraphFile | None:
+                g = data["graphs"].get(name)
+                return None if g is None else GraphFile(g["file"], g.get("return_logits", False), g.get("sampling", False))
+
+            engines = data["engines"]
+            return cls(
+                data, data["depth"], data["sampling"], data["max_context"], model("target"), model("drafter"),
+                graph("target"), graph("drafter"), graph("drafter_sampling"),
+                tuple(Engine(e["graph"], e["file"], e["tensorrt"], e["compute_capability"], e.get("gpu", "?"))
+                      for e in engines) if isinstance(engines, list) else (),
+                None if isinstance(engines, list) else engines.get("skipped", ""),
+                tuple(data["passes"]["skipped_by_recipe"]),
+                tuple(tuple(p) for p in quantization.get("evaluation", {}).get("prompt_ids", ())),
+                data["artifacts"])
+        except (KeyError, TypeError) as e:
+            raise EagleExportError(f"{where} is incomplete (no {e} where a build records it)",
+                                   "rebuild with `eagle-export build --force`") from None
+
+    @property
+    def models(self) -> dict[str, BuiltModel]:
+        return {"target": self.target, "drafter": self.drafter}
+
+    @property
+    def quantized_roles(self) -> set[str]:
+        return {role for role, m in self.models.items() if m.quantized}
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.target.eos_token_id
+        return eos if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
 
 
 def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:

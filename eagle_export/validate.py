@@ -23,9 +23,8 @@ import torch
 from . import contract as C
 from .backends import run_graph
 from .errors import EagleExportError
-from .manifest import read_manifest, verify_artifacts
+from .manifest import Agreement, Manifest, verify_artifacts
 from .quantize import drafter_calibration_batches
-from .recipe import QUANTIZED
 from .reference import draft_chain
 from .runtime import GenerationConfig
 from .unrolled import TargetGraph, UnrolledDrafter
@@ -44,14 +43,14 @@ CHECK_SIZES = {C.BATCH: 2, C.TOKENS: 5, C.PAST: 6}
 DRAFTER_POSITIONS = 32
 
 
-def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
+def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
     """The graphs of the roles not in `skip` against their torch modules, on random inputs."""
     generator = torch.Generator().manual_seed(0)
-    dtype = manifest["models"]["target"]["dtype"]
+    dtype = manifest.target.dtype
     tol = TOLERANCE[dtype]
     checks = []
     if "target" not in skip:
-        spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
+        spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
         args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype)
         with torch.no_grad():
             expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
@@ -63,7 +62,7 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list
         checks.append(("target graph vs torch", ok, f"greedy agreement {agree:.4f}, aux rel. error {aux_err:.2e} "
                                                     f"(tolerance {tol:g})"))
     if "drafter" not in skip:
-        depth = manifest["depth"]
+        depth = manifest.depth
         spec = C.drafter_graph(drafter.config, depth, False)
         args = C.example_args(spec, {**CHECK_SIZES, C.TOKENS: depth + 1}, generator, drafter.fc.weight.dtype)
         with torch.no_grad():
@@ -76,23 +75,23 @@ def _numerics(build_dir: Path, manifest: dict, target, drafter, skip=()) -> list
     return checks
 
 
-def _agreement_check(manifest: dict, role: str, agree: float, prompts: int, positions: int) -> tuple:
+def _agreement_check(role: str, measured: Agreement, recorded_prompts: int, agree: float, prompts: int,
+                     positions: int) -> tuple:
     """Pass at AGREEMENT_MARGIN below the build-time agreement, and 3 standard errors lower when
     only some of its positions were checked (quick: one prompt; drafter: a sample of each), as one
     prompt's agreement strays from the average by far more than the margin on small models.
     Checking every recorded position leaves no sampling allowance (finite population correction)."""
-    measured, recorded_prompts = manifest["quantization"][role], manifest["quantization"]["evaluation"]["prompt_ids"]
-    p, total = measured["top1_agreement"], measured["positions"]
+    p, total = measured.top1_agreement, measured.positions
     sampling = 3 * math.sqrt(p * (1 - p) / positions * max(0.0, 1 - positions / total))
     floor = p - AGREEMENT_MARGIN - sampling
     return (f"quantized {role} graph vs unquantized torch", agree >= floor,
             f"{'greedy' if role == 'target' else 'step-0 draft'} agreement {agree:.4f} at {positions} positions "
-            f"of {prompts}/{len(recorded_prompts)} prompts; torch fake-quant {p:.4f} at all {total} at build time; "
+            f"of {prompts}/{recorded_prompts} prompts; torch fake-quant {p:.4f} at all {total} at build time; "
             f"pass >= {floor:.4f} (margin {AGREEMENT_MARGIN:g} + sampling {sampling:.3f})")
 
 
 @torch.no_grad()
-def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: list[list[int]]) -> tuple:
+def quantized_target_check(build_dir: Path, manifest: Manifest, target, prompts: list[list[int]]) -> tuple:
     """target.onnx's greedy ids against the unquantized torch target's argmax over every position
     of the prompts' prefills (the positions manifest.quantization.target.top1_agreement covers)."""
     # One right-padded batch, one graph run: causal attention keeps the padding out of every
@@ -104,19 +103,20 @@ def quantized_target_check(build_dir: Path, manifest: dict, target, prompts: lis
     positions = torch.arange(ids.shape[1]).repeat(len(prompts), 1)
     past_key, past_value = target.empty_cache(len(prompts), 0)
     args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
-    spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest["graphs"]["target"]["return_logits"])
+    spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
     got = run_graph(build_dir / "target.onnx", spec.feeds(args))[C.GREEDY_IDS]
     expected = target(*args)[0].argmax(-1)
     real = positions < lengths[:, None]
     agree = float((got == expected)[real].float().mean())
-    return _agreement_check(manifest, "target", agree, len(prompts), int(real.sum()))
+    return _agreement_check("target", manifest.target.agreement, len(manifest.evaluation_prompts), agree,
+                            len(prompts), int(real.sum()))
 
 
 @torch.no_grad()
-def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, prompts: list[list[int]]) -> tuple:
+def quantized_drafter_check(build_dir: Path, manifest: Manifest, target, drafter, prompts: list[list[int]]) -> tuple:
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
-    spec = C.drafter_graph(drafter.config, manifest["depth"], False)
+    spec = C.drafter_graph(drafter.config, manifest.depth, False)
     dtype = drafter.fc.weight.dtype
     agree, total = 0, 0
     for ids, aux in drafter_calibration_batches(target, prompts):
@@ -131,12 +131,13 @@ def quantized_drafter_check(build_dir: Path, manifest: dict, target, drafter, pr
         got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))[C.DRAFT_IDS][:, 0]
         agree += int((got == expected[rows]).sum())
         total += len(rows)
-    return _agreement_check(manifest, "drafter", agree / total, len(prompts), total)
+    return _agreement_check("drafter", manifest.drafter.agreement, len(manifest.evaluation_prompts), agree / total,
+                            len(prompts), total)
 
 
-def _quantized_graphs(build_dir: Path, manifest: dict, target, drafter, roles: set[str], quick: bool) -> list:
+def _quantized_graphs(build_dir: Path, manifest: Manifest, target, drafter, roles: set[str], quick: bool) -> list:
     """The quantized roles' graphs against the unquantized torch models, on the build's held-out prompts."""
-    prompts = manifest["quantization"].get("evaluation", {}).get("prompt_ids")
+    prompts = [list(p) for p in manifest.evaluation_prompts]
     if not prompts:
         return [(f"quantized {role} graph vs unquantized torch", None,
                  "the build recorded no evaluation prompt ids (made by an older eagle-export): rebuild to check")
@@ -151,7 +152,7 @@ def _quantized_graphs(build_dir: Path, manifest: dict, target, drafter, roles: s
     return checks
 
 
-def _lossless(build_dir: Path, manifest: dict, target, prompts_count: int, new_tokens: int):
+def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int):
     from .session import open_build
 
     opened = open_build(build_dir, backend="onnxruntime", verify=False)
@@ -181,15 +182,14 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     """Run every check; `reference` = the unquantized (target, drafter) torch modules the build was
     made from, when the caller has them (else they are rebuilt from the recorded sources)."""
     build_dir = Path(build_dir)
-    manifest = read_manifest(build_dir)
+    manifest = Manifest.read(build_dir)
     checks = []
-    problems = verify_artifacts(build_dir, manifest)
+    problems = verify_artifacts(build_dir, manifest.data)
     checks.append(("artifact hashes", not problems, "; ".join(problems) or
-                   f"{len(manifest['artifacts'])} files match the manifest"))
+                   f"{len(manifest.artifacts)} files match the manifest"))
     if problems:  # nothing else is trustworthy
         return _summary(checks)
-    precisions = {manifest["models"][m]["precision"] for m in ("target", "drafter")}
-    quantized = {m for m in ("target", "drafter") if manifest["models"][m]["precision"] in QUANTIZED}
+    quantized = manifest.quantized_roles
     if reference is None:
         from .session import torch_models
 
@@ -197,7 +197,7 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     checks += _numerics(build_dir, manifest, *reference, skip=quantized)
     if quantized:
         checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
-    if "nvfp4" in precisions:
+    if "nvfp4" in {m.precision for m in manifest.models.values()}:
         checks.append(("lossless loop", None, "not run: ONNX Runtime, which runs the loop here, has no FP4 kernels"))
     else:
         target = None if quantized else reference[0]

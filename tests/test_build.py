@@ -176,6 +176,22 @@ def test_interrupted_build_leaves_nothing(sources, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["r.yaml"]
 
 
+def test_the_manifest_keeps_every_key_a_0_1_0_build_wrote(built):
+    """The typed view reads manifests; the JSON itself is unchanged: a build made now writes every key
+    the sample build of eagle-export 0.1.0 wrote (artifact and stage names aside, which vary)."""
+    from pathlib import Path
+
+    def paths(d, prefix=()):
+        for key, value in d.items():
+            yield prefix + (key,)
+            if isinstance(value, dict) and key not in ("artifacts", "stage_seconds"):
+                yield from paths(value, prefix + (key,))
+
+    old = json.loads((Path(__file__).parent / "data" / "manifest_0.1.0_sample.json").read_text())
+    new = json.loads((built[0] / "manifest.json").read_text())
+    assert set(paths(old)) <= set(paths(new))
+
+
 def test_engines_for_another_gpu_are_refused(built, tmp_path):
     out, _ = built
     copy = tmp_path / "copy"

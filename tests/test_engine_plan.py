@@ -8,6 +8,7 @@ from eagle_export.doctor import buildable_precisions
 from eagle_export.engine import (MIN_PAST, engine_compatibility_problems, engine_file_name, engine_profiles,
                                  pick_engine)
 from eagle_export.errors import EagleExportError
+from eagle_export.manifest import Engine
 from eagle_export.recipe import parse_recipe
 from tiny_models import tiny_drafter_config, tiny_target_config
 
@@ -48,7 +49,7 @@ def test_engine_name_carries_gpu_and_tensorrt():
     assert engine_file_name("target", "9.0", "10.13.2.6") == "target.sm90.trt10.13.engine"
 
 
-META = {"file": "target.sm90.trt10.13.engine", "tensorrt": "10.13.2", "compute_capability": "9.0", "gpu": "H100"}
+META = Engine("target", "target.sm90.trt10.13.engine", tensorrt="10.13.2", compute_capability="9.0", gpu="H100")
 
 
 def test_compatible_engine_is_picked():

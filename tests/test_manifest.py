@@ -6,11 +6,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from eagle_export.errors import EagleExportError
-from eagle_export.manifest import atomic_build_dir, read_manifest, verify_artifacts, write_manifest
+from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, atomic_build_dir, read_manifest, verify_artifacts,
+                                   write_manifest)
+
+# The sample build's manifest.json as eagle-export 0.1.0 wrote it before the typed view (its two
+# checkpoint paths anonymized): an existing build must still open.
+SAMPLE_0_1_0 = Path(__file__).parent / "data" / "manifest_0.1.0_sample.json"
 
 
 def make_build(root):
@@ -99,3 +105,26 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert proc.returncode != 0 and os.listdir(tmp_path) == []
+
+
+def test_a_manifest_written_before_the_typed_view_reads():
+    m = Manifest.from_json(json.loads(SAMPLE_0_1_0.read_text()))
+    assert (m.depth, m.sampling, m.max_context) == (4, False, 2048)
+    assert m.target == BuiltModel("checkpoints/smollm2-135m-instruct", "fp32", "fp32", hidden_size=576,
+                                  num_kv_heads=3, head_dim=64, num_layers=30, aux_layer_ids=(2, 15, 27), eos_token_id=2)
+    assert m.drafter.source == "samples/eagle3.1-smollm2-135m" and m.drafter.num_kv_heads == 3
+    assert m.drafter.num_layers == 1 and m.target.agreement is None and not m.quantized_roles
+    assert m.target_graph == GraphFile("target.onnx") and m.drafter_graph == GraphFile("drafter.onnx")
+    assert m.drafter_sampling_graph is None and m.skipped_passes == () and m.evaluation_prompts == ()
+    assert m.engines == () and m.engines_skipped.startswith("TensorRT is not installed")
+    assert m.eos_ids == (2,) and set(m.artifacts) == {"target.onnx", "drafter.onnx", "draft_to_target.npy",
+                                                      "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+
+
+def test_an_incomplete_manifest_is_named_with_the_fix(tmp_path):
+    data = json.loads(SAMPLE_0_1_0.read_text())
+    del data["models"]["target"]["head_dim"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(EagleExportError, match="manifest.json is incomplete .*head_dim") as err:
+        Manifest.read(tmp_path)
+    assert "--force" in err.value.fix

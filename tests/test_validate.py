@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from eagle_export.manifest import Agreement
 from eagle_export.validate import AGREEMENT_MARGIN, _agreement_check, _summary
 
 
@@ -16,25 +17,25 @@ def test_a_skipped_check_is_neither_passed_nor_failed():
     assert not failed["ok"] and failed["failures"] == ["graph: agreement 0.2"] and len(failed["skipped"]) == 1
 
 
-def manifest(agreement: float, positions: int, prompts: int = 4) -> dict:
-    return {"quantization": {"target": {"top1_agreement": agreement, "positions": positions},
-                             "evaluation": {"prompt_ids": [[1, 2]] * prompts}}}
+def check(agreement: float, positions: int, agree: float, prompts: int, checked: int):
+    """The target's pass line: build-time `agreement` over `positions` positions of 4 recorded prompts."""
+    return _agreement_check("target", Agreement(agreement, positions), 4, agree, prompts, checked)
 
 
 def test_pass_line_is_the_margin_when_every_recorded_position_was_checked():
-    name, ok, detail = _agreement_check(manifest(0.9, 120), "target", 0.9 - AGREEMENT_MARGIN + 1e-6, 4, 120)
+    name, ok, detail = check(0.9, 120, 0.9 - AGREEMENT_MARGIN + 1e-6, 4, 120)
     assert ok and name == "quantized target graph vs unquantized torch"
     assert f"pass >= {0.9 - AGREEMENT_MARGIN:.4f}" in detail and "sampling 0.000" in detail and "4/4 prompts" in detail
-    assert not _agreement_check(manifest(0.9, 120), "target", 0.9 - AGREEMENT_MARGIN - 1e-3, 4, 120)[1]
+    assert not check(0.9, 120, 0.9 - AGREEMENT_MARGIN - 1e-3, 4, 120)[1]
 
 
 def test_a_sample_of_the_positions_lowers_the_line_by_its_standard_error():
     # One prompt of a tiny model strays from the all-prompts agreement by more than the margin
     # (0.727 against 0.791 over 115 positions, measured on the NVFP4 tiny build): that must pass.
-    _, ok, detail = _agreement_check(manifest(0.7913, 115), "target", 0.7273, 1, 22)
+    _, ok, detail = check(0.7913, 115, 0.7273, 1, 22)
     assert ok and "1/4 prompts" in detail
-    floors = [float(_agreement_check(manifest(0.8, 120), "target", 0.0, 1, n)[2].split("pass >= ")[1].split()[0])
+    floors = [float(check(0.8, 120, 0.0, 1, n)[2].split("pass >= ")[1].split()[0])
               for n in (10, 30, 100, 120)]
     assert floors == sorted(floors) and floors[-1] == pytest.approx(0.8 - AGREEMENT_MARGIN, abs=1e-4)
     # A broken graph still fails a one-prompt check.
-    assert not _agreement_check(manifest(0.95, 115), "target", 0.5, 1, 22)[1]
+    assert not check(0.95, 115, 0.5, 1, 22)[1]
