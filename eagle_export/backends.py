@@ -19,6 +19,7 @@ import onnx
 import torch
 
 from . import contract as C
+from .engine import TensorRTSession
 from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
 
@@ -171,8 +172,6 @@ class TensorRTBackend(Backend):
 
     def __init__(self, target_engine: Path, drafter_engine: Path, depth: int, model_dtype: torch.dtype,
                  has_logits: bool):
-        from .engine import TensorRTSession
-
         super().__init__(depth, model_dtype, has_logits, has_sampling=False)
         self.target_session, self.drafter_session = TensorRTSession(target_engine), TensorRTSession(drafter_engine)
 

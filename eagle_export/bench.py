@@ -15,7 +15,10 @@ import platform
 import statistics
 import time
 
-from .reference import acceptance_by_depth
+import torch
+
+from .errors import EagleExportError
+from .reference import acceptance_by_depth, mean_accepted_length
 from .runtime import GenerationConfig, SpeculativeRuntime
 
 
@@ -25,8 +28,6 @@ def _batches(prompts, batch):
 
 def device_name(runtime: SpeculativeRuntime) -> str:
     if runtime.device == "cuda":
-        import torch
-
         return torch.cuda.get_device_name(0)
     return f"{platform.processor() or platform.machine()} CPU"
 
@@ -73,7 +74,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
 
     depth = runtime.depth
     accepted = spec["accepted"]
-    tau = sum(a + 1 for a in accepted) / len(accepted)
+    tau = mean_accepted_length(accepted)
     by_depth = acceptance_by_depth(accepted, depth, unreached=0.0)
     spec_tps = spec["tokens"] / spec["seconds"]
     ar_tps = ar["tokens"] / ar["seconds"]
@@ -109,8 +110,6 @@ def plot(results: list[dict], path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from .errors import EagleExportError
-
         raise EagleExportError("--plot needs matplotlib", "pip install matplotlib") from None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     first = results[0]

@@ -16,13 +16,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import contract as C
 from .checkpoint import load_drafter, load_target
+from .doctor import gpu_info, tensorrt_version
+from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import export_drafter, export_target
 from .manifest import atomic_build_dir, write_manifest
+from .passes.base import PassManager
+from .passes.model_pipeline import EagleModels, model_passes
+from .passes.onnx_cleanup import onnx_pipeline
 from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe
+from .sample import sample_target_dir
+from .validate import validate_build_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -45,8 +53,6 @@ class StageLog:
 
 def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:
     if recipe["target"] == "sample":
-        from .sample import sample_target_dir
-
         target_dir = sample_target_dir()
     else:
         target_dir = Path(recipe.resolve_path(recipe["target"]))
@@ -122,8 +128,6 @@ def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
 
 
 def tensorrt_available() -> tuple[bool, str]:
-    from .doctor import gpu_info, tensorrt_version
-
     if tensorrt_version() is None:
         return False, "TensorRT is not installed"
     if gpu_info() is None:
@@ -132,9 +136,6 @@ def tensorrt_available() -> tuple[bool, str]:
 
 
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
-    from .passes.base import PassManager
-    from .passes.model_pipeline import EagleModels, model_passes
-
     has_trt, no_trt_reason = tensorrt_available()
     log = StageLog(echo, total=7)
     precision = recipe["precision"]
@@ -193,8 +194,6 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                 [] if model_precisions & set(QUANTIZED) else ["torch"]),
         }
         with log("validate"):
-            from .validate import validate_build_dir
-
             write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
             content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
             if not content["validation"]["ok"]:
@@ -207,8 +206,6 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
 
 
 def _onnx_pass_names() -> set[str]:
-    from .passes.onnx_cleanup import onnx_pipeline
-
     return {p.name for p in onnx_pipeline().passes}
 
 
@@ -228,10 +225,6 @@ def model_summary(target, drafter, precision, target_dtype, drafter_dtype) -> di
 def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[dict]:
     """Serialize one engine per graph for this GPU (only reached where TensorRT and CUDA exist)."""
     import tensorrt
-
-    from . import contract as C
-    from .doctor import gpu_info
-    from .engine import build_engine, engine_file_name, engine_profiles
 
     gpu = gpu_info()
     specs = {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),

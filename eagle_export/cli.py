@@ -35,7 +35,7 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(path, target, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit."""
-    from .inspect import inspect_checkpoint
+    from .checkpoint_info import inspect_checkpoint
 
     report = inspect_checkpoint(path, target)
     if as_json:
@@ -138,8 +138,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
     """Generate from a build, streaming the text, then one summary line (tau, tokens/s)."""
     import time
 
+    from .build_dir import open_build
     from .runtime import GenerationConfig
-    from .session import open_build
 
     if (prompt is None) == (chat is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --chat TEXT")
@@ -155,7 +155,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
             click.echo(text[len(shown):], nl=False)
             shown = text
     seconds = time.perf_counter() - start
-    stats = opened.runtime.last_stats[0]
+    stats = event.stats  # the sequence's last event carries them
     click.echo(f"\n[{opened.runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
                f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds")
 
@@ -177,9 +177,9 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
 
     from .bench import bench as run_bench
     from .bench import plot
+    from .build_dir import open_build
     from .prompts import chat_prompts
     from .runtime import GenerationConfig
-    from .session import open_build
 
     opened = open_build(build_dir, backend=backend, threads=threads)
     prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))

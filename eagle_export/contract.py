@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .config import DrafterConfig, TargetConfig
 
 BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the dynamic axes of the inputs
@@ -116,8 +114,7 @@ def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
     return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
 
 
-def example_args(spec: GraphSpec, sizes: dict[str, int], generator: torch.Generator | None = None,
-                 dtype: torch.dtype = torch.float32) -> tuple:
+def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None) -> tuple:
     """Inputs for `spec`, in contract order, with its dynamic axes at `sizes` ({BATCH, TOKENS, PAST}
     -> int) and MODEL_DTYPE tensors in `dtype`.
 
@@ -125,7 +122,10 @@ def example_args(spec: GraphSpec, sizes: dict[str, int], generator: torch.Genera
     each sequence's cache; num_valid cycle TOKENS, 1. The rest is the export example without a
     generator (zero ids, caches and hidden states; temperature 1; noise 0.5) and random with one
     (ids below the vocabulary size, normal caches and hidden states, temperatures in [0.5, 1.5),
-    uniform noise), for checks that must see non-trivial values."""
+    uniform noise), for checks that must see non-trivial values. dtype: torch.float32 by default."""
+    import torch  # here, not at the top: the command line reads MAX_DEPTH from this module at start-up
+
+    dtype = dtype or torch.float32
     batch, tokens, past = sizes[BATCH], sizes[TOKENS], sizes[PAST]
     cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
     values = {CACHE_LENS: cache_lens, POSITIONS: cache_lens[:, None] + torch.arange(tokens),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 
+import torch
+
 # TensorRT's hardware floors for low-precision engines (compute capability, major.minor).
 FP8_MIN_CC = (8, 9)    # Ada, Hopper, Blackwell
 NVFP4_MIN_CC = (10, 0)  # Blackwell
@@ -26,8 +28,6 @@ def tensorrt_version() -> str | None:
 
 
 def gpu_info() -> dict | None:
-    import torch
-
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(0)
@@ -53,8 +53,6 @@ def buildable_precisions(compute_capability: str | None, has_tensorrt: bool) -> 
 
 
 def doctor_report() -> dict:
-    import torch
-
     gpu = gpu_info()
     trt = tensorrt_version()
     ort_providers = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
 from .manifest import Engine
@@ -136,9 +138,8 @@ class TensorRTSession:
 
     def __init__(self, engine_path: Path):
         import tensorrt as trt
-        import torch
 
-        self._trt, self._torch = trt, torch
+        self._trt = trt
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
@@ -151,7 +152,6 @@ class TensorRTSession:
         self.stream = torch.cuda.Stream()
 
     def run(self, feeds: dict, profile: int = 0) -> dict:
-        torch = self._torch
         self.context.set_optimization_profile_async(profile, self.stream.cuda_stream)
         for name in self.inputs:
             tensor = feeds[name].contiguous()

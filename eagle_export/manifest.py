@@ -17,6 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from . import __version__
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
@@ -43,8 +45,6 @@ def artifact_hashes(build_dir: Path) -> dict[str, dict]:
 
 
 def library_versions() -> dict[str, str | None]:
-    import torch
-
     return {"eagle-export": __version__, "torch": torch.__version__, "onnx": package_version("onnx"),
             "onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
             "onnx-ir": package_version("onnx-ir"), "nvidia-modelopt": package_version("nvidia-modelopt"),

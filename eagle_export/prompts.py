@@ -25,6 +25,9 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 from .errors import EagleExportError
 from .sample import cache_root
 
@@ -138,9 +141,6 @@ class ChatTemplate:
     """A checkpoint's chat template (tokenizer_config.json) and tokenizer (tokenizer.json)."""
 
     def __init__(self, model_dir: str | Path):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from tokenizers import Tokenizer
-
         model_dir = Path(model_dir)
         config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
         if not config_file.is_file() or not tokenizer_file.is_file():

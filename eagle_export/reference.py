@@ -47,8 +47,9 @@ class SpeculativeResult:
         return acceptance_by_depth(self.accepted, self.depth)
 
 
-def mean_accepted_length(accepted: list[int]) -> float:
-    return sum(m + 1 for m in accepted) / len(accepted) if accepted else float("nan")
+def mean_accepted_length(accepted: list[int], empty: float = float("nan")) -> float:
+    """tau: mean tokens per round, the accepted drafts plus the target's own token (`empty` for no rounds)."""
+    return sum(m + 1 for m in accepted) / len(accepted) if accepted else empty
 
 
 def acceptance_by_depth(accepted: list[int], depth: int, unreached: float = float("nan")) -> list[float]:

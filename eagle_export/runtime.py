@@ -22,7 +22,7 @@ import torch
 from . import contract as C
 from .backends import Backend
 from .errors import EagleExportError
-from .reference import acceptance_by_depth
+from .reference import acceptance_by_depth, mean_accepted_length
 
 
 @dataclass
@@ -47,8 +47,8 @@ class SequenceStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per round: accepted drafts plus the target's own token."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
+        """Mean tokens per round: accepted drafts plus the target's own token (0 before any round)."""
+        return mean_accepted_length(self.accepted, empty=0.0)
 
     def acceptance_by_depth(self, depth: int) -> list[float]:
         return acceptance_by_depth(self.accepted, depth, unreached=0.0)
@@ -64,11 +64,12 @@ class SequenceResult:
 
 @dataclass
 class Event:
-    """Tokens emitted for sequence `index`; `finish_reason` is set on its last event."""
+    """Tokens emitted for sequence `index`; its last event carries `finish_reason` and its `stats`."""
 
     index: int
     tokens: list[int]
     finish_reason: str | None = None
+    stats: SequenceStats | None = None
 
 
 @dataclass
@@ -111,13 +112,13 @@ class SpeculativeRuntime:
     def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True
                  ) -> list[SequenceResult]:
         results = [[] for _ in prompts]
-        reasons = [None] * len(prompts)
+        finished = [None] * len(prompts)
         stream = self.stream(prompts, config) if speculative else self.stream_autoregressive(prompts, config)
         for event in stream:
             results[event.index].extend(event.tokens)
-            reasons[event.index] = event.finish_reason or reasons[event.index]
-        return [SequenceResult(tokens, reason, stats, self._decode(tokens, config))
-                for tokens, reason, stats in zip(results, reasons, self.last_stats)]
+            finished[event.index] = event if event.finish_reason else finished[event.index]
+        return [SequenceResult(tokens, last.finish_reason, last.stats, self._decode(tokens, config))
+                for tokens, last in zip(results, finished)]
 
     def stream(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
         """Speculative decoding, yielding tokens as each round accepts them."""
@@ -330,7 +331,6 @@ class _State:
         self.rng = torch.Generator().manual_seed(config.seed)
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
-        runtime.last_stats = self.stats
         self.started = time.perf_counter()
 
     def write_target(self, out, counts, live):
@@ -363,7 +363,7 @@ class _State:
             self.stats[b].new_tokens += len(tokens)
             if reason is not None:
                 self.active[b] = False
-            events.append(Event(b, tokens, reason))
+            events.append(Event(b, tokens, reason, self.stats[b] if reason is not None else None))
         return events
 
     def _cut_at_stop(self, b, tokens):

@@ -21,6 +21,8 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .errors import EagleExportError
 
@@ -227,7 +229,6 @@ def _hf_tensor_name(gguf_name: str) -> str:
 
 def _write_weights(reader, config: dict, path: Path) -> None:
     from gguf.quants import dequantize
-    from safetensors.numpy import save_file
 
     permuted_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights = {}
@@ -245,8 +246,6 @@ def _write_weights(reader, config: dict, path: Path) -> None:
 
 
 def _write_tokenizer(meta: dict, out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     tokens = list(meta["tokenizer.ggml.tokens"])
     # GGUF's gpt2 vocabulary is already spelled in the byte-level alphabet ("Ġthe"), like tokenizer.json.
     vocab = {token: index for index, token in enumerate(tokens)}

@@ -22,6 +22,7 @@ import torch
 
 from . import contract as C
 from .backends import run_graph
+from .build_dir import open_build, torch_models
 from .errors import EagleExportError
 from .manifest import Agreement, Manifest, verify_artifacts
 from .quantize import drafter_calibration_batches
@@ -153,8 +154,6 @@ def _quantized_graphs(build_dir: Path, manifest: Manifest, target, drafter, role
 
 
 def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int):
-    from .session import open_build
-
     opened = open_build(build_dir, backend="onnxruntime", verify=False)
     if opened.tokenizer is not None:
         prompts = [opened.encode(p) for p in CHECK_PROMPTS[:prompts_count]]
@@ -191,8 +190,6 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
         return _summary(checks)
     quantized = manifest.quantized_roles
     if reference is None:
-        from .session import torch_models
-
         reference = torch_models(manifest)
     checks += _numerics(build_dir, manifest, *reference, skip=quantized)
     if quantized:

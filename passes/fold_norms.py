@@ -77,7 +77,7 @@ class FoldFcNormIntoTarget(PassBase):
     Cost in the target: none in the exported graph when the drafter's eps is the target's, since
     the aux state entering layer i is the input of that layer's input_layernorm, whose
     rms_normalize subexpression the ONNX pipeline's CSE then shares (measured by
-    samples/bench_fc_norm_placement.py); with another eps, A normalizations of T rows.
+    scripts/bench_fc_norm_placement.py); with another eps, A normalizations of T rows.
     """
 
     name = "fold_fc_norm_into_target"

@@ -7,11 +7,7 @@ free; folding first keeps each fold a per-projection rewrite), then the vocabula
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import pkgutil
 from dataclasses import dataclass
-from pathlib import Path
 
 from eagle_export.errors import EagleExportError
 
@@ -20,13 +16,18 @@ from .draft_vocab import ApplyDraftVocab, ShareEmbeddings
 from .eagle_models import EagleModels
 from .fold_norms import FoldFcNorm, FoldFcNormIntoTarget, FoldNormGains
 from .fuse_projections import FuseGateUp, FuseQKV
+from .onnx_cleanup import (CastCleanupPass, CommonSubexpressionEliminationPass, ConstantFoldingPass,
+                           DeadCodeEliminationPass, IdentityEliminationPass, InitializerDeduplicationPass,
+                           TopologicalSortPass)
+from .onnx_pin import PinIrVersionPass
+from .trt_lint import TensorRTLintPass
 
 __all__ = ["EagleModels", "FC_NORM_PLACEMENTS", "DEFAULT_FC_NORM_PLACEMENT", "PassInfo", "all_passes",
            "model_passes", "model_pipeline"]
 
 FC_NORM_PLACEMENTS = ("drafter", "target")
 # Where EAGLE-3.1's gain-free aux normalization runs after its gains fold into fc. "target", by
-# samples/bench_fc_norm_placement.py on the sample-sized pair (1 CPU thread, a loaded 2-core host,
+# scripts/bench_fc_norm_placement.py on the sample-sized pair (1 CPU thread, a loaded 2-core host,
 # two runs): the drafter's step 0 becomes one matmul and was the fastest form in every measurement
 # (ONNX Runtime, 5 rows: 202 / 406 us vs 234 / 459 us with the gain-free norms kept in the drafter;
 # 64 rows: 1215 / 5571 us vs 1505 / 10512 us), while the exported target graph gains no node at all
@@ -61,27 +62,15 @@ def _summary(cls: type) -> str:
     return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
 
 
-def _onnx_pass_classes() -> list[type]:
-    """Every PassBase subclass with a name defined in passes/onnx_*.py and passes/trt_*.py."""
-    found = []
-    for module_info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if not module_info.name.startswith(("onnx_", "trt_")):
-            continue
-        module = importlib.import_module(f"{__package__}.{module_info.name}")
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if issubclass(cls, PassBase) and cls.__module__ == module.__name__ and cls.name:
-                found.append(cls)
-    return found
+# Every pass, in the order `eagle-export passes` lists them: the model passes in pipeline order
+# (both fc_norm placements), then the ONNX passes in the clean-up pipeline's order, then the lint.
+MODEL_PASSES = (ShareEmbeddings, FoldFcNorm, FoldFcNormIntoTarget, FoldNormGains, FuseQKV, FuseGateUp, ApplyDraftVocab)
+ONNX_PASSES = (ConstantFoldingPass, DeadCodeEliminationPass, IdentityEliminationPass, CastCleanupPass,
+               InitializerDeduplicationPass, CommonSubexpressionEliminationPass, TopologicalSortPass, PinIrVersionPass,
+               TensorRTLintPass)
 
 
 def all_passes() -> list[PassInfo]:
-    """Every pass of both levels: the model passes in pipeline order (both fc_norm placements),
-    then the ONNX passes, those of the ONNX pipeline in its order first."""
-    from .onnx_cleanup import onnx_pipeline
-
-    model_classes = [ShareEmbeddings, FoldFcNorm, FoldFcNormIntoTarget, FoldNormGains, FuseQKV, FuseGateUp,
-                     ApplyDraftVocab]
-    order = [type(p) for p in onnx_pipeline().passes]
-    onnx_classes = sorted(_onnx_pass_classes(), key=lambda c: order.index(c) if c in order else len(order))
-    return ([PassInfo("model", c.name, _summary(c)) for c in model_classes]
-            + [PassInfo("onnx", c.name, _summary(c)) for c in onnx_classes])
+    """Every pass of both levels, with the first line of its docstring."""
+    return ([PassInfo("model", c.name, _summary(c)) for c in MODEL_PASSES]
+            + [PassInfo("onnx", c.name, _summary(c)) for c in ONNX_PASSES])

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.session import open_build
+from eagle_export.build_dir import open_build
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 RECIPE = """\

@@ -310,6 +310,20 @@ def test_registry_lists_both_levels():
                          "fuse_qkv", "fuse_gate_up", "apply_draft_vocab"]
     assert {p.level for p in infos} == {"model", "onnx"} and all(p.summary for p in infos)
     assert len(set(names)) == len(names)
+    # The list is explicit: every named pass defined in the package must be on it.
+    import importlib
+    import inspect
+    import pkgutil
+
+    import eagle_export.passes as package
+    from eagle_export.passes import PassBase
+
+    defined = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"eagle_export.passes.{info.name}")
+        defined |= {cls.name for _, cls in inspect.getmembers(module, inspect.isclass)
+                    if issubclass(cls, PassBase) and cls.__module__ == module.__name__ and cls.name}
+    assert defined == set(names)
 
 
 def test_cli_lists_passes():

@@ -136,7 +136,10 @@ def test_streaming_yields_the_same_tokens_round_by_round(target, drafter):
         mine = [e for e in events if e.index == i]
         assert sum((e.tokens for e in mine), []) == target.generate_greedy(prompt, 10)
         assert mine[-1].finish_reason == "length" and all(e.finish_reason is None for e in mine[:-1])
-    assert runtime.timings.draft > 0 and runtime.timings.verify > 0
+        # the last event carries the sequence's stats (there is no runtime.last_stats to read)
+        assert mine[-1].stats.new_tokens == 10 and mine[-1].stats.rounds >= 1
+        assert all(e.stats is None for e in mine[:-1])
+    assert runtime.timings.draft > 0 and runtime.timings.verify > 0 and not hasattr(runtime, "last_stats")
 
 
 # ---------------------------------------------------------------- rejection sampling

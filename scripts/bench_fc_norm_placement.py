@@ -13,7 +13,7 @@ and measures, single-threaded, median of many interleaved runs:
   - the numerical difference of each form from the unfolded one (drafter step-0 state and logits
     fed by the target's aux states), fp32 and bf16, as max|a-b| / max|a|.
 
-Run: python samples/bench_fc_norm_placement.py [--runs 300]
+Run: python scripts/bench_fc_norm_placement.py [--runs 300]
 """
 
 from __future__ import annotations

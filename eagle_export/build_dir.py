@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from .checkpoint import load_drafter, load_target, resolve_dtype
@@ -109,11 +110,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     chosen = make_backend(path, manifest, backend, threads)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(np.load(path / "draft_to_target.npy"))
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json")) if (path / "tokenizer.json").is_file() else None
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer)
