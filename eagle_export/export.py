@@ -1,12 +1,11 @@
-"""ONNX export of the target graph and the unrolled drafter graph, plus the ONNX Runtime check.
-
-Export only: `backends.py` runs the files (ONNX Runtime sessions, onnx.reference for NVFP4).
+"""ONNX export of the target graph and the unrolled drafter graph (`backends.py` runs the files).
 
 Export uses the TorchScript exporter (`dynamo=False`) at opset `contract.ONNX_OPSET`, with dynamic
-axes only for batch, tokens and past length. Quantized modules (ModelOpt FP8 quantizers, NVFP4Linears)
-export at `qdq.EXPORT_OPSET` and then go through the Q/DQ rewrites of `qdq.py`. The example inputs give the cache a few slots
-(S >= 1, `past` dynamic) so that no shape computation is traced on an empty tensor, where the
-exporter may specialize a zero-sized dimension; the exported graphs run with S = 0 (tested).
+axes only for batch, tokens and past length. Quantized modules (ModelOpt FP8 quantizers,
+NVFP4Linears) export at `qdq.EXPORT_OPSET` and then go through the Q/DQ rewrites of `qdq.py`.
+The example inputs give the cache a few slots (S >= 1, `past` dynamic) so that no shape
+computation is traced on an empty tensor, where the exporter may specialize a zero-sized
+dimension; the exported graphs run with S = 0 (tested).
 
 fp16 and bf16 graphs are strongly typed: every tensor has the model dtype except where the torch
 modules cast explicitly (RMSNorm statistics, RoPE angles, attention softmax and draft
@@ -67,7 +66,8 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
         pack_nvfp4(module)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():
         raw = Path(tmp) / path.name
-        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=EXPORT_OPSET if quantized else C.ONNX_OPSET,
+        opset = EXPORT_OPSET if quantized else C.ONNX_OPSET
+        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=opset,
                           input_names=spec.input_names, output_names=spec.output_names,
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
         model = onnx.load(str(raw))

@@ -158,7 +158,9 @@ class Manifest:
 
             def graph(name: str) -> GraphFile | None:
                 g = data["graphs"].get(name)
-                return None if g is None else GraphFile(g["file"], g.get("return_logits", False), g.get("sampling", False))
+                if g is None:
+                    return None
+                return GraphFile(g["file"], g.get("return_logits", False), g.get("sampling", False))
 
             engines = data["engines"]
             return cls(

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import contract as C
+from .backends import run_graph
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
-from .backends import run_graph
 from .export import EXAMPLE_SIZES, export_drafter, export_target
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts

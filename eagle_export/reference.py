@@ -11,9 +11,10 @@ norm(max(0, p - q))), which preserves the target's sampling distribution.
 
 `draft_chain` runs the drafter's chain in plain single steps (step 0 over the given rows, then
 feedback steps), as decoding does: calibration, quantization metrics and the unrolled graph's
-test oracle use it. `parallel_drafts` computes, in one pass, the chain the drafter proposes after every prefix of a
-known token sequence (training-time test); on a target-greedy sequence it reproduces the drafts of
-the loop exactly, which `replay_greedy` uses to score many depths from one target generation.
+test oracle use it. `parallel_drafts` computes, in one pass, the chain the drafter proposes after
+every prefix of a known token sequence (training-time test); on a target-greedy sequence it
+reproduces the drafts of the loop exactly, which `replay_greedy` uses to score many depths from
+one target generation.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ def parallel_drafts(drafter: Drafter, next_ids: torch.Tensor, aux: torch.Tensor,
                                                                        drafter.config.head_dim)
         past_v = torch.cat(values, dim=2) if values else past_k
         mask = torch.cat([causal[start:]] + [own] * k, dim=-1)[None, None, None]
-        normed, hidden, new_k, new_v = drafter.step(next_ids[:, start + k:t + k], hidden, positions, past_k, past_v, mask)
+        normed, hidden, new_k, new_v = drafter.step(next_ids[:, start + k:t + k], hidden, positions, past_k, past_v,
+                                                    mask)
         keys.append(new_k)
         values.append(new_v)
         if k == 0:

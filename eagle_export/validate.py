@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import contract as C
-from .backends import run_graph
+from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
 from .manifest import Agreement, Manifest, verify_artifacts
@@ -45,7 +45,8 @@ DRAFTER_POSITIONS = 32
 
 
 def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> list[tuple[str, bool, str]]:
-    """The graphs of the roles not in `skip` against their torch modules, on random inputs."""
+    """The graphs of the roles not in `skip` (the unquantized ones) against their torch modules, on
+    random inputs, in ONNX Runtime as the runtime runs them (graph optimizations on)."""
     generator = torch.Generator().manual_seed(0)
     dtype = manifest.target.dtype
     tol = TOLERANCE[dtype]
@@ -55,7 +56,7 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
         args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype)
         with torch.no_grad():
             expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
-        got = run_graph(build_dir / "target.onnx", spec.feeds(args))
+        got = run_onnx(ort_session(build_dir / manifest.target_graph.file), spec.feeds(args))
         agree = (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item()
         aux_err = ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
                    / expected[C.AUX_HIDDEN].float().abs().max()).item()
@@ -68,7 +69,7 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
         args = C.example_args(spec, {**CHECK_SIZES, C.TOKENS: depth + 1}, generator, drafter.fc.weight.dtype)
         with torch.no_grad():
             expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
-        got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))
+        got = run_onnx(ort_session(build_dir / manifest.drafter_graph.file), spec.feeds(args))
         agree = (got[C.DRAFT_IDS] == expected[C.DRAFT_IDS]).float().mean().item()
         prob_err = (got[C.DRAFT_TOKEN_PROBS].float() - expected[C.DRAFT_TOKEN_PROBS].float()).abs().max().item()
         ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and prob_err <= max(tol, 1e-4)
@@ -105,7 +106,7 @@ def quantized_target_check(build_dir: Path, manifest: Manifest, target, prompts:
     past_key, past_value = target.empty_cache(len(prompts), 0)
     args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
     spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
-    got = run_graph(build_dir / "target.onnx", spec.feeds(args))[C.GREEDY_IDS]
+    got = run_graph(build_dir / manifest.target_graph.file, spec.feeds(args))[C.GREEDY_IDS]
     expected = target(*args)[0].argmax(-1)
     real = positions < lengths[:, None]
     agree = float((got == expected)[real].float().mean())
@@ -129,7 +130,7 @@ def quantized_drafter_check(build_dir: Path, manifest: Manifest, target, drafter
         k, v = drafter.empty_cache(len(rows), 0)
         args = (ids.repeat(len(rows), 1), aux.to(dtype).repeat(len(rows), 1, 1), rows + 1, k, v,
                 torch.zeros(len(rows), dtype=torch.long))
-        got = run_graph(build_dir / "drafter.onnx", spec.feeds(args))[C.DRAFT_IDS][:, 0]
+        got = run_graph(build_dir / manifest.drafter_graph.file, spec.feeds(args))[C.DRAFT_IDS][:, 0]
         agree += int((got == expected[rows]).sum())
         total += len(rows)
     return _agreement_check("drafter", manifest.drafter.agreement, len(manifest.evaluation_prompts), agree / total,
