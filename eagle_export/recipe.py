@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -20,7 +21,11 @@ from .errors import EagleExportError
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
 QUANTIZED = ("fp8", "nvfp4")  # the precisions that go through ModelOpt
 CALIBRATION_SETS = ("mt-bench", "sharegpt", "humaneval")
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# recipes/ and samples/ install as the packages eagle_export.recipes and eagle_export.samples, side by
+# side as in the repository, so a shipped recipe's `../samples/...` holds in a checkout and an install.
+# pip installs them as files, and the checkpoint loaders read files by path.
+RECIPES_DIR = Path(resources.files("eagle_export.recipes"))
+SAMPLES_DIR = Path(resources.files("eagle_export.samples"))
 SAMPLE_RECIPE = RECIPES_DIR / "smollm2-135m-eagle3.1.yaml"
 
 # key -> (type, default, check) ; nested mappings are dicts of the same shape.
@@ -77,10 +82,11 @@ class Recipe:
         return self.data[key]
 
     def resolve_path(self, value: str) -> str:
-        """`sample` stays a name; a relative path is taken from the recipe's directory, then the repo."""
+        """`sample` stays a name; a relative path is taken from the recipe's directory, then from where
+        the shipped data lies (so `samples/eagle3.1-smollm2-135m` names a shipped drafter)."""
         if value == "sample" or Path(value).is_absolute():
             return value
-        for base in (self.base_dir, RECIPES_DIR.parent):
+        for base in (self.base_dir, SAMPLES_DIR.parent):
             if (base / value).exists():
                 return str((base / value).resolve())
         return value
@@ -184,11 +190,19 @@ def _set_dotted(data: dict, dotted: str, value) -> None:
     data[keys[-1]] = value
 
 
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
+    """A recipe file, or the name of a shipped recipe (`qwen3-8b-eagle3.1`); the sample when None."""
     path = Path(path) if path else SAMPLE_RECIPE
+    if not path.is_file() and str(path) in shipped_recipes():
+        path = RECIPES_DIR / f"{path}.yaml"
     if not path.is_file():
         raise EagleExportError(f"recipe {path} does not exist",
-                               f"pass an existing YAML file, e.g. {SAMPLE_RECIPE}")
+                               "pass the path of a YAML recipe, or the name of a shipped one: "
+                               + ", ".join(shipped_recipes()))
     return parse_recipe(path.read_text(), str(path), path.parent, overrides)
 
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle_export.errors import EagleExportError
 from eagle_export.recipe import RECIPES_DIR, RecipeError, load_recipe, parse_override, parse_recipe
 
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -24,6 +25,18 @@ def test_sample_recipe_is_the_default_and_points_at_the_sample():
     recipe = load_recipe()
     assert recipe["target"] == "sample"
     assert Path(recipe.resolve_path(recipe["drafter"])).name == "eagle3.1-smollm2-135m"
+
+
+def test_a_shipped_recipe_loads_by_name():
+    assert load_recipe("qwen3-8b-eagle3.1")["target"] == load_recipe(RECIPES_DIR / "qwen3-8b-eagle3.1.yaml")["target"]
+
+
+def test_a_missing_recipe_names_the_shipped_ones_not_itself(tmp_path):
+    missing = tmp_path / "smollm2-135m-eagle3.1.yaml"
+    with pytest.raises(EagleExportError) as e:
+        load_recipe(missing)
+    assert str(missing) in e.value.problem and str(missing) not in e.value.fix
+    assert all(name in e.value.fix for name in ("smollm2-135m-eagle3.1", "qwen3-8b-eagle3.1", "llama-3.1-8b-eagle3"))
 
 
 def errors_of(text):
