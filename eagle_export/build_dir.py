@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from .checkpoint import load_drafter, load_target, resolve_dtype
+from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
@@ -98,8 +99,10 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
-               verify: bool = True) -> OpenBuild:
-    """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named)."""
+               verify: bool = True, depth_policy: str = "goodput") -> OpenBuild:
+    """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named).
+    `depth_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
+    the build directory per backend and machine) or "fixed" (always all K)."""
     path = Path(path)
     manifest = Manifest.read(path)
     if verify:
@@ -113,5 +116,6 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json")) if (path / "tokenizer.json").is_file() else None
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
-                                 draft_to_target=draft_to_target, tokenizer=tokenizer)
+                                 draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
+                                 cost_cache=CostCache(cache_path(path, manifest.data), cost_key(chosen, threads)))
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)

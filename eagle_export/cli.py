@@ -134,7 +134,10 @@ def validate(build_dir, as_json):
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
-def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
+@click.option("--depth-policy", default="goodput", show_default=True, type=click.Choice(["goodput", "fixed"]),
+              help="goodput: drafts per round (0..K, or no drafter call) chosen from the measured costs; "
+                   "fixed: always K.")
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, depth_policy):
     """Generate from a build, streaming the text, then one summary line (tau, tokens/s)."""
     import time
 
@@ -143,7 +146,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
 
     if (prompt is None) == (chat is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --chat TEXT")
-    opened = open_build(build_dir, backend=backend)
+    opened = open_build(build_dir, backend=backend, depth_policy=depth_policy)
+    opened.runtime.cost_curves(1)  # measured once per machine (cached in the build), before the clock starts
     ids = opened.chat_prompt(chat) if chat is not None else opened.encode(prompt)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
@@ -157,7 +161,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
     seconds = time.perf_counter() - start
     stats = event.stats  # the sequence's last event carries them
     click.echo(f"\n[{opened.runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
-               f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds")
+               f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
+               f"({stats.draft_calls} with a drafter call)")
 
 
 @main.command()
@@ -170,9 +175,11 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend):
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
 @click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
-@click.option("--plot", "plot_file", type=click.Path(), help="Write acceptance by depth and speedup by batch as a PNG.")
+@click.option("--plot", "plot_file", type=click.Path(),
+              help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG.")
 def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threads, json_file, plot_file):
-    """Speculative vs autoregressive decoding on the same backend and prompts: tau, speedup, time split."""
+    """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
+    backend and prompts, side by side: tau, chosen depths, cost curves, speedup, time split."""
     from pathlib import Path
 
     from .bench import bench as run_bench
@@ -189,9 +196,15 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
         result = run_bench(opened.runtime, prompts, size, config)
         result["dataset"] = dataset
         results.append(result)
-        click.echo(f"batch {size}: tau {result['tau']:.2f}, {result['spec_tokens_per_s']:.1f} vs "
-                   f"{result['ar_tokens_per_s']:.1f} tokens/s, speedup {result['speedup']:.2f}x, "
-                   f"efficiency {result['efficiency']:.2f}")
+        verify = result["costs"]["verify_ms"]
+        click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s; verify of T=1..{len(verify)} "
+                   f"tokens {', '.join(f'{ms:.1f}' for ms in verify.values())} ms, drafter "
+                   f"{max(result['costs']['draft_ms'].values()):.1f} ms")
+        for name, p in result["policies"].items():
+            hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
+            click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
+                       f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}; drafts verified per round {hist} "
+                       f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)")
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:

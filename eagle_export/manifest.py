@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .costs import COSTS_FILE
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
 from .recipe import QUANTIZED
@@ -37,9 +38,10 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def artifact_hashes(build_dir: Path) -> dict[str, dict]:
-    """sha256 and size of every file in the build except the manifest itself."""
+    """sha256 and size of every file in the build except the manifest itself and the runtime's cost
+    cache (written when the build is used, per machine)."""
     out = {}
-    for path in sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+    for path in sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, COSTS_FILE)):
         out[path.relative_to(build_dir).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return out
 

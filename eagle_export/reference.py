@@ -53,12 +53,15 @@ def mean_accepted_length(accepted: list[int], empty: float = float("nan")) -> fl
     return sum(m + 1 for m in accepted) / len(accepted) if accepted else empty
 
 
-def acceptance_by_depth(accepted: list[int], depth: int, unreached: float = float("nan")) -> list[float]:
+def acceptance_by_depth(accepted: list[int], depth: int, unreached: float = float("nan"),
+                        verified: list[int] | None = None) -> list[float]:
     """For depth i: the fraction of rounds that accepted draft i among those that accepted drafts 1..i-1
-    (`unreached` where no round got that far)."""
+    and verified draft i (`verified`: drafts verified per round, all `depth` when None; `unreached`
+    where no round got that far)."""
+    verified = verified if verified is not None else [depth] * len(accepted)
     rates = []
     for i in range(1, depth + 1):
-        reached = sum(m >= i - 1 for m in accepted)
+        reached = sum(m >= i - 1 and k >= i for m, k in zip(accepted, verified))
         rates.append(sum(m >= i for m in accepted) / reached if reached else unreached)
     return rates
 

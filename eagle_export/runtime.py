@@ -8,7 +8,15 @@ One round, for a batch of ragged sequences:
   commit  the new K/V rows of the accepted tokens are written at each sequence's length; rejected
           rows are never written (the graphs return only new entries), so rollback is free.
 The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` counts the target
-positions in cache, which is also the drafter's count: the last emitted token is not yet in either.
+positions in cache; the last emitted token is not yet in it.
+
+Depth per round: a depth policy (`depth_policy.py`) decides before each round whether to call the
+drafter at all, and after it how many of its K drafts to verify (k in 0..K; the verify call then
+has k+1 tokens). A round without a drafter call is a plain decoding step. The drafter's input rows
+(token p+1 with the target's aux state at p) that it has not seen yet wait in `pending` rows: every
+verify call appends its accepted rows there and the next drafter call consumes them all, so after
+plain steps the drafter catches up in one call of more rows. Greedy output is the target's own
+whatever k is: the accepted drafts are exactly those equal to the target's argmax.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import torch
 
 from . import contract as C
 from .backends import Backend
+from .costs import CostCache, CostCurves, measure
+from .depth_policy import check_policy, make_policy
 from .errors import EagleExportError
 from .reference import acceptance_by_depth, mean_accepted_length
 
@@ -40,6 +50,8 @@ class SequenceStats:
     prompt_tokens: int
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
+    depths: list[int] = field(default_factory=list)    # drafts verified in each round (0: a plain step)
+    draft_calls: int = 0                                # rounds that called the drafter
 
     @property
     def rounds(self) -> int:
@@ -51,7 +63,7 @@ class SequenceStats:
         return mean_accepted_length(self.accepted, empty=0.0)
 
     def acceptance_by_depth(self, depth: int) -> list[float]:
-        return acceptance_by_depth(self.accepted, depth, unreached=0.0)
+        return acceptance_by_depth(self.accepted, depth, unreached=0.0, verified=self.depths)
 
 
 @dataclass
@@ -89,8 +101,13 @@ class Timings:
 class SpeculativeRuntime:
     def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
                  drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,
-                 draft_to_target: torch.Tensor | None = None, tokenizer=None):
+                 draft_to_target: torch.Tensor | None = None, tokenizer=None, depth_policy="goodput",
+                 costs: CostCurves | None = None, cost_cache: CostCache | None = None):
         self.backend = backend
+        self.depth_policy = depth_policy
+        check_policy(depth_policy)  # an unknown name fails here, not mid-generation
+        self.cost_cache = cost_cache
+        self.costs = costs or (cost_cache.load() if cost_cache else CostCurves())
         self.depth = backend.depth
         self.target_cache_shape = (num_layers, num_kv_heads, head_dim)
         self.drafter_cache_shape = (1, drafter_kv_heads, drafter_head_dim)
@@ -100,39 +117,48 @@ class SpeculativeRuntime:
         self.timings = Timings()
 
     @classmethod
-    def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None):
+    def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
         """A runtime whose cache shapes come from the torch modules' configs."""
         t, d = target.config, drafter.config
         return cls(backend, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                    target.aux_width, max_context, draft_to_target=drafter.to_target_ids(
-                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer)
+                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer, **kw)
+
+    def cost_curves(self, batch: int) -> CostCurves:
+        """The measured costs, measuring (and caching) this batch size on its first use."""
+        if not self.costs.has(batch):
+            self.costs.verify_s[batch], self.costs.draft_s[batch] = measure(self, batch)
+            if self.cost_cache is not None:
+                self.cost_cache.save(self.costs)
+        return self.costs
 
     # ------------------------------------------------------------ public API
 
-    def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True
-                 ) -> list[SequenceResult]:
+    def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True,
+                 depth_policy=None) -> list[SequenceResult]:
         results = [[] for _ in prompts]
         finished = [None] * len(prompts)
-        stream = self.stream(prompts, config) if speculative else self.stream_autoregressive(prompts, config)
+        stream = (self.stream(prompts, config, depth_policy) if speculative
+                  else self.stream_autoregressive(prompts, config))
         for event in stream:
             results[event.index].extend(event.tokens)
             finished[event.index] = event if event.finish_reason else finished[event.index]
         return [SequenceResult(tokens, last.finish_reason, last.stats, self._decode(tokens, config))
                 for tokens, last in zip(results, finished)]
 
-    def stream(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
-        """Speculative decoding, yielding tokens as each round accepts them."""
-        state = self._start(prompts, config)
+    def stream(self, prompts: list[list[int]], config: GenerationConfig, depth_policy=None) -> Iterator[Event]:
+        """Speculative decoding, yielding tokens as each round accepts them. `depth_policy` overrides
+        the runtime's for this call ("goodput", "fixed", or a policy object)."""
+        state = self._start(prompts, config, depth_policy or self.depth_policy)
+        policy = state.policy
         yield from self._prefill(state)
-        rows = state.pending_rows
         while state.active.any():
             near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
             spec = state.active & ~near_limit
             if spec.any():
-                yield from self._round(state, rows, spec)
-                rows = state.pending_rows
+                yield from self._round(state, spec, policy, policy.should_draft(spec))
             if near_limit.any():  # a full round no longer fits: finish token by token, exactly
-                yield from self._ar_step(state, near_limit)
+                yield from self._round(state, near_limit)
         self.timings.total += time.perf_counter() - state.started
 
     def stream_autoregressive(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
@@ -140,12 +166,12 @@ class SpeculativeRuntime:
         state = self._start(prompts, config)
         yield from self._prefill(state, draft=False)
         while state.active.any():
-            yield from self._ar_step(state, state.active)
+            yield from self._round(state, state.active)
         self.timings.total += time.perf_counter() - state.started
 
     # ------------------------------------------------------------ the loop
 
-    def _start(self, prompts, config):
+    def _start(self, prompts, config, depth_policy=None):
         if not prompts:
             raise EagleExportError("no prompts given", "pass at least one prompt")
         if config.temperature > 0 and not (self.backend.has_logits and self.backend.has_sampling):
@@ -160,8 +186,16 @@ class SpeculativeRuntime:
                 raise EagleExportError(
                     f"prompt {i} has {len(p)} tokens, the context limit is {self.max_context}",
                     "shorten the prompt, or build with a larger profiles.context.max")
+        policy = None
+        if depth_policy is not None:  # (measuring the costs of a new batch size is not generation time)
+            check_policy(depth_policy)
+            costs = self.cost_curves(len(prompts)) if depth_policy == "goodput" else None
+            policy = make_policy(depth_policy, self.depth, costs)
+            policy.start(len(prompts))
         self.timings = Timings()
-        return _State(self, prompts, config)
+        state = _State(self, prompts, config)
+        state.policy = policy
+        return state
 
     def _prefill(self, state, draft: bool = True):
         b = len(state.prompts)
@@ -180,15 +214,21 @@ class SpeculativeRuntime:
         if draft:  # the drafter's rows: token p+1 with aux p, for every prompt position
             shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
             shifted[torch.arange(b), last] = first
-            state.pending_rows = (shifted, out[C.AUX_HIDDEN], prompt_lens)
+            state.pending = _PendingRows(shifted, out[C.AUX_HIDDEN], prompt_lens)
             state.draft_lens = torch.zeros(b, dtype=torch.int64)
         state.last_token = first
         yield from events
 
-    def _round(self, state, rows, live):
-        k = self.depth
-        ids, aux, num_valid = rows
-        drafts, draft_probs = self._draft(state, ids, aux, num_valid, live)
+    def _round(self, state, live, policy=None, drafted=False):
+        """One target call for the `live` sequences: [last token, the first k drafts], k chosen by the
+        policy after the drafter call; without a drafter call (drafted False) a plain step, k = 0."""
+        b = len(state.prompts)
+        drafts, draft_probs = torch.zeros(b, 0, dtype=torch.int64), None
+        if drafted:
+            drafts, token_probs, draft_probs = self._draft(state, live)
+            k = policy.choose(None if state.sampling else token_probs, live)
+            drafts = drafts[:, :k]
+        k = drafts.shape[1]
         verify_ids = torch.cat([state.last_token[:, None], drafts], dim=1)
         positions = state.lens[:, None] + torch.arange(k + 1)
         out = self._target(state, verify_ids, positions, state.lens, need_logits=state.sampling)
@@ -196,34 +236,25 @@ class SpeculativeRuntime:
             accepted, next_token = self._rejection_sample(state, out, drafts, draft_probs)
         else:
             greedy = out[C.GREEDY_IDS]
-            matches = (drafts == greedy[:, :k]).int().cumprod(dim=1)
-            accepted = matches.sum(dim=1)
+            accepted = (drafts == greedy[:, :k]).int().cumprod(dim=1).sum(dim=1)
             next_token = greedy.gather(1, accepted[:, None])[:, 0]
         state.write_target(out, accepted + 1, live)
         emitted = []
-        for b in range(len(state.prompts)):
-            emitted.append(drafts[b, :accepted[b]].tolist() + [int(next_token[b])])
-            if live[b]:
-                state.stats[b].accepted.append(int(accepted[b]))
+        for i in range(b):
+            emitted.append(drafts[i, :accepted[i]].tolist() + [int(next_token[i])])
+            if live[i] and policy is not None:
+                state.stats[i].accepted.append(int(accepted[i]))
+                state.stats[i].depths.append(k)
+                state.stats[i].draft_calls += drafted
         events = state.emit(emitted, live)
-        # Next round's drafter rows: the accepted drafts and the new token, with the verify aux states.
-        next_ids = torch.cat([drafts, torch.zeros(len(drafts), 1, dtype=torch.int64)], dim=1)
-        next_ids[torch.arange(len(drafts)), accepted] = next_token
-        state.pending_rows = (next_ids, out[C.AUX_HIDDEN], torch.where(live, accepted + 1, num_valid))
+        if state.pending is not None:  # the drafter's next rows: the accepted drafts and the new token
+            next_ids = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+            next_ids[torch.arange(b), accepted] = next_token
+            state.pending.append(next_ids, out[C.AUX_HIDDEN], accepted + 1, live)
+        if policy is not None:
+            policy.observe(k, accepted, live, drafted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
-        yield from events
-
-    def _ar_step(self, state, live):
-        out = self._target(state, state.last_token[:, None], state.lens[:, None], state.lens,
-                           need_logits=state.sampling)
-        state.write_target(out, torch.ones_like(state.lens), live)
-        token = self._pick(state, out, torch.zeros_like(state.lens))
-        events = state.emit([[int(t)] for t in token], live)
-        state.lens = torch.where(live, state.lens + 1, state.lens)
-        state.last_token = torch.where(live, token, state.last_token)
-        if state.draft_lens is not None:
-            state.draft_lens = torch.where(live, state.lens, state.draft_lens)
         yield from events
 
     # ------------------------------------------------------------ graph calls
@@ -237,7 +268,10 @@ class SpeculativeRuntime:
         setattr(self.timings, phase, getattr(self.timings, phase) + elapsed)
         return {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
 
-    def _draft(self, state, ids, aux, num_valid, live):
+    def _draft(self, state, live):
+        """The drafter over every pending row of the live sequences -> (K drafts, their
+        probabilities, their distributions when sampling)."""
+        ids, aux, num_valid = state.pending.take(live)
         feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux, C.NUM_VALID: num_valid.to(self.device),
                  C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: state.draft_lens.to(self.device)}
@@ -249,7 +283,7 @@ class SpeculativeRuntime:
         self.timings.draft += time.perf_counter() - start
         state.write_drafter(out, num_valid, live)
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
-        return out[C.DRAFT_IDS].cpu(), out.get(C.DRAFT_PROBS)
+        return out[C.DRAFT_IDS].cpu(), out[C.DRAFT_TOKEN_PROBS].cpu(), out.get(C.DRAFT_PROBS)
 
     @property
     def device(self):
@@ -277,11 +311,12 @@ class SpeculativeRuntime:
 
     def _rejection_sample(self, state, out, drafts, draft_probs):
         """Leviathan et al.: accept d ~ q with probability min(1, p(d)/q(d)); on rejection draw from
-        norm(max(p - q, 0)); after K acceptances draw the bonus token from p."""
-        k = self.depth
-        p = self._target_probs(state, out[C.LOGITS])                          # [B,K+1,V]
+        norm(max(p - q, 0)); after all k = drafts.shape[1] acceptances draw the bonus token from p."""
+        k = drafts.shape[1]
+        p = self._target_probs(state, out[C.LOGITS])                          # [B,k+1,V]
         q = torch.zeros_like(p[:, :k])
-        q[..., self.draft_to_target] = draft_probs.cpu().float()              # draft vocab -> target vocab
+        if k:
+            q[..., self.draft_to_target] = draft_probs[:, :k].cpu().float()   # draft vocab -> target vocab
         accepted = torch.zeros(len(drafts), dtype=torch.int64)
         next_token = torch.zeros(len(drafts), dtype=torch.int64)
         for b in range(len(drafts)):
@@ -326,6 +361,7 @@ class _State:
         self.draft_v = torch.zeros_like(self.draft_k)
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None
+        self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
         self.active = torch.ones(b, dtype=torch.bool)
         self.sampling = config.temperature > 0
         self.rng = torch.Generator().manual_seed(config.seed)
@@ -374,6 +410,34 @@ class _State:
             if any(s in text for s in self.config.stop_strings):
                 return tokens[:i], True
         return tokens, False
+
+
+class _PendingRows:
+    """The drafter's input rows it has not consumed yet, per sequence: ids [B,W], aux [B,W,A], count [B].
+    Verify calls append; a drafter call takes all rows of the live sequences (the others never draft
+    again: they finished or finish token by token, so their rows are never read)."""
+
+    def __init__(self, ids, aux, count):
+        self.ids, self.aux, self.count = ids.clone(), aux.clone(), count.clone()  # ours to write into
+
+    def append(self, ids, aux, counts, live):
+        counts = torch.where(live, counts, 0)
+        width = int((self.count + counts).max())
+        if width > self.ids.shape[1]:  # grow by doubling: plain steps add one row at a time
+            grow = max(width, 2 * self.ids.shape[1]) - self.ids.shape[1]
+            self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
+            self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+        for b in torch.nonzero(counts)[:, 0].tolist():
+            n, c = int(self.count[b]), int(counts[b])
+            self.ids[b, n:n + c] = ids[b, :c]
+            self.aux[b, n:n + c] = aux[b, :c]
+        self.count += counts
+
+    def take(self, live):
+        width = int(self.count[live].max())
+        rows = (self.ids[:, :width].contiguous(), self.aux[:, :width].contiguous(), self.count.clamp(1, width))
+        self.count = torch.where(live, 0, self.count)
+        return rows
 
 
 def _write_rows(keys, values, out, starts, counts, live):

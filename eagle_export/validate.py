@@ -155,7 +155,8 @@ def _quantized_graphs(build_dir: Path, manifest: Manifest, target, drafter, role
 
 
 def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int):
-    opened = open_build(build_dir, backend="onnxruntime", verify=False)
+    # The fixed policy verifies every draft, so every round exercises accept and rollback.
+    opened = open_build(build_dir, backend="onnxruntime", verify=False, depth_policy="fixed")
     if opened.tokenizer is not None:
         prompts = [opened.encode(p) for p in CHECK_PROMPTS[:prompts_count]]
     else:

@@ -112,11 +112,22 @@ def test_bench_json_and_plot(built, tmp_path):
     results = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in results] == [1, 2]
     for r in results:
-        assert {"backend", "device", "batch", "depth", "tau", "acceptance_by_depth", "spec_tokens_per_s",
-                "ar_tokens_per_s", "speedup", "time_split", "efficiency"} <= set(r)
-        assert r["backend"] == "onnxruntime" and r["depth"] == 3 and len(r["acceptance_by_depth"]) == 3
-        assert set(r["time_split"]) >= {"draft", "verify", "host"} and r["tau"] >= 1.0
+        assert {"backend", "device", "batch", "depth", "ar_tokens_per_s", "costs", "policies"} <= set(r)
+        assert r["backend"] == "onnxruntime" and r["depth"] == 3
+        assert list(r["costs"]["verify_ms"]) == list(r["costs"]["draft_ms"]) == ["1", "2", "3", "4"]
+        assert all(ms > 0 for ms in r["costs"]["verify_ms"].values())
+        assert set(r["policies"]) == {"goodput", "fixed"}
+        for name, p in r["policies"].items():
+            assert {"tau", "acceptance_by_depth", "depth_histogram", "spec_tokens_per_s", "speedup", "time_split",
+                    "efficiency"} <= set(p)
+            assert len(p["acceptance_by_depth"]) == 3 and p["tau"] >= 1.0
+            assert set(p["time_split"]) >= {"draft", "verify", "host"}
+            assert sum(p["depth_histogram"].values()) >= p["rounds"] > 0
+        assert r["policies"]["fixed"]["depth_histogram"] == {"0": 0, "1": 0, "2": 0, "3": sum(
+            r["policies"]["fixed"]["depth_histogram"].values())}
+    assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
 
 
 def test_existing_output_is_refused_without_force(built, sources, tmp_path):

@@ -26,10 +26,32 @@ def drafter(request, tmp_path_factory, target):
     return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param), target=target)
 
 
-def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, **kw):
+def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, depth_policy="goodput", **kw):
     backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, depth, False),
                           UnrolledDrafter(drafter, depth, True), **kw)
-    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context)
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context,
+                                         depth_policy=depth_policy)
+
+
+class RandomDepth:
+    """A depth policy that decides at random: skip the drafter, or verify any k in 0..K drafts."""
+
+    def __init__(self, depth, seed=0, draft_rate=0.7):
+        self.depth, self.draft_rate = depth, draft_rate
+        self.rng = torch.Generator().manual_seed(seed)
+        self.chosen = []
+
+    def start(self, batch):
+        pass
+
+    def should_draft(self, live):
+        return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
+
+    def choose(self, token_probs, live):
+        return int(torch.randint(0, self.depth + 1, (1,), generator=self.rng))
+
+    def observe(self, depth, accepted, live, drafted):
+        self.chosen.append(depth if drafted else None)
 
 
 class PlantedDrafts(TorchBackend):
@@ -68,7 +90,8 @@ def test_greedy_is_lossless_ragged_batches(target, drafter, depth, batch):
 @pytest.mark.parametrize("depth", [2, 5])
 def test_lossless_with_high_acceptance(target, drafter, depth):
     expected = [p + target.generate_greedy(p, 40) for p in PROMPTS]
-    runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected)
+    runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
+                           depth_policy="fixed")
     results = runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=40))
     for prompt, full, result in zip(PROMPTS, expected, results):
         assert result.tokens == full[len(prompt):]
@@ -79,10 +102,31 @@ def test_lossless_with_high_acceptance(target, drafter, depth):
     assert [r.tokens for r in autoregressive] == [r.tokens for r in results]
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lossless_whatever_depth_a_policy_chooses(target, drafter, seed, batch):
+    """Random policies: rounds without a drafter call (so the drafter catches up on several plain
+    steps' rows at once), k = 0 after drafting, and every k up to K, in random order."""
+    depth = 4
+    prompts = PROMPTS[:batch]
+    expected = [p + target.generate_greedy(p, 40) for p in prompts]
+    policy = RandomDepth(depth, seed=seed)
+    runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
+                           error_rate=0.3, seed=seed, depth_policy=policy)
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
+    assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
+    assert {None, 0, depth} <= set(policy.chosen)  # plain steps, k = 0 after drafting, and all K drafts
+    for r in results:
+        assert len(r.stats.depths) == r.stats.rounds and max(r.stats.accepted) >= 2
+        assert all(a <= k for a, k in zip(r.stats.accepted, r.stats.depths))
+        assert r.stats.draft_calls == sum(c is not None for c in policy.chosen[:r.stats.rounds])
+
+
 def test_eos_inside_an_accepted_draft_ends_the_sequence_there(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     eos = full[len(PROMPTS[0]) + 6]  # a token the target emits mid-way
-    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0)
+    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0,
+                           depth_policy="fixed")
     [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, eos_ids=(eos,)))
     generated = full[len(PROMPTS[0]):]
     assert result.tokens == generated[:generated.index(eos) + 1]
@@ -96,7 +140,8 @@ def test_context_limit_reached_mid_round(target, drafter, max_context):
     prompt = PROMPTS[1]  # 11 tokens
     full = prompt + target.generate_greedy(prompt, 20)
     runtime = make_runtime(target, drafter, 4, max_context=max_context, backend_cls=PlantedDrafts,
-                           continuations=[full], error_rate=0.0)
+                           continuations=[full], error_rate=0.0,
+                           depth_policy="fixed")
     [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=20))
     assert result.tokens == full[len(prompt):max_context]
     assert result.finish_reason == "context"
@@ -120,7 +165,8 @@ def test_stop_string_inside_an_accepted_draft(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     generated = full[len(PROMPTS[0]):]
     stop = LetterTokenizer().decode(generated[7:9])
-    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0)
+    runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0,
+                           depth_policy="fixed")
     runtime.tokenizer = LetterTokenizer()
     [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
     text = LetterTokenizer().decode(generated)
@@ -175,10 +221,10 @@ class AcceptEverything(SpeculativeRuntime):
         return torch.full((len(drafts),), self.depth, dtype=torch.int64), bonus
 
 
-def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature):
+def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed"):
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
                            UnrolledDrafter(drafter, 2, True))
-    runtime = runtime_cls.for_models(backend, target, drafter, max_context=64)
+    runtime = runtime_cls.for_models(backend, target, drafter, max_context=64, depth_policy=depth_policy)
     counts = torch.zeros(VOCAB * VOCAB)
     for seed in range(n // 250):
         results = runtime.generate([prompt] * 250, GenerationConfig(max_new_tokens=2, temperature=temperature,
@@ -198,6 +244,12 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
     f_obs = torch.cat([observed[keep], observed[~keep].sum()[None]]).numpy()
     f_exp = torch.cat([expected[keep], expected[~keep].sum()[None]]).numpy()
     assert chisquare(f_obs, f_exp).pvalue > 0.01
+    # Verifying a random number of drafts each round (or none) keeps the distribution too.
+    policy = RandomDepth(2, seed=1)
+    varied = sample_pairs(SpeculativeRuntime, target, drafter, prompt, n, temperature, depth_policy=policy)
+    assert {None, 0, 1, 2} <= set(policy.chosen)
+    f_var = torch.cat([varied[keep], varied[~keep].sum()[None]]).numpy()
+    assert chisquare(f_var, f_exp).pvalue > 0.01
     buggy = sample_pairs(AcceptEverything, target, drafter, prompt, n, temperature)
     f_bug = torch.cat([buggy[keep], buggy[~keep].sum()[None]]).numpy()
     assert chisquare(f_bug, f_exp).pvalue < 0.01  # the test can fail: a sampler that accepts all drafts does

@@ -1,0 +1,114 @@
+"""The goodput depth policy's decisions on given costs, and the cost model's cache."""
+
+import json
+
+import pytest
+import torch
+
+from eagle_export.costs import CostCache, CostCurves
+from eagle_export.depth_policy import FixedDepth, GoodputDepth, make_policy
+from eagle_export.errors import EagleExportError
+
+K = 4
+
+
+def curves(draft, verify_slope=0.05, batch=1):
+    """Costs in units of a 1-token step: the drafter `draft`, a T-token verify 1 + slope (T-1)."""
+    return CostCurves({batch: {t: 1 + verify_slope * (t - 1) for t in range(1, K + 2)}},
+                      {batch: {w: draft for w in range(1, K + 2)}})
+
+
+def run_rounds(policy, probs, accepted, rounds, batch=1):
+    """Drive the policy as the runtime does; returns what it chose (None: no drafter call).
+    `probs` None: sampling (the policy does not see the drafts' probabilities)."""
+    live = torch.ones(batch, dtype=torch.bool)
+    chosen = []
+    for _ in range(rounds):
+        if policy.should_draft(live):
+            k = policy.choose(None if probs is None else torch.tensor([probs] * batch), live)
+            policy.observe(k, torch.full((batch,), min(k, accepted)), live, True)
+            chosen.append(k)
+        else:
+            policy.observe(0, torch.zeros(batch, dtype=torch.int64), live, False)
+            chosen.append(None)
+    return chosen
+
+
+def test_a_confident_cheap_drafter_verifies_all_k():
+    policy = GoodputDepth(K, curves(draft=0.2))
+    policy.start(1)
+    assert run_rounds(policy, [0.95] * K, accepted=K, rounds=20) == [K] * 20
+
+
+def test_a_drafter_that_never_pays_is_only_probed_at_a_doubling_interval():
+    policy = GoodputDepth(K, curves(draft=0.3))
+    policy.start(1)
+    chosen = run_rounds(policy, [0.01] * K, accepted=0, rounds=300)
+    probes = [i for i, c in enumerate(chosen) if c is not None]
+    assert all(chosen[i] == 0 for i in probes)  # a probe with hopeless drafts verifies none of them
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 0 and gaps[:3] == [33, 65, 65] and set(gaps) == {33, 65}
+    # The probes' cost bound: at most one drafter call per PROBE_MAX plain steps once settled.
+    assert len(probes) <= 300 // GoodputDepth.PROBE_MAX + 2
+
+
+def test_depth_follows_the_drafters_confidence_and_the_costs():
+    policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
+    policy.start(1)
+    live = torch.ones(1, dtype=torch.bool)
+    assert policy.choose(torch.tensor([[0.9, 0.9, 0.1, 0.1]]), live) == 2
+    assert policy.choose(torch.tensor([[0.02, 0.9, 0.9, 0.9]]), live) == 0
+    steep = GoodputDepth(K, curves(draft=0.25, verify_slope=1.0))  # a GPU at a large batch: T costs
+    steep.start(1)
+    assert steep.choose(torch.tensor([[0.9, 0.9, 0.1, 0.1]]), live) == 1
+
+
+def test_one_depth_for_the_batch_counts_live_sequences_only():
+    policy = GoodputDepth(K, curves(draft=0.25, batch=2))
+    policy.start(2)
+    probs = torch.tensor([[0.99] * K, [0.01] * K])
+    assert policy.choose(probs, torch.tensor([True, False])) == K
+    assert policy.choose(probs, torch.tensor([False, True])) == 0
+
+
+def test_sampling_depth_comes_from_earlier_rounds_only():
+    """With token_probs=None (sampling) k comes from the running acceptance of earlier rounds; a probe
+    still checks one draft, so a drafter that improves is noticed."""
+    policy = GoodputDepth(K, curves(draft=0.2))
+    policy.start(1)
+    assert run_rounds(policy, None, accepted=K, rounds=10)[-3:] == [K] * 3
+    assert policy.acceptance.min() > 0.9
+    settled = run_rounds(policy, None, accepted=0, rounds=100)
+    assert settled[-40:].count(None) >= 38  # drafting stopped, except for probes
+    assert all(k == 1 for k in settled[-40:] if k is not None)
+    assert run_rounds(policy, None, accepted=K, rounds=80)[-3:] == [K] * 3  # and it pays again
+    # Depths never verified recover too: from estimates of ~0 at every depth, a good drafter is found.
+    policy.acceptance.fill_(0.01)
+    assert run_rounds(policy, None, accepted=K, rounds=150)[-3:] == [K] * 3
+
+
+def test_policy_names():
+    assert isinstance(make_policy("fixed", K, None), FixedDepth)
+    with pytest.raises(EagleExportError, match="unknown depth policy 'greedy'"):
+        make_policy("greedy", K, None)
+
+
+def test_cost_cache_keeps_one_entry_per_key(tmp_path):
+    path = tmp_path / "costs.json"
+    a, b = CostCache(path, "onnxruntime on cpu A"), CostCache(path, "torch on cpu A")
+    assert not a.load().has(1)
+    a.save(curves(draft=0.3))
+    b.save(curves(draft=0.5, batch=4))
+    assert a.load().draft(1) == 0.3 and not a.load().has(4)
+    assert b.load().draft(4) == 0.5 and b.load().verify(4, 3) == pytest.approx(1.1)
+    assert sorted(json.loads(path.read_text())["entries"]) == ["onnxruntime on cpu A", "torch on cpu A"]
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]  # written by rename, no leftovers
+    path.write_text("{not json")
+    assert not a.load().has(1)  # a corrupt cache is measured again, not an error
+
+
+def test_cost_cache_that_cannot_be_written_stays_in_memory(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    cache = CostCache(tmp_path / "a-file" / "costs.json", "k")  # its directory cannot be made
+    cache.save(curves(draft=0.3))  # no error
+    assert not cache.load().has(1)
