@@ -58,17 +58,11 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     depths = {p: [] for p in POLICIES}
     per_batch = {p: [] for p in POLICIES}
     for i, chunk in enumerate(_batches(prompts, batch)):
-        lengths = None
         order = runs[i % len(runs):] + runs[:i % len(runs)]
-        seconds = {}
+        seconds, tokens = {}, {}
         for run in order:
-            cfg = config
-            if run is None:  # the same lengths: each sequence decodes as many tokens as speculation did
-                cfg = GenerationConfig(max_new_tokens=lengths or config.max_new_tokens, eos_ids=config.eos_ids,
-                                       stop_strings=config.stop_strings)
-            results, secs, t = _timed(runtime, chunk, cfg, run)
+            results, secs, t = _timed(runtime, chunk, config, run)
             if run is not None:
-                lengths = max(lengths or 0, max(r.stats.new_tokens for r in results))
                 totals[run]["rounds"] += max(r.stats.rounds for r in results)  # a batch advances in lock step
                 totals[run]["draft_calls"] += max(r.stats.draft_calls for r in results)
                 for r in results:
@@ -76,13 +70,16 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
                     depths[run].extend(r.stats.depths)
             else:
                 totals[run]["steps"] += max(r.stats.new_tokens for r in results)
-            tokens = sum(r.stats.new_tokens for r in results)
-            totals[run].update({"tokens": tokens, "seconds": secs, "prefill": t.prefill, "draft": t.draft,
+            tokens[run] = [r.tokens for r in results]
+            count = sum(r.stats.new_tokens for r in results)
+            totals[run].update({"tokens": count, "seconds": secs, "prefill": t.prefill, "draft": t.draft,
                                 "verify": t.verify})
-            seconds[run] = (tokens, secs)
+            seconds[run] = (count, secs)
         ar_rate = seconds[None][0] / seconds[None][1]
         for p in POLICIES:
             per_batch[p].append(seconds[p][0] / seconds[p][1] / ar_rate)
+            # Greedy speculation must reproduce plain decoding token for token: bench checks it on every batch.
+            totals[p]["differing"] += sum(a != b for a, b in zip(tokens[p], tokens[None]))
 
     ar = totals[None]
     ar_tps = ar["tokens"] / ar["seconds"]
@@ -109,6 +106,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
                                                                              verified=depths[p])],
             "depth_histogram": {k: depths[p].count(k) for k in range(runtime.depth + 1)},
             "rounds": s["rounds"], "draft_calls": s["draft_calls"],
+            "identical_to_autoregressive": s["differing"] == 0,
             "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / ar_tps, 4),
             "speedup_median_over_batches": round(statistics.median(per_batch[p]), 4),
             "time_split": {"prefill": round(s["prefill"], 4), "draft": round(s["draft"], 4),

@@ -147,7 +147,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
     if (prompt is None) == (chat is None):
         raise click.UsageError("pass exactly one of --prompt TEXT or --chat TEXT")
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy)
-    opened.runtime.cost_curves(1)  # measured once per machine (cached in the build), before the clock starts
+    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
+        opened.runtime.cost_curves(1)
     ids = opened.chat_prompt(chat) if chat is not None else opened.encode(prompt)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
@@ -204,7 +205,8 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
             hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
             click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
                        f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}; drafts verified per round {hist} "
-                       f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)")
+                       f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)"
+                       + ("" if p["identical_to_autoregressive"] else "; OUTPUT DIFFERS from autoregressive"))
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:

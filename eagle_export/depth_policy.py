@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .costs import CostCurves
+from .errors import EagleExportError
 
 POLICIES = ("goodput", "fixed")
 
@@ -131,8 +132,6 @@ class GoodputDepth:
 
 def check_policy(name) -> None:
     if isinstance(name, str) and name not in POLICIES:
-        from .errors import EagleExportError
-
         raise EagleExportError(f"unknown depth policy {name!r}", f"choose one of {', '.join(POLICIES)}")
 
 

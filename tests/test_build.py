@@ -10,9 +10,11 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
+from eagle_export.build_dir import open_build
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.build_dir import open_build
+from eagle_export.runtime import GenerationConfig
+from random_policy import RandomDepth
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 RECIPE = """\
@@ -94,6 +96,21 @@ def test_run_streams_text_and_a_summary_line(built):
     assert "[onnxruntime] 12 tokens in" in summary and "tau" in summary
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_onnxruntime_loop_is_lossless_whatever_depth_a_policy_chooses(built, batch):
+    """The exported graphs under random depth decisions: plain steps (the drafter then catches up on
+    more than K+1 rows at once), k = 0 after a drafter call, and verify calls of every T in 1..K+1."""
+    opened = open_build(built[0], backend="onnxruntime", verify=False)
+    prompts = [opened.encode(p) for p in ("w5 w17 w33 w101", "w9", "w12 w13 w14 w15 w16 w17 w18")][:batch]
+    config = GenerationConfig(max_new_tokens=30)
+    plain = opened.runtime.generate(prompts, config, speculative=False)
+    for seed in range(2):
+        policy = RandomDepth(3, seed=seed, draft_rate=0.5)
+        results = opened.runtime.generate(prompts, config, depth_policy=policy)
+        assert [r.tokens for r in results] == [r.tokens for r in plain]
+        assert {None, 0, 1, 2, 3} <= set(policy.chosen)
+
+
 def test_run_sampling_and_torch_backend(built):
     out, _ = built
     for args in (["--temperature", "0.7", "--top-p", "0.9"], ["--backend", "torch"]):
@@ -122,6 +139,7 @@ def test_bench_json_and_plot(built, tmp_path):
                     "efficiency"} <= set(p)
             assert len(p["acceptance_by_depth"]) == 3 and p["tau"] >= 1.0
             assert set(p["time_split"]) >= {"draft", "verify", "host"}
+            assert p["identical_to_autoregressive"] is True
             assert sum(p["depth_histogram"].values()) >= p["rounds"] > 0
         assert r["policies"]["fixed"]["depth_histogram"] == {"0": 0, "1": 0, "2": 0, "3": sum(
             r["policies"]["fixed"]["depth_histogram"].values())}

@@ -1,0 +1,24 @@
+"""A depth policy for tests: any decision the loop must survive, at random."""
+
+import torch
+
+
+class RandomDepth:
+    """A depth policy that decides at random: skip the drafter, or verify any k in 0..K drafts."""
+
+    def __init__(self, depth, seed=0, draft_rate=0.7):
+        self.depth, self.draft_rate = depth, draft_rate
+        self.rng = torch.Generator().manual_seed(seed)
+        self.chosen = []
+
+    def start(self, batch):
+        pass
+
+    def should_draft(self, live):
+        return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
+
+    def choose(self, token_probs, live):
+        return int(torch.randint(0, self.depth + 1, (1,), generator=self.rng))
+
+    def observe(self, depth, accepted, live, drafted):
+        self.chosen.append(depth if drafted else None)
