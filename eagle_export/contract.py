@@ -12,7 +12,8 @@ Target graph (prefill and verify, T tokens):
     input_ids [B,T], positions [B,T], past_key/past_value [L,B,Hkv,S,D], cache_lens [B]
     -> greedy_ids [B,T] (argmax in-graph), logits [B,T,V] (optional), aux_hidden [B,T,A*Ht],
        new_key/new_value [L,B,Hkv,T,D]
-Drafter graph (depth K unrolled, W input rows; decoding uses W = K+1, drafter prefill any W):
+Drafter graph (depth K unrolled, W input rows; W <= K+1 after a verify call, more in the drafter's
+prefill and after plain decoding steps, whose rows it catches up on in one call):
     input_ids [B,W], aux_hidden [B,W,A*Ht], num_valid [B], past_key/past_value [1,B,Hkv,S,D],
     cache_lens [B] (+ temperature [B], uniform_noise [B,K] when sampling)
     -> draft_ids [B,K] (target vocabulary), draft_token_probs [B,K], draft_probs [B,K,Vd] (sampling),

@@ -9,6 +9,8 @@ One round, for a batch of ragged sequences:
           rows are never written (the graphs return only new entries), so rollback is free.
 The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` counts the target
 positions in cache; the last emitted token is not yet in it.
+Caches grow with the longest sequence, in steps of `cache_step` slots: every call reads the
+whole cache it is given, so one allocated at its final length would cost every early call more.
 
 Depth per round: a depth policy (`depth_policy.py`) decides before each round whether to call the
 drafter at all, and after it how many of its K drafts to verify (k in 0..K; the verify call then
@@ -115,6 +117,8 @@ class SpeculativeRuntime:
         self.draft_to_target = draft_to_target
         self.tokenizer = tokenizer
         self.timings = Timings()
+        # Caches grow in steps of this many slots as the sequences do (see _State.reserve).
+        self.cache_step = 64
 
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
@@ -223,6 +227,7 @@ class SpeculativeRuntime:
         """One target call for the `live` sequences: [last token, the first k drafts], k chosen by the
         policy after the drafter call; without a drafter call (drafted False) a plain step, k = 0."""
         b = len(state.prompts)
+        state.reserve(int(state.lens[live].max()) + self.depth + 1)
         drafts, draft_probs = torch.zeros(b, 0, dtype=torch.int64), None
         if drafted:
             drafts, token_probs, draft_probs = self._draft(state, live)
@@ -351,13 +356,15 @@ class _State:
         self.runtime, self.prompts, self.config = runtime, prompts, config
         b = len(prompts)
         k = runtime.depth
-        self.capacity = min(runtime.max_context, max(len(p) for p in prompts) + config.max_new_tokens + k + 1)
+        longest = max(len(p) for p in prompts)
+        self.capacity = min(runtime.max_context, longest + config.max_new_tokens + k + 1)  # slots ever needed
         dtype, device = runtime.backend.model_dtype, runtime.device
+        slots = self._slots(longest + k + 1)
         layers, heads, dim = runtime.target_cache_shape
-        self.target_k = torch.zeros(layers, b, heads, self.capacity, dim, dtype=dtype, device=device)
+        self.target_k = torch.zeros(layers, b, heads, slots, dim, dtype=dtype, device=device)
         self.target_v = torch.zeros_like(self.target_k)
         layers, heads, dim = runtime.drafter_cache_shape
-        self.draft_k = torch.zeros(layers, b, heads, self.capacity, dim, dtype=dtype, device=device)
+        self.draft_k = torch.zeros(layers, b, heads, slots, dim, dtype=dtype, device=device)
         self.draft_v = torch.zeros_like(self.draft_k)
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None
@@ -368,6 +375,23 @@ class _State:
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
         self.started = time.perf_counter()
+
+    def _slots(self, needed):
+        step = self.runtime.cache_step
+        return min(self.capacity, -(-needed // step) * step)
+
+    def reserve(self, needed: int) -> None:
+        """Grow every cache to hold `needed` slots (rounded up to the runtime's cache_step, at most
+        capacity). Each graph call reads the whole cache it is given (ONNX Runtime copies it, attention
+        spans it), so caches track the longest sequence instead of being allocated at their final length."""
+        slots = self._slots(needed)
+        if slots <= self.target_k.shape[3]:
+            return
+        for name in ("target_k", "target_v", "draft_k", "draft_v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(*old.shape[:3], slots, old.shape[4])
+            grown[:, :, :, :old.shape[3]] = old
+            setattr(self, name, grown)
 
     def write_target(self, out, counts, live):
         _write_rows(self.target_k, self.target_v, out, self.lens, counts, live)

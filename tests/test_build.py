@@ -99,8 +99,10 @@ def test_run_streams_text_and_a_summary_line(built):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_onnxruntime_loop_is_lossless_whatever_depth_a_policy_chooses(built, batch):
     """The exported graphs under random depth decisions: plain steps (the drafter then catches up on
-    more than K+1 rows at once), k = 0 after a drafter call, and verify calls of every T in 1..K+1."""
+    more than K+1 rows at once), k = 0 after a drafter call, verify calls of every T in 1..K+1, and
+    caches that grow on the way."""
     opened = open_build(built[0], backend="onnxruntime", verify=False)
+    opened.runtime.cache_step = 8  # the caches grow every few rounds
     prompts = [opened.encode(p) for p in ("w5 w17 w33 w101", "w9", "w12 w13 w14 w15 w16 w17 w18")][:batch]
     config = GenerationConfig(max_new_tokens=30)
     plain = opened.runtime.generate(prompts, config, speculative=False)

@@ -42,8 +42,10 @@ class PlantedDrafts(TorchBackend):
         super().__init__(*graphs)
         self.continuations, self.error_rate = continuations, error_rate
         self.rng = torch.Generator().manual_seed(seed)
+        self.cache_slots = set()  # the cache sizes the drafter was given
 
     def drafter(self, feeds, sampling=False):
+        self.cache_slots.add(feeds[C.PAST_KEY].shape[3])
         out = super().drafter(feeds, sampling)
         first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # position of draft 1
         drafts = out[C.DRAFT_IDS].clone()
@@ -85,15 +87,18 @@ def test_lossless_with_high_acceptance(target, drafter, depth):
 @pytest.mark.parametrize(("batch", "seed"), [(1, 0), (4, 1)])
 def test_lossless_whatever_depth_a_policy_chooses(target, drafter, seed, batch):
     """Random policies: rounds without a drafter call (so the drafter catches up on several plain
-    steps' rows at once), k = 0 after drafting, and every k up to K, in random order."""
+    steps' rows at once), k = 0 after drafting, and every k up to K, in random order; the caches
+    grow as they go (in steps of 8 slots here)."""
     depth = 4
     prompts = PROMPTS[:batch]
     expected = [p + target.generate_greedy(p, 40) for p in prompts]
     policy = RandomDepth(depth, seed=seed)
     runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
                            error_rate=0.3, seed=seed, depth_policy=policy)
+    runtime.cache_step = 8
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
+    assert len(runtime.backend.cache_slots) >= 4 and max(runtime.backend.cache_slots) <= 40 + 11 + depth + 1
     assert {None, 0, depth} <= set(policy.chosen)  # plain steps, k = 0 after drafting, and all K drafts
     for r in results:
         assert len(r.stats.depths) == r.stats.rounds and max(r.stats.accepted) >= 2
