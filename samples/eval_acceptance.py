@@ -116,6 +116,28 @@ def score(args) -> None:
     print(markdown_tables(results))
 
 
+def bench_builds(args) -> None:
+    """The runtime itself (`eagle_export.bench`, what `eagle-export bench` runs) on each build, over the
+    first --prompts prompts of each set, batch 1: live tau, acceptance by depth and speedup."""
+    from eagle_export.bench import bench
+    from eagle_export.runtime import GenerationConfig
+    from eagle_export.session import open_build
+
+    torch.set_num_threads(args.threads)
+    sets = prompt_sets(ChatTemplate(sample_target_dir()), args.sets, long_context_skip=LONG_CONTEXT_SKIP)
+    path = Path(args.json)
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    for build in args.builds:
+        opened = open_build(build, backend="onnxruntime", threads=args.threads)
+        for set_name in args.sets:
+            config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_ids=opened.eos_ids)
+            result = bench(opened.runtime, sets[set_name][:args.prompts], 1, config)
+            results.setdefault(build, {})[set_name] = result
+            print(f"{build} {set_name}: K={result['depth']} tau {result['tau']:.3f} "
+                  f"acceptance {result['acceptance_by_depth']} speedup {result['speedup']:.2f}", flush=True)
+            path.write_text(json.dumps(results, indent=1))
+
+
 def markdown_tables(results: dict) -> str:
     lines = ["| drafter | set | " + " | ".join(f"K={k}" for k in DEPTHS) + " |",
              "|---|---|" + "---|" * len(DEPTHS)]
@@ -158,8 +180,15 @@ def main():
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--quantize", nargs="*", default=[], choices=Q.PRECISIONS,
                    help="also score each drafter quantized with ModelOpt at these precisions (target unquantized)")
+    b = sub.add_parser("bench", help="live tau of builds through the runtime (eagle_export.bench), per prompt set")
+    b.add_argument("builds", nargs="+", help="build directories (`eagle-export build --depth K`)")
+    b.add_argument("--prompts", type=int, default=8, help="first N prompts of each set")
+    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    b.add_argument("--json", default="bench.json", help="results, merged into this file by build and set")
+    b.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    generate(args) if args.command == "generate" else score(args)
+    {"generate": generate, "score": score, "bench": bench_builds}[args.command](args)
 
 
 if __name__ == "__main__":

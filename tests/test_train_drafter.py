@@ -1,24 +1,46 @@
-"""samples/train_drafter.py's self-distillation generator: batched, ragged greedy decoding with aux capture."""
+"""samples/train_drafter.py and samples/drafter_data.py: the cached target states, the training-time-test
+forward, the loss mask and resumable training, on tiny random models."""
 
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
-from eagle_export.checkpoint import load_target
-from tiny_models import write_tiny_target
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.prompts import ChatTemplate
+from eagle_export.reference import parallel_drafts
+from tiny_models import write_tiny_drafter, write_tiny_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "samples"))
-from train_drafter import greedy_batch  # noqa: E402
+import drafter_data  # noqa: E402
+import train_drafter  # noqa: E402
+from drafter_data import Dataset, answer_mask, greedy_batch, prefill  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A chat template with roles: "w1 w10 <user text> w2" / "w1 w11 <assistant text> w2"; w2 is the EOS.
+ROLE_TEMPLATE = ("{% for m in messages %}w1 {{ 'w10' if m['role'] == 'user' else 'w11' }} {{ m['content'] }} w2 "
+                 "{% endfor %}{% if add_generation_prompt %}w1 w11{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    path = write_tiny_target(tmp_path_factory.mktemp("t") / "t", "llama")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ROLE_TEMPLATE}))
+    return path
 
 
 @torch.no_grad()
-def test_greedy_batch_equals_batch_one_greedy_and_a_full_forward(tmp_path):
-    target = load_target(write_tiny_target(tmp_path / "t", "llama"), aux_layer_ids=(0, 1)).eval()
+def test_greedy_batch_equals_batch_one_greedy_and_a_full_forward(tiny_target_dir):
+    target = load_target(tiny_target_dir, aux_layer_ids=(0, 1)).eval()
     prompts = [[5, 9, 13], [7, 3, 22, 41, 8, 19, 30], [11, 2]]  # ragged on purpose
     # An EOS the tiny model emits early for some prompt, so finished sequences ride along.
     eos = target.generate_greedy(prompts[0], 3)[2]
-    for prompt, (tokens, aux, greedy) in zip(prompts, greedy_batch(target, prompts, 10, eos)):
+    for prompt, (tokens, aux, greedy, top_ids, top_logp) in zip(prompts, greedy_batch(target, prompts, 10, eos, 4)):
         expected = target.generate_greedy(prompt, 10, eos_ids=(eos,))
         assert tokens[:len(prompt)] == prompt
         assert tokens[len(prompt):] + [int(greedy[-1])] == expected  # the last token is never fed
@@ -27,3 +49,90 @@ def test_greedy_batch_equals_batch_one_greedy_and_a_full_forward(tmp_path):
                                         torch.tensor([0]))
         assert torch.allclose(torch.from_numpy(aux), full_aux[0], atol=1e-5)
         assert logits[0].argmax(-1).tolist() == greedy.tolist()
+        expected_logp, expected_ids = torch.log_softmax(logits[0], -1).topk(4)
+        assert (top_ids == expected_ids.numpy()).all()
+        assert np.allclose(top_logp, expected_logp.numpy(), atol=1e-5)
+
+
+@torch.no_grad()
+def test_prefill_equals_the_target_forward_on_padded_batches(tiny_target_dir):
+    target = load_target(tiny_target_dir, aux_layer_ids=(0, 2, 6)).eval()
+    lengths = [9, 14, 5]
+    ids = torch.full((3, 14), 2)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(3, 320, (n,))
+    hidden, aux = prefill(target, ids)
+    for b, n in enumerate(lengths):
+        k, v = target.empty_cache(1, 0)
+        logits, expected_aux, _, _ = target(ids[b:b + 1, :n], torch.arange(n)[None], k, v, torch.tensor([0]))
+        assert torch.allclose(aux[b, :n], expected_aux[0], atol=1e-5)
+        assert torch.allclose(target.lm_head(hidden[b, :n]), logits[0], atol=1e-5)
+
+
+def test_answer_mask_marks_assistant_text_and_its_eos(tiny_target_dir):
+    template = ChatTemplate(tiny_target_dir)
+    messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8 w9"},
+                {"role": "user", "content": "w12"}, {"role": "assistant", "content": "w13"}]
+    ids = template.encode_chat(messages, add_generation_prompt=False)
+    answer = answer_mask(template, messages, ids, eos_id=2)
+    predicted = [ids[p + 1] for p in range(len(ids) - 1) if answer[p]]
+    assert predicted == [7, 8, 9, 2, 13, 2]
+    cut = answer_mask(template, messages, ids[:9], eos_id=2)  # cut inside the first answer
+    assert [ids[p + 1] for p in range(8) if cut[p]] == [7, 8]
+
+
+@pytest.mark.parametrize("version", ["3", "3.1"])
+def test_training_forward_equals_parallel_drafts(tmp_path, tiny_target_dir, version):
+    target = load_target(tiny_target_dir, aux_layer_ids=(1, 3, 4))
+    drafter = load_drafter(write_tiny_drafter(tmp_path / "d", version), target=target, dtype=torch.float32)
+    aux, next_ids = torch.randn(2, 20, 3 * 64) * 3, torch.randint(0, 320, (2, 23))
+    for expected, got in zip(parallel_drafts(drafter, next_ids, aux, 4), train_drafter.ttt_logits(drafter, next_ids,
+                                                                                                  aux, 4)):
+        assert torch.allclose(expected, got, atol=1e-5)
+
+
+CONVERSATIONS = [[{"role": "user", "content": " ".join(f"w{5 + (i * 7 + j) % 300}" for j in range(4 + i % 5))},
+                  {"role": "assistant", "content": " ".join(f"w{5 + (i * 3 + j * 11) % 300}" for j in range(6 + i % 9))}]
+                 for i in range(40)]
+
+
+def prepare_tiny(monkeypatch, tiny_target_dir, out: Path, tokens: int):
+    monkeypatch.setattr(drafter_data, "sharegpt_conversations", lambda: iter(CONVERSATIONS))
+    monkeypatch.setattr(drafter_data, "HELD_OUT", range(0))
+    monkeypatch.setattr(sys, "argv", ["train_drafter.py", "prepare", "--out", str(out), "--target", str(tiny_target_dir),
+                                      "--aux-layer-ids", "1", "3", "4", "--min-answer", "4", "--chunk", "8",
+                                      "--shard-tokens", "100", "--tokens", str(tokens), "--topk", "8"])
+    train_drafter.main()
+
+
+def test_prepare_continues_where_it_stopped(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "whole", 400)
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 150)
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 400)
+    whole, parts = Dataset([tmp_path / "whole"]), Dataset([tmp_path / "parts"])
+    assert len(whole) == len(parts) > 16
+    for i in range(len(whole)):
+        a, b = whole.sequence(i), parts.sequence(i)
+        assert all((a[f] == b[f]).all() for f in drafter_data.FIELDS)
+    seq = whole.sequence(0)
+    assert seq["answer"].sum() > 0 and not seq["answer"][:3].any()  # the prompt is never scored
+
+
+def test_training_resumes_to_the_same_drafter(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 600)
+
+    def train(ckpt, tokens, *extra):
+        monkeypatch.setattr(sys, "argv", ["train_drafter.py", "train", "--data", str(tmp_path / "data"), "--version",
+                                          "3.1", "--ckpt", str(tmp_path / ckpt), "--tokens", str(tokens),
+                                          "--batch-tokens", "64", "--draft-vocab", "64", "--topk", "8",
+                                          "--eval-every", "1000", "--out", str(tmp_path / ckpt / "drafter"), *extra])
+        train_drafter.main()
+        return torch.load(tmp_path / ckpt / "state.pt", weights_only=False)
+
+    straight = train("straight", 900)
+    train("resumed", 400)
+    resumed = train("resumed", 900, "--resume")
+    assert straight["step"] == resumed["step"] > 10
+    for name, value in straight["drafter"].items():
+        assert torch.equal(value, resumed["drafter"][name]), name
+    assert load_drafter(tmp_path / "resumed" / "drafter", target=load_target(tiny_target_dir)).config.fc_norm
