@@ -345,3 +345,14 @@ def prepare_self_distilled(args, target, template: ChatTemplate, out: Path, sett
             break
     writer.maybe_flush(position, force=True)
     print(f"prepare: stopped with {writer.tokens} tokens in {len(writer.meta['shards'])} shards", flush=True)
+
+
+def text_token_counts(template: ChatTemplate, vocab_size: int) -> np.ndarray:
+    """How often each token occurs in ShareGPT's assistant turns (held-out conversations excluded):
+    20M tokens, a far larger sample of answer text than the target's greedy tokens of the prepared data."""
+    texts = [m["content"] for i, conversation in enumerate(sharegpt_conversations()) if i not in HELD_OUT
+             for m in conversation if m["role"] == "assistant"]
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for encoding in template.tokenizer.encode_batch(texts, add_special_tokens=False):
+        counts += np.bincount(encoding.ids, minlength=vocab_size)
+    return counts

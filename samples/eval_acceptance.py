@@ -129,9 +129,17 @@ def bench_builds(args) -> None:
     results = json.loads(path.read_text()) if path.is_file() else {}
     for build in args.builds:
         opened = open_build(build, backend="onnxruntime", threads=args.threads)
+        depth = opened.runtime.depth
         for set_name in args.sets:
             config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_ids=opened.eos_ids)
-            result = bench(opened.runtime, sets[set_name][:args.prompts], 1, config)
+            prompts = sets[set_name][:args.prompts]
+            if args.tau_only:  # the speculative half of bench: the same loop, without the autoregressive baseline
+                accepted = [a for p in prompts for a in opened.runtime.generate([p], config)[0].stats.accepted]
+                result = {"depth": depth, "tau": round(mean_accepted_length(accepted), 4), "rounds": len(accepted),
+                          "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, depth, 0.0)],
+                          "speedup": float("nan")}
+            else:
+                result = bench(opened.runtime, prompts, 1, config)
             results.setdefault(build, {})[set_name] = result
             print(f"{build} {set_name}: K={result['depth']} tau {result['tau']:.3f} "
                   f"acceptance {result['acceptance_by_depth']} speedup {result['speedup']:.2f}", flush=True)
@@ -187,6 +195,7 @@ def main():
     b.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
     b.add_argument("--json", default="bench.json", help="results, merged into this file by build and set")
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--tau-only", action="store_true", help="speculative decoding only (no autoregressive baseline)")
     args = parser.parse_args()
     {"generate": generate, "score": score, "bench": bench_builds}[args.command](args)
 

@@ -32,14 +32,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eagle_export.checkpoint import load_target, save_drafter
+from eagle_export.checkpoint import load_drafter, load_target, save_drafter
 from eagle_export.config import DrafterConfig
 from eagle_export.drafter import Drafter
 from eagle_export.layers import apply_rope, rope_cos_sin
 from eagle_export.prompts import ChatTemplate
 from eagle_export.sample import sample_target_dir
 
-from drafter_data import Dataset, prepare_self_distilled, prepare_teacher_forced, read_meta
+from drafter_data import Dataset, prepare_self_distilled, prepare_teacher_forced, read_meta, text_token_counts
 
 AUX_LAYER_IDS = (2, 15, 27)  # vLLM numbering: the residual stream entering these layers
 STEP_WEIGHT_DECAY = 0.8
@@ -279,7 +279,7 @@ def train(args) -> None:
     state = torch.load(ckpt / "state.pt", weights_only=False) if args.resume else None
     if state is not None:  # the run's own arguments, except those that only say how long to run
         for key, value in state["args"].items():
-            if key not in ("resume", "tokens", "depth", "shards", "max_minutes", "save_minutes", "threads", "eval_every", "log",
+            if key not in ("resume", "tokens", "schedule_tokens", "depth", "shards", "max_minutes", "save_minutes", "threads", "eval_every", "log",
                            "out", "run"):
                 setattr(args, key, value)
         args.shards = args.shards or state["args"]["shards"]
@@ -290,10 +290,19 @@ def train(args) -> None:
     eval_data = Dataset([args.eval_data]) if args.eval_data else None
     target = load_target(data.metas[0]["target"], aux_layer_ids=tuple(data.metas[0]["aux_layer_ids"]))
     vocab = target.config.vocab_size
+    warm = load_drafter(args.init_from, target=target, dtype=torch.float32) if args.init_from and not state else None
+    if warm is not None and bool(warm.config.fc_norm) != (args.version == "3.1"):
+        raise SystemExit(f"error: --init-from {args.init_from} is not an EAGLE-{args.version} drafter\n"
+                         f"fix: pass --version {'3.1' if warm.config.fc_norm else '3'}")
     if state is not None:
         draft_vocab = state["draft_vocab"]
-    else:  # the tokens the target itself produces most often in answers (ties: lowest id)
-        counts = data.answer_counts(vocab)
+    elif warm is not None:  # a saved drafter goes on with its own draft vocabulary
+        draft_vocab = warm.to_target_ids(torch.arange(warm.config.draft_vocab_size))
+    else:  # the most frequent answer tokens: ShareGPT's assistant text and the target's greedy tokens (ties: lowest id)
+        cache = Path(args.data[0]) / "text_counts.npy"
+        if not cache.is_file():
+            np.save(cache, text_token_counts(ChatTemplate(data.metas[0]["target"]), vocab))
+        counts = data.answer_counts(vocab) + np.load(cache)
         draft_vocab = torch.from_numpy(np.sort(np.lexsort((np.arange(vocab), -counts))[:args.draft_vocab]))
     cfg_dict = drafter_config(target.config, args.version, len(draft_vocab), data.metas[0]["aux_layer_ids"])
     drafter = Drafter(DrafterConfig.from_hf(cfg_dict))
@@ -301,7 +310,11 @@ def train(args) -> None:
         drafter.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))
         drafter.t2d.zero_()
         drafter.t2d[draft_vocab] = True
-    if args.init != "random" and state is None:
+    if warm is not None:
+        drafter.load_state_dict({k: v for k, v in warm.state_dict().items() if not k.startswith("embed_tokens")},
+                                strict=False)
+        del warm
+    elif args.init != "random" and state is None:
         init_from_target(drafter, target, draft_vocab, args.init)
     drafter.share_embeddings(target.embed_tokens)
     target.embed_tokens.weight.requires_grad_(False)
@@ -383,11 +396,9 @@ def train(args) -> None:
     save_state()
     if step % args.eval_every:
         report()
-    if args.out:
-        out = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    if args.out:  # the last thing the run does: round to bf16, save
         drafter.to(torch.bfloat16)
         save_drafter(drafter, args.out, config=cfg_dict)
-        drafter.load_state_dict(out)
         print(f"train {args.version}: saved {args.out}", flush=True)
 
 
@@ -458,6 +469,8 @@ def main():
     t.add_argument("--objective", choices=("kd", "hard"), default="kd")
     t.add_argument("--init", choices=("random", "head", "layer"), default="layer",
                    help="weights copied from the target: none, lm_head and norm, or those and the last layer")
+    t.add_argument("--init-from", help="start from this saved drafter: its weights and draft vocabulary "
+                   "(instead of --init and --draft-vocab)")
     t.add_argument("--freeze-head", action="store_true", help="keep lm_head at its initial value (with --init head/layer)")
     t.add_argument("--tokens", type=int, default=10_000_000, help="stop after this many training tokens")
     t.add_argument("--schedule-tokens", type=int, default=6_000_000, help="cosine learning-rate schedule length")

@@ -136,3 +136,4 @@ def test_training_resumes_to_the_same_drafter(monkeypatch, tmp_path, tiny_target
     for name, value in straight["drafter"].items():
         assert torch.equal(value, resumed["drafter"][name]), name
     assert load_drafter(tmp_path / "resumed" / "drafter", target=load_target(tiny_target_dir)).config.fc_norm
+
