@@ -25,9 +25,12 @@ from pathlib import Path
 import torch
 
 from eagle_export import quantize as Q
+from eagle_export.bench import bench
+from eagle_export.build_dir import open_build
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.prompts import ChatTemplate, chat_prompts, prompt_sets
 from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
+from eagle_export.runtime import GenerationConfig
 from eagle_export.sample import sample_target_dir
 
 DEPTHS = (1, 2, 3, 4, 5, 6)
@@ -119,10 +122,6 @@ def score(args) -> None:
 def bench_builds(args) -> None:
     """The runtime itself (`eagle_export.bench`, what `eagle-export bench` runs) on each build, over the
     first --prompts prompts of each set, batch 1: live tau, acceptance by depth and speedup."""
-    from eagle_export.bench import bench
-    from eagle_export.runtime import GenerationConfig
-    from eagle_export.session import open_build
-
     torch.set_num_threads(args.threads)
     sets = prompt_sets(ChatTemplate(sample_target_dir()), args.sets, long_context_skip=LONG_CONTEXT_SKIP)
     path = Path(args.json)

@@ -12,8 +12,10 @@ consuming its own previous hidden state as at inference (the same computation as
 `reference.parallel_drafts`, with cheaper attention). The loss is taken only where the step's
 label is an answer token; `--objective kd` is the cross-entropy to the target's top-k distribution
 restricted to the draft vocabulary (renormalized), `hard` the cross-entropy to the target's greedy
-token; each step is weighted 0.8^k. `--init target` starts from the target's weights where shapes
-allow. `train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every
+token; each step is weighted 0.8^k. `--init layer` starts from the target's weights where shapes
+allow, `--init-from DIR` from a saved drafter (to continue the committed samples). The held-out
+metrics (`evaluate`) count answer positions only: acc@1 per step, the chain estimate and, on
+self-distilled text, the greedy loop's tau replayed from the chains. `train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every
 `--save-minutes` and before its `--max-minutes` guard stops it; `--resume` continues from there.
 Everything is seeded: the same data, arguments and seed give the same drafter.
 """
@@ -304,7 +306,8 @@ def train(args) -> None:
             np.save(cache, text_token_counts(ChatTemplate(data.metas[0]["target"]), vocab))
         counts = data.answer_counts(vocab) + np.load(cache)
         draft_vocab = torch.from_numpy(np.sort(np.lexsort((np.arange(vocab), -counts))[:args.draft_vocab]))
-    cfg_dict = drafter_config(target.config, args.version, len(draft_vocab), data.metas[0]["aux_layer_ids"])
+    cfg_dict = (dict(warm.config.raw) if warm is not None else
+                drafter_config(target.config, args.version, len(draft_vocab), data.metas[0]["aux_layer_ids"]))
     drafter = Drafter(DrafterConfig.from_hf(cfg_dict))
     with torch.no_grad():
         drafter.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))

@@ -137,3 +137,114 @@ def test_training_resumes_to_the_same_drafter(monkeypatch, tmp_path, tiny_target
         assert torch.equal(value, resumed["drafter"][name]), name
     assert load_drafter(tmp_path / "resumed" / "drafter", target=load_target(tiny_target_dir)).config.fc_norm
 
+
+
+def test_held_out_metric_scores_answer_positions_only(monkeypatch, tmp_path, tiny_target_dir):
+    """evaluate() against a planted drafter: right on every scored step except planted misses, and
+    (by construction of the labels) never right on a prompt position. acc@1, the chain estimate and
+    the replayed loop must follow from the answer positions alone."""
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 400)
+    data, depth, vocab = Dataset([tmp_path / "data"]), 3, 320
+
+    def miss(p, k):
+        return (p * 7 + k * 3) % 5 == 0
+
+    real_make_batch, labels_of_batch = train_drafter.make_batch, []
+
+    def make_batch(*args):
+        batch = real_make_batch(*args)
+        labels_of_batch[:] = [batch[3]]
+        return batch
+
+    def planted_logits(drafter, next_ids, aux, k_steps, scored=None):
+        out = []
+        for k in range(k_steps):
+            labels = labels_of_batch[0][k][0]
+            predicted = torch.where(labels >= 0, labels, 0)
+            predicted = torch.where(torch.tensor([miss(p, k) for p in range(len(labels))]), (predicted + 1) % vocab,
+                                    predicted)
+            out.append(torch.nn.functional.one_hot(predicted, vocab).float()[None])
+        return out
+
+    monkeypatch.setattr(train_drafter, "make_batch", make_batch)
+    monkeypatch.setattr(train_drafter, "ttt_logits", planted_logits)
+    got = train_drafter.evaluate(torch.nn.Module(), data, torch.arange(vocab), depth, 8)
+
+    hits, leading_all, accepted = np.zeros(depth), [], []
+    for i in range(len(data)):
+        answer = data.sequence(i)["answer"]
+        n = len(answer)
+
+        def scored(p, k):
+            return p + k + 1 < n and bool(answer[p + k + 1])
+
+        full = [p for p in range(n) if all(scored(p, k) for k in range(depth))]
+        for p in full:
+            ok = [not miss(p, k) for k in range(depth)]
+            hits += ok
+            leading_all.append(next((k for k in range(depth) if not ok[k]), depth))
+        step0 = [p for p in range(n) if scored(p, 0)]
+        p = step0[0] + 1
+        while p <= step0[-1] and p in full:
+            accepted.append(next((k for k in range(depth) if miss(p, k)), depth))
+            p += accepted[-1] + 1
+    assert not data.sequence(0)["answer"][:3].any()  # there are prompt positions to leave out
+    assert got["positions"] == len(leading_all) > 50
+    assert got["acc"] == (hits / len(leading_all)).round(4).tolist()
+    assert 0.5 < got["acc"][0] < 1  # the planted misses show
+    assert got["chain_tau"] == round(1 + float(np.mean(leading_all)), 4)
+    assert got["rounds"] == len(accepted) and got["replay_tau"] == round(1 + float(np.mean(accepted)), 4)
+
+
+def test_the_loss_ignores_prompt_positions(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 300)
+    data = Dataset([tmp_path / "data"])
+    target = load_target(tiny_target_dir, aux_layer_ids=(1, 3, 4))
+    drafter = load_drafter(write_tiny_drafter(tmp_path / "d", "3.1", draft_vocab_size=320), target=target,
+                           dtype=torch.float32)
+    identity = torch.arange(320)  # the draft vocabulary is the target's
+    original = data.sequence
+
+    def loss_with(change):
+        def sequence(i):
+            s = {f: v.copy() for f, v in original(i).items()}
+            change(s)
+            return s
+
+        monkeypatch.setattr(data, "sequence", sequence)
+        batch = train_drafter.make_batch(data, [0, 1], 3, identity, 8)
+        next_ids, aux, scored, labels, draft_top, probs = batch
+        logits = train_drafter.ttt_logits(drafter, next_ids, aux, 3, scored)
+        return [torch.stack(train_drafter.step_losses(logits, scored, labels, draft_top, probs, objective)[0])
+                for objective in ("kd", "hard")]
+
+    def scramble(s, where):
+        s["greedy"][where] = (s["greedy"][where] + 1) % 320
+        s["topk_ids"][where] = (s["topk_ids"][where] + 1) % 320
+
+    base = loss_with(lambda s: None)
+    prompt = loss_with(lambda s: scramble(s, ~s["answer"]))
+    answer = loss_with(lambda s: scramble(s, s["answer"]))
+    for b, p, a in zip(base, prompt, answer):
+        assert torch.equal(b, p)  # labels on prompt and template positions never reach the loss
+        assert not torch.allclose(b, a)
+
+
+def test_training_continues_a_saved_drafter(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 300)
+    start = write_tiny_drafter(tmp_path / "start", "3")
+
+    def train(version, out):
+        monkeypatch.setattr(sys, "argv", ["train_drafter.py", "train", "--data", str(tmp_path / "data"), "--version",
+                                          version, "--ckpt", str(tmp_path / "ckpt"), "--tokens", "0", "--topk", "8",
+                                          "--init-from", str(start), "--out", str(out)])
+        train_drafter.main()
+
+    train("3", tmp_path / "same")  # no training steps: the saved drafter comes back unchanged
+    target = load_target(tiny_target_dir)
+    before, after = load_drafter(start, target=target), load_drafter(tmp_path / "same", target=target)
+    for name, value in before.state_dict().items():
+        expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(expected, after.state_dict()[name].to(expected.dtype)), name
+    with pytest.raises(SystemExit, match="not an EAGLE-3.1 drafter"):
+        train("3.1", tmp_path / "other")
