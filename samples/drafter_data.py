@@ -110,6 +110,7 @@ class ShardWriter:
         self.pending: list[dict] = []
         meta.setdefault("shards", [])
         meta.setdefault("consumed", 0)
+        self.start, self.tokens_at_start = time.time(), self.tokens
 
     @property
     def tokens(self) -> int:
@@ -117,6 +118,20 @@ class ShardWriter:
 
     def add(self, **fields) -> None:
         self.pending.append(fields)
+
+    def chunk_done(self, consumed: int, of: int, unit: str, args) -> bool:
+        """After a chunk of `consumed` of `of` inputs: write a full shard (or the last one once
+        --tokens is reached) and report progress; True once the --max-minutes guard has passed."""
+        self.maybe_flush(consumed, force=self.tokens >= args.tokens)
+        elapsed = time.time() - self.start
+        print(f"prepare: {consumed}/{of} {unit}, {self.tokens} tokens "
+              f"({(self.tokens - self.tokens_at_start) / elapsed:.0f} tokens/s this run)", flush=True)
+        return bool(args.max_minutes) and elapsed > 60 * args.max_minutes
+
+    def close(self, consumed: int) -> None:
+        self.maybe_flush(consumed, force=True)
+        print(f"prepare: stopped with {self.tokens} tokens in {len(self.meta['shards'])} shards, "
+              f"{self.meta['consumed']} inputs read", flush=True)
 
     def maybe_flush(self, consumed: int, force: bool = False) -> None:
         if self.pending and (force or sum(len(p["tokens"]) for p in self.pending) >= self.shard_tokens):
@@ -173,7 +188,7 @@ def prepare_teacher_forced(args, target, template: ChatTemplate, out: Path, sett
     conversations = list(sharegpt_conversations())
     order = teacher_forced_order(args.seed)
     eos_id = target.config.eos_token_id
-    start, position, done_tokens = time.time(), meta["consumed"], 0
+    position = meta["consumed"]
     while position < len(order) and writer.tokens < args.tokens:
         # A chunk of conversations, sorted by length into padded batches of about --batch-tokens.
         chunk_end = min(position + args.chunk, len(order))
@@ -191,18 +206,11 @@ def prepare_teacher_forced(args, target, template: ChatTemplate, out: Path, sett
             last = n + 1 == len(sequences)
             if last or len(sequences[n + 1][1]) * (len(batch) + 1) > args.batch_tokens:
                 run_batch(target, batch, args.topk, writer)
-                done_tokens += sum(len(s[1]) for s in batch)
                 batch = []
         position = chunk_end
-        writer.maybe_flush(position, force=writer.tokens >= args.tokens)
-        elapsed = time.time() - start
-        print(f"prepare: {position}/{len(order)} conversations, {writer.tokens} tokens "
-              f"({done_tokens / elapsed:.0f} tokens/s this run)", flush=True)
-        if args.max_minutes and elapsed > 60 * args.max_minutes:
+        if writer.chunk_done(position, len(order), "conversations", args):
             break
-    writer.maybe_flush(position, force=True)
-    print(f"prepare: stopped with {writer.tokens} tokens in {len(writer.meta['shards'])} shards, "
-          f"{writer.meta['consumed']} conversations read", flush=True)
+    writer.close(position)
 
 
 def run_batch(target, batch, topk: int, writer: ShardWriter) -> None:
@@ -327,7 +335,7 @@ def prepare_self_distilled(args, target, template: ChatTemplate, out: Path, sett
     first, last = (int(x) for x in args.conversations.split(":"))
     prompts = list(sharegpt_first_turns(template, range(first, last), args.max_prompt_tokens))[:args.max_prompts]
     eos_id = target.config.eos_token_id
-    start, position, done_tokens = time.time(), meta["consumed"], 0
+    position = meta["consumed"]
     while position < len(prompts) and writer.tokens < args.tokens:
         chunk = prompts[position:position + args.batch]
         for prompt, (tokens, aux, greedy, ids, logp) in zip(chunk, greedy_batch(target, chunk, args.max_new_tokens,
@@ -335,16 +343,10 @@ def prepare_self_distilled(args, target, template: ChatTemplate, out: Path, sett
             writer.add(tokens=np.array(tokens, dtype=np.int32), aux=to_fp16(aux),
                        greedy=greedy.astype(np.int32), answer=np.arange(len(tokens)) + 1 >= len(prompt),
                        topk_ids=ids.astype(np.uint16), topk_logp=logp.astype(np.float16))
-            done_tokens += len(tokens)
         position += len(chunk)
-        writer.maybe_flush(position, force=writer.tokens >= args.tokens)
-        elapsed = time.time() - start
-        print(f"prepare: {position}/{len(prompts)} prompts, {writer.tokens} tokens "
-              f"({done_tokens / elapsed:.0f} tokens/s this run)", flush=True)
-        if args.max_minutes and elapsed > 60 * args.max_minutes:
+        if writer.chunk_done(position, len(prompts), "prompts", args):
             break
-    writer.maybe_flush(position, force=True)
-    print(f"prepare: stopped with {writer.tokens} tokens in {len(writer.meta['shards'])} shards", flush=True)
+    writer.close(position)
 
 
 def text_token_counts(template: ChatTemplate, vocab_size: int) -> np.ndarray:

@@ -96,21 +96,26 @@ CONVERSATIONS = [[{"role": "user", "content": " ".join(f"w{5 + (i * 7 + j) % 300
                  for i in range(40)]
 
 
-def prepare_tiny(monkeypatch, tiny_target_dir, out: Path, tokens: int):
+SELF_DISTILL = ["--self-distill", "--conversations", "0:40", "--max-new-tokens", "6", "--batch", "8"]
+
+
+def prepare_tiny(monkeypatch, tiny_target_dir, out: Path, tokens: int, *extra):
     monkeypatch.setattr(drafter_data, "sharegpt_conversations", lambda: iter(CONVERSATIONS))
     monkeypatch.setattr(drafter_data, "HELD_OUT", range(0))
     monkeypatch.setattr(sys, "argv", ["train_drafter.py", "prepare", "--out", str(out), "--target", str(tiny_target_dir),
                                       "--aux-layer-ids", "1", "3", "4", "--min-answer", "4", "--chunk", "8",
-                                      "--shard-tokens", "100", "--tokens", str(tokens), "--topk", "8"])
+                                      "--shard-tokens", "100", "--tokens", str(tokens), "--topk", "8", *extra])
     train_drafter.main()
 
 
-def test_prepare_continues_where_it_stopped(monkeypatch, tmp_path, tiny_target_dir):
-    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "whole", 400)
-    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 150)
-    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 400)
+@pytest.mark.parametrize("extra", [[], SELF_DISTILL], ids=["teacher-forced", "self-distilled"])
+def test_prepare_continues_where_it_stopped(monkeypatch, tmp_path, tiny_target_dir, extra):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "whole", 400, *extra)
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 150, *extra)
+    stopped = len(Dataset([tmp_path / "parts"]))
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "parts", 400, *extra)
     whole, parts = Dataset([tmp_path / "whole"]), Dataset([tmp_path / "parts"])
-    assert len(whole) == len(parts) > 16
+    assert len(whole) == len(parts) > max(16, stopped)
     for i in range(len(whole)):
         a, b = whole.sequence(i), parts.sequence(i)
         assert all((a[f] == b[f]).all() for f in drafter_data.FIELDS)
