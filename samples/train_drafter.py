@@ -275,6 +275,7 @@ class Batches:
         return batch
 
 
+@torch.enable_grad()  # whatever the caller set (test modules turn gradients off at import)
 def train(args) -> None:
     torch.set_num_threads(args.threads)
     ckpt = Path(args.ckpt)
