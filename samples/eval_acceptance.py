@@ -132,16 +132,18 @@ def bench_builds(args) -> None:
         for set_name in args.sets:
             config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_ids=opened.eos_ids)
             prompts = sets[set_name][:args.prompts]
-            if args.tau_only:  # the speculative half of bench: the same loop, without the autoregressive baseline
-                accepted = [a for p in prompts for a in opened.runtime.generate([p], config)[0].stats.accepted]
+            if args.tau_only:  # the fixed-depth loop alone: no autoregressive baseline, no other depth policy
+                accepted = [a for p in prompts
+                            for a in opened.runtime.generate([p], config, depth_policy="fixed")[0].stats.accepted]
                 result = {"depth": depth, "tau": round(mean_accepted_length(accepted), 4), "rounds": len(accepted),
-                          "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, depth, 0.0)],
-                          "speedup": float("nan")}
+                          "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, depth, 0.0)]}
+                fixed = result
             else:
                 result = bench(opened.runtime, prompts, 1, config)
+                fixed = result["policies"]["fixed"]
             results.setdefault(build, {})[set_name] = result
-            print(f"{build} {set_name}: K={result['depth']} tau {result['tau']:.3f} "
-                  f"acceptance {result['acceptance_by_depth']} speedup {result['speedup']:.2f}", flush=True)
+            print(f"{build} {set_name}: K={depth} tau {fixed['tau']:.3f} acceptance {fixed['acceptance_by_depth']}"
+                  + (f" speedup {fixed['speedup']:.2f}" if "speedup" in fixed else ""), flush=True)
             path.write_text(json.dumps(results, indent=1))
 
 
