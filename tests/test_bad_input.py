@@ -1,8 +1,10 @@
 """Bad checkpoints give an EagleExportError that names the problem and the fix, never a torch traceback."""
 
+import ast
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +145,38 @@ def test_cli_prints_the_error_without_a_traceback(tmp_path):
     assert result.exit_code == 2
     assert "error:" in result.output and "fix:" in result.output
     assert "Traceback" not in result.output
+
+
+# An audit of every error's fix line (issue: a missing recipe's fix offered that same file as the
+# example). A fix may format a value its problem also formats only for the reasons listed here;
+# anything else must name what to do instead, not the thing that was missing.
+REPEATS_ALLOWED = {
+    ("build.py", "role"): "names the role (target or drafter), not the missing path",
+    ("prompts.py", "', '.join(PROMPT_SETS)"): "the problem says which names exist, the fix offers them",
+    ("sample.py", "gguf_path"): "the fix is to delete that corrupt file",
+}
+
+
+def formatted_values(node) -> set[str]:
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        return {ast.unparse(node)}
+    return {ast.unparse(n.value) for n in ast.walk(node) if isinstance(n, ast.FormattedValue)}
+
+
+def test_no_fix_line_repeats_what_its_problem_names():
+    root = Path(__file__).resolve().parent.parent
+    errors = ("EagleExportError", "CheckpointError")
+    sites, repeats = 0, {}
+    for path in sorted([*(root / "eagle_export").glob("*.py"), *(root / "passes").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(node, "func", None)
+            if not (isinstance(node, ast.Call) and getattr(name, "id", getattr(name, "attr", None)) in errors):
+                continue
+            fix = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "fix"), None)
+            if node.args and fix is not None:
+                sites += 1
+                for value in formatted_values(node.args[0]) & formatted_values(fix):
+                    repeats[(path.name, value)] = f"{path.name}:{node.lineno}"
+    assert sites > 60  # the walk found the error sites
+    unexplained = {where: value for (file, value), where in repeats.items() if (file, value) not in REPEATS_ALLOWED}
+    assert not unexplained, f"fix lines repeating their problem's value: {unexplained}"

