@@ -24,6 +24,7 @@ import torch
 
 from .depth_policy import POLICIES
 from .errors import EagleExportError
+from .progress import track
 from .reference import acceptance_by_depth, mean_accepted_length
 from .runtime import GenerationConfig, SpeculativeRuntime
 
@@ -57,7 +58,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     accepted = {p: [] for p in POLICIES}
     depths = {p: [] for p in POLICIES}
     per_batch = {p: [] for p in POLICIES}
-    for i, chunk in enumerate(_batches(prompts, batch)):
+    for i, chunk in enumerate(track(_batches(prompts, batch), f"batch {batch}")):
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         seconds, tokens = {}, {}
         for run in order:
@@ -120,16 +121,24 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     return result
 
 
-def plot(results: list[dict], path) -> None:
-    """Acceptance by depth, the measured cost curves, the goodput policy's depth histogram, and the
-    speedup of both policies by batch, as a PNG."""
+def pyplot():
+    """matplotlib's pyplot (file output only), or the error naming the extra that installs it.
+    The bench command asks before it measures anything, so a missing extra costs no bench run."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise EagleExportError("--plot needs matplotlib", "pip install matplotlib") from None
+        raise EagleExportError("--plot needs matplotlib, which is not installed",
+                               "pip install 'eagle-export[plot]'") from None
+    return plt
+
+
+def plot(results: list[dict], path) -> None:
+    """Acceptance by depth, the measured cost curves, the goodput policy's depth histogram, and the
+    speedup of both policies by batch, as a PNG."""
+    plt = pyplot()
     fig, ((accept, costs), (hist, speed)) = plt.subplots(2, 2, figsize=(11, 8))
     first = results[0]
     fixed = first["policies"]["fixed"]

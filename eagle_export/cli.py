@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from . import __version__
+from . import __version__, progress
 from .contract import MAX_DEPTH
 from .errors import EagleExportError
 
@@ -25,8 +25,14 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="eagle-export")
-def main():
-    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to TensorRT engines."""
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bars, only the plain stage lines (as when stderr is not a terminal).")
+def main(quiet):
+    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to TensorRT engines.
+
+    On a terminal, long loops (calibration, evaluation, validation, bench, the sample target's
+    conversion) draw a progress bar with ETA on stderr; logs get the stage lines only."""
+    progress.QUIET = quiet
 
 
 @main.command()
@@ -128,8 +134,8 @@ def validate(build_dir, as_json):
 
 @main.command()
 @click.argument("build_dir", type=click.Path())
-@click.option("--prompt", help="Raw text to continue.")
-@click.option("--chat", help="A user message, wrapped in the model's chat template.")
+@click.option("--prompt", multiple=True, help="Raw text to continue (repeatable: one request each).")
+@click.option("--chat", multiple=True, help="A user message, wrapped in the model's chat template (repeatable).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -137,33 +143,41 @@ def validate(build_dir, as_json):
 @click.option("--depth-policy", default="goodput", show_default=True, type=click.Choice(["goodput", "fixed"]),
               help="goodput: drafts per round (0..K, or no drafter call) chosen from the measured costs; "
                    "fixed: always K.")
-def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, depth_policy):
-    """Generate from a build, streaming the text, then one summary line (tau, tokens/s)."""
-    import time
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, depth_policy, as_json):
+    """Generate from a build, streaming the text, then one summary line (tau, tokens/s) per request.
 
+    Requests run one after another, so each one's time split is its own."""
     from .build_dir import open_build
-    from .runtime import GenerationConfig
+    from .runtime import GenerationConfig, request_record
 
-    if (prompt is None) == (chat is None):
-        raise click.UsageError("pass exactly one of --prompt TEXT or --chat TEXT")
+    if bool(prompt) == bool(chat):
+        raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy)
     if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
         opened.runtime.cost_curves(1)
-    ids = opened.chat_prompt(chat) if chat is not None else opened.encode(prompt)
+    requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
-    tokens, shown, start = [], "", time.perf_counter()
-    for event in opened.runtime.stream([ids], config):
-        tokens.extend(event.tokens)
-        text = opened.tokenizer.decode(tokens) if opened.tokenizer else " ".join(map(str, tokens))
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            click.echo(text[len(shown):], nl=False)
-            shown = text
-    seconds = time.perf_counter() - start
-    stats = event.stats  # the sequence's last event carries them
-    click.echo(f"\n[{opened.runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
-               f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
-               f"({stats.draft_calls} with a drafter call)")
+    runtime = opened.runtime
+    for i, ids in enumerate(requests):
+        if as_json:
+            [result] = runtime.generate([ids], config)
+            click.echo(json.dumps({"request": i, "backend": runtime.backend.name,
+                                   **request_record(result, runtime.depth, runtime.timings)}))
+            continue
+        tokens, shown = [], ""
+        for event in runtime.stream([ids], config):
+            tokens.extend(event.tokens)
+            text = opened.tokenizer.decode(tokens) if opened.tokenizer else " ".join(map(str, tokens))
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                click.echo(text[len(shown):], nl=False)
+                shown = text
+        stats, seconds = event.stats, runtime.timings.total  # the sequence's last event carries its stats
+        click.echo(f"\n[{runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
+                   f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
+                   f"({stats.draft_calls} with a drafter call)")
 
 
 @main.command()
@@ -177,18 +191,21 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
 @click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
-              help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG.")
+              help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
+                   "(needs eagle-export[plot]).")
 def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threads, json_file, plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, cost curves, speedup, time split."""
     from pathlib import Path
 
     from .bench import bench as run_bench
-    from .bench import plot
+    from .bench import plot, pyplot
     from .build_dir import open_build
     from .prompts import chat_prompts
     from .runtime import GenerationConfig
 
+    if plot_file:
+        pyplot()  # a missing matplotlib fails now, not after the bench
     opened = open_build(build_dir, backend=backend, threads=threads)
     prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)

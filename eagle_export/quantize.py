@@ -37,6 +37,7 @@ from .drafter import Drafter
 from .errors import EagleExportError
 from .export import EXAMPLE_SIZES, export_drafter, export_target
 from .nvfp4 import pack_nvfp4
+from .progress import track
 from .prompts import ChatTemplate, chat_prompts
 from .reference import draft_chain, mean_accepted_length, speculative_generate
 from .target import Target
@@ -109,7 +110,7 @@ def quantize(model: nn.Module, precision: str, calib_batches: Iterable[tuple],
         raise EagleExportError("no calibration batches", "pass at least one prompt to calibrate on")
 
     def forward_loop(m):
-        for batch in batches:
+        for batch in track(batches, "calibrating"):
             calibration_step(m, batch)
 
     # ModelOpt converts modules in place (it swaps their class), so a drafter's shared embedding
@@ -162,7 +163,7 @@ def drafter_calibration_batches(target: Target, prompts: list[list[int]]) -> lis
     """(ids t_1..t_n, aux a_0..a_{n-1}) per prompt, the EAGLE-3 pairing (at positions 0..n-1), with
     t_n the target's own greedy next token: the drafter's real step-0 input on these prompts."""
     batches = []
-    for ids, args in zip(prompts, target_calibration_batches(target, prompts)):
+    for ids, args in track(zip(prompts, target_calibration_batches(target, prompts)), "target aux states", len(prompts)):
         logits, aux, _, _ = target(*args)
         batches.append((torch.tensor([ids[1:] + [int(logits[0, -1].argmax())]]), aux))
     return batches
@@ -181,7 +182,7 @@ def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 def target_metrics(reference: Target, quantized: Target, prompts: list[list[int]]) -> dict:
     """Top-1 agreement and KL of the quantized target's next-token distribution over every prompt position."""
     ref, quant = [], []
-    for args in target_calibration_batches(reference, prompts):
+    for args in track(target_calibration_batches(reference, prompts), "target agreement"):
         ref.append(reference(*args)[0][0])
         quant.append(quantized(*args)[0][0])
     ref, quant = torch.cat(ref), torch.cat(quant)
@@ -202,7 +203,7 @@ def greedy_continuation_agreement(reference: Target, quantized: Target, prompts:
     eos = (reference.config.eos_token_id,)
     agree = total = 0
     prefixes = []
-    for ids in prompts:
+    for ids in track(prompts, "greedy continuations"):
         expected = reference.generate_greedy(ids, new_tokens, eos_ids=eos)
         args = target_calibration_batches(quantized, [ids + expected[:-1]])[0]
         predicted = quantized(*args)[0][0, len(ids) - 1:].argmax(-1).tolist()
@@ -218,7 +219,7 @@ def greedy_continuation_agreement(reference: Target, quantized: Target, prompts:
 @torch.no_grad()
 def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int, depth: int) -> float:
     """Mean tokens per round (greedy, chain depth `depth`) of the reference loop over `prompts`."""
-    return mean_accepted_length([m for ids in prompts
+    return mean_accepted_length([m for ids in track(prompts, "tau")
                                  for m in speculative_generate(target, drafter, ids, new_tokens, depth).accepted])
 
 

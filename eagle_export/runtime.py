@@ -100,6 +100,23 @@ class Timings:
         return max(0.0, self.total - self.prefill - self.draft - self.verify)
 
 
+def request_record(result: SequenceResult, depth: int, timings: Timings) -> dict:
+    """One request as JSON (`eagle-export run --json`): its tokens, text and finish reason, its stats,
+    and the time split of the `generate` call that served it alone (seconds)."""
+    stats = result.stats
+    return {
+        "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
+        "stats": {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens, "rounds": stats.rounds,
+                  "tau": round(stats.tau, 4), "accepted_per_round": stats.accepted,
+                  "verified_per_round": stats.depths, "draft_calls": stats.draft_calls,
+                  "acceptance_by_depth": [round(a, 4) for a in stats.acceptance_by_depth(depth)],
+                  "tokens_per_s": round(stats.new_tokens / timings.total, 2) if timings.total else None,
+                  "seconds": {"total": round(timings.total, 4), "prefill": round(timings.prefill, 4),
+                              "draft": round(timings.draft, 4), "verify": round(timings.verify, 4),
+                              "host": round(timings.host, 4)}},
+    }
+
+
 class SpeculativeRuntime:
     def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
                  drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,

