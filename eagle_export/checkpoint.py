@@ -25,6 +25,7 @@ from .target import Target
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 SEPARATE_VOCAB_MAP_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".npy")
+SPECULATORS_TRAINING_COPIES = ("verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -207,6 +208,30 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> list[str
     return problems
 
 
+def check_state_against_config(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """Name the config key a checkpoint's weights contradict, before any generic name check."""
+    has_fc_norm = any(k.startswith("fc_norm.") for k in state)
+    if has_fc_norm and not cfg.fc_norm:
+        raise CheckpointError(f"{where}: the weights hold fc_norm.* (EAGLE-3.1's per-aux norms) but config.json does "
+                              "not set fc_norm: true", "set \"fc_norm\": true in config.json (EAGLE-3.1 drafters also "
+                              "set \"norm_output\": true)")
+    if cfg.fc_norm and not has_fc_norm:
+        raise CheckpointError(f"{where}: config.json sets fc_norm: true but the weights hold no fc_norm.*",
+                              "restore the fc_norm.N.weight tensors (a converter may have dropped them), or remove "
+                              "fc_norm from config.json if this is an EAGLE-3 drafter")
+    d2t = state.get("d2t")
+    if d2t is not None:
+        ids = torch.arange(len(d2t)) + d2t.long()
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            absolute = int(d2t.min()) >= 0 and int(d2t.max()) < cfg.vocab_size
+            raise CheckpointError(
+                f"{where}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size}) "
+                f"(target = draft + d2t[draft] reaches {int(ids.min())}..{int(ids.max())})"
+                + ("; it looks like a table of absolute target ids, not offsets" if absolute else ""),
+                "store d2t as offsets: d2t = target_ids - arange(draft_vocab_size)" if absolute
+                else "pair the drafter with the target it was trained for (vocabulary size)")
+
+
 def load_drafter(path: str | Path, target: Target | None = None,
                  dtype: str | torch.dtype | None = None) -> Drafter:
     """Load a drafter; with `target`, check the pair fits and share the target's embeddings."""
@@ -226,6 +251,9 @@ def load_drafter(path: str | Path, target: Target | None = None,
             separate = _load_separate_vocab_map(path, name)
             if separate is not None:
                 state[name] = separate
+    for name in SPECULATORS_TRAINING_COPIES:  # the target's head, copied for training losses only
+        state.pop(name, None)
+    check_state_against_config(cfg, state, str(path))
     if "d2t" in state and "t2d" not in state:  # t2d marks the target ids the draft vocabulary covers
         d2t = state["d2t"].long()
         state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -243,9 +271,13 @@ def load_drafter(path: str | Path, target: Target | None = None,
     dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = Drafter(cfg, own_embeddings=own_embeddings)
-    optional = ("d2t", "t2d")
+    # A missing norm_before_fc gain loads as ones, as speculators loads it.
+    optional = ("d2t", "t2d", "input_norm.weight")
     _materialize(model, state, str(path), dtype, optional=optional)
-    for name in optional:
+    if cfg.norm_before_fc and "input_norm.weight" not in state:
+        ones = torch.ones(model.input_norm.weight.shape, dtype=model.fc.weight.dtype)
+        model.input_norm.weight = torch.nn.Parameter(ones, requires_grad=False)
+    for name in ("d2t", "t2d"):
         if name not in state:  # identity vocabulary: no mapping stored
             size = cfg.draft_vocab_size if name == "d2t" else cfg.vocab_size
             value = torch.zeros(size, dtype=torch.int64) if name == "d2t" else torch.ones(size, dtype=torch.bool)

@@ -38,20 +38,52 @@ def main(quiet):
 @main.command()
 @click.argument("path", type=click.Path())
 @click.option("--target", type=click.Path(), help="Target directory to check a drafter against.")
+@click.option("--check", is_flag=True,
+              help="Run the drafter under its config's conventions and each plausible alternative (needs --target).")
+@click.option("--strict", is_flag=True, help="With --check: exit 1 when a field is named or no convention matches.")
+@click.option("--prompts", default="mt-bench", show_default=True,
+              help="With --check: mt-bench, sharegpt (chat-templated), or a text file (one prompt a line, as is).")
+@click.option("--num-prompts", default=16, show_default=True, type=int, help="With --check: how many prompts.")
+@click.option("--new-tokens", default=0, show_default=True, type=int,
+              help="With --check: greedy answer tokens to append (0: teacher-force on the prompts alone).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(path, target, as_json):
+def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit."""
     from .checkpoint_info import inspect_checkpoint
 
+    if check and target is None:
+        raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
     report = inspect_checkpoint(path, target)
+    if check:
+        from .conformance import check_checkpoint
+
+        report["conformance"] = check_checkpoint(path, target, prompts, num_prompts, new_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
-    for key, value in report.items():
-        if key != "warnings":
-            click.echo(f"{key:24} {value}")
-    for w in report["warnings"]:
-        click.echo(f"warning: {w}")
+    else:
+        for key, value in report.items():
+            if key not in ("warnings", "conformance"):
+                click.echo(f"{key:24} {value}")
+        for w in report["warnings"]:
+            click.echo(f"warning: {w}")
+        if check:
+            _echo_conformance(report["conformance"])
+    if strict and check and not report["conformance"]["ok"]:
+        sys.exit(1)
+
+
+def _echo_conformance(result: dict) -> None:
+    click.echo(f"conformance: teacher-forced acc@1 at steps 0 / 1 over {result['positions']} positions "
+               f"of {result['prompts']} prompts (aux ids {result['aux_layer_ids']}, vLLM numbering)")
+    for row in result["readings"]:
+        click.echo(f"  {row['reading']:32} {row['acc@1'][0]:.3f} / {row['acc@1'][1]:.3f}")
+    for finding in result["findings"]:
+        click.echo(f"finding: {finding['message']}")
+    if not result["matched"]:
+        click.echo(f"finding: this drafter matches no convention: acc@1 below {result['min_acc']} under every "
+                   "reading (is it trained for this target, and is this config.json its own?)")
+    elif result["ok"]:
+        click.echo(f"conformance ok: no alternative reading beats the config by {result['margin']} or more")
 
 
 @main.command("sample-target")
@@ -294,3 +326,4 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     click.echo(text)
     if json_file:
         Path(json_file).write_text(text + "\n")
+

@@ -165,19 +165,19 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "drafter") -> "DrafterConfig":
-        # The speculators format nests the layer's config; the EAGLE/vLLM format is flat.
-        flat = {**cfg.get("transformer_layer_config", {}), **{k: v for k, v in cfg.items()
-                                                            if k != "transformer_layer_config"}}
+        # The speculators format nests the layer's config (`transformer_layer_config`, earlier
+        # `transformer_config`); the EAGLE/vLLM format is flat. Top-level keys win.
+        nested = cfg.get("transformer_layer_config") or cfg.get("transformer_config") or {}
+        flat = {**nested, **{k: v for k, v in cfg.items() if k not in ("transformer_layer_config", "transformer_config")}}
         eagle_cfg = flat.get("eagle_config") or {}
         hidden = int(_require(flat, "hidden_size", where))
         heads = int(_require(flat, "num_attention_heads", where))
-        aux_ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids", flat.get("eagle_aux_hidden_state_layer_ids"))
+        aux_ids, numbering, reason = _aux_layer_ids(flat, where)
         num_aux = int(flat.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3))
         if aux_ids is not None and len(aux_ids) != num_aux:
             raise CheckpointError(f"{where}: {len(aux_ids)} aux layer ids but num_aux_hidden_states={num_aux}",
                                   "make eagle_aux_hidden_state_layer_ids and num_aux_hidden_states agree")
         vocab = int(_require(flat, "vocab_size", where))
-        numbering, reason = _layer_numbering(flat)
 
         def flag(key: str) -> bool:
             return bool(eagle_cfg.get(key, flat.get(key, False)))
@@ -188,8 +188,7 @@ class DrafterConfig:
             head_dim=int(flat.get("head_dim") or hidden // heads), vocab_size=vocab,
             draft_vocab_size=int(flat.get("draft_vocab_size") or vocab),
             target_hidden_size=int(flat.get("target_hidden_size") or hidden),
-            aux_layer_ids=tuple(int(i) for i in aux_ids) if aux_ids is not None else None,
-            num_aux=num_aux, rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+            aux_layer_ids=aux_ids, num_aux=num_aux, rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(flat, where),
             max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
             fc_norm=flag("fc_norm"), norm_output=flag("norm_output"),
@@ -198,17 +197,61 @@ class DrafterConfig:
         )
 
     def resolved_aux_layer_ids(self, target: TargetConfig) -> tuple[int, ...]:
-        """Aux layer ids in vLLM's convention (the residual stream entering layer i)."""
-        ids = self.aux_layer_ids or target.default_aux_layer_ids()
-        return tuple(i + 1 for i in ids) if self.layer_numbering == "torchspec" else tuple(ids)
+        """Aux layer ids in vLLM's convention (the residual stream entering layer i). The target's
+        default (2, L//2, L-3) is already in it; ids a config names in TorchSpec numbering are shifted."""
+        if self.aux_layer_ids is None:
+            return target.default_aux_layer_ids()
+        shift = 1 if self.layer_numbering == "torchspec" else 0
+        return tuple(i + shift for i in self.aux_layer_ids)
+
+
+# How each spelling of the aux layer ids counts. "vllm": id i is the residual stream entering
+# decoder layer i (vLLM, speculators, this project). "torchspec": id i is the output of decoder
+# layer i, one lower for the same state (TorchSpec, SGLang/SpecForge, Edge-LLM's and DFlash's
+# `target_layer_ids`).
+NUMBERING_ALIASES = {"vllm": "vllm", "entering": "vllm", "torchspec": "torchspec", "sglang": "torchspec",
+                     "specforge": "torchspec", "leaving": "torchspec"}
+AUX_ID_KEYS = (  # (where, key, numbering); the first present wins
+    ("eagle_config", "eagle_aux_hidden_state_layer_ids", None),  # vLLM layout
+    ("", "eagle_aux_hidden_state_layer_ids", None),              # speculators layout
+    ("", "aux_hidden_state_layer_ids", None),                    # speculators' newer name
+    ("eagle_config", "target_layer_ids", "torchspec"),           # TorchSpec / Edge-LLM
+    ("", "target_layer_ids", "torchspec"),
+)
+
+
+def _aux_layer_ids(cfg: dict, where: str) -> tuple[tuple[int, ...] | None, str, str]:
+    """(aux ids as written, their numbering, why that numbering) from whichever key the config uses;
+    several keys must name the same target layers."""
+    numbering, reason = _layer_numbering(cfg)
+    found = []
+    for place, key, key_numbering in AUX_ID_KEYS:
+        scope = (cfg.get(place) or {}) if place else cfg
+        if scope.get(key) is not None:
+            found.append((f"{place}.{key}" if place else key, key_numbering or numbering,
+                          tuple(int(i) for i in scope[key])))
+    if not found:
+        return None, numbering, reason
+    spelled, key_numbering, ids = found[0]
+    if key_numbering != numbering:
+        numbering, reason = key_numbering, f"config.json names its aux layers {spelled} (output of layer i, as TorchSpec and Edge-LLM count)"
+
+    def entering(ids, numbering):
+        return tuple(i + (numbering == "torchspec") for i in ids)
+
+    for other, other_numbering, other_ids in found[1:]:
+        if entering(other_ids, other_numbering) != entering(ids, numbering):
+            raise CheckpointError(f"{where}: {spelled} = {list(ids)} and {other} = {list(other_ids)} name different "
+                                  "target layers", "keep one aux layer id key, the one the drafter was trained with")
+    return ids, numbering, reason
 
 
 def _layer_numbering(cfg: dict) -> tuple[str, str]:
     """TorchSpec counts an aux layer by the layer it leaves, one lower than vLLM's id for the same
     state. A config says so explicitly (`layer_numbering`) or carries TorchSpec's marker."""
     explicit = cfg.get("layer_numbering") or (cfg.get("eagle_config") or {}).get("layer_numbering")
-    if explicit in ("vllm", "torchspec"):
-        return explicit, f"config.json sets layer_numbering={explicit!r}"
+    if explicit in NUMBERING_ALIASES:
+        return NUMBERING_ALIASES[explicit], f"config.json sets layer_numbering={explicit!r}"
     for key in ("framework", "trained_with", "training_framework", "library_name"):
         if "torchspec" in str(cfg.get(key, "")).lower():
             return "torchspec", f"config.json {key}={cfg[key]!r}"

@@ -146,3 +146,56 @@ def test_torchspec_layer_numbering_shifts_aux_ids():
     assert torchspec.resolved_aux_layer_ids(target_cfg) == (2, 3, 4)
     default = DrafterConfig.from_hf({k: v for k, v in tiny_drafter_config("3").items() if k != "eagle_config"})
     assert default.resolved_aux_layer_ids(target_cfg) == (2, 3, 3)  # (2, L//2, L-3) for L=6
+
+
+TARGET_CFG = TargetConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 320})
+
+
+def without_eagle_config(**extra):
+    cfg = {k: v for k, v in tiny_drafter_config("3").items() if k != "eagle_config"}
+    return DrafterConfig.from_hf({**cfg, **extra})
+
+
+@pytest.mark.parametrize("spelling, resolved, numbering", [
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}, (1, 2, 4), "vllm"),          # speculators, top level
+    ({"aux_hidden_state_layer_ids": [1, 2, 4]}, (1, 2, 4), "vllm"),                # speculators' newer name
+    ({"target_layer_ids": [0, 1, 3]}, (1, 2, 4), "torchspec"),                     # TorchSpec / Edge-LLM
+    ({"eagle_config": {"target_layer_ids": [0, 1, 3]}}, (1, 2, 4), "torchspec"),
+    ({"eagle_aux_hidden_state_layer_ids": [0, 1, 3], "layer_numbering": "sglang"}, (1, 2, 4), "torchspec"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "target_layer_ids": [0, 1, 3]}, (1, 2, 4), "vllm"),
+    ({"layer_numbering": "torchspec"}, (2, 3, 3), "torchspec"),  # the default ids are vLLM's: never shifted
+])
+def test_every_aux_id_spelling_names_the_same_layers(spelling, resolved, numbering):
+    cfg = without_eagle_config(**spelling)
+    assert cfg.resolved_aux_layer_ids(TARGET_CFG) == resolved and cfg.layer_numbering == numbering
+    if "target_layer_ids" in json.dumps(spelling) and numbering == "torchspec":
+        assert "target_layer_ids" in cfg.layer_numbering_reason and "TorchSpec" in cfg.layer_numbering_reason
+
+
+def test_aux_id_spellings_that_disagree_are_refused():
+    with pytest.raises(Exception, match="name different target layers"):
+        without_eagle_config(eagle_aux_hidden_state_layer_ids=[1, 2, 4], target_layer_ids=[1, 2, 4])
+
+
+def test_older_speculators_spellings_load(tmp_path, target):
+    """`transformer_config` (speculators before `transformer_layer_config`), layers.0.* names, the
+    training-only verifier_* copies of the target's head, and a missing norm_before_fc gain (ones)."""
+    src = write_tiny_drafter(tmp_path / "src", "3")
+    flat = json.loads((src / "config.json").read_text())
+    layer_keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size")
+    spec = {k: v for k, v in flat.items() if k not in layer_keys and k != "eagle_config"}
+    spec.update(architectures=["Eagle3Speculator"], speculators_model_type="eagle3", norm_before_fc=True,
+                transformer_config={k: flat[k] for k in layer_keys},
+                eagle_aux_hidden_state_layer_ids=flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    weights = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+               for k, v in load_file(src / "model.safetensors").items()}
+    weights["verifier_lm_head.weight"] = weights["lm_head.weight"].clone()
+    weights["verifier_norm.weight"] = weights["norm.weight"].clone()
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(spec))
+    save_file(weights, tmp_path / "spec" / "model.safetensors")
+    drafter = load_drafter(tmp_path / "spec", target=target)
+    assert drafter.config.norm_before_fc and torch.equal(drafter.input_norm.weight, torch.ones(3 * 64))
+    assert drafter.config.resolved_aux_layer_ids(target.config) == (1, 3, 4)

@@ -106,3 +106,75 @@ def write_tiny_drafter(path: Path, version: str = "3.1", seed: int = 0, own_embe
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     save_file(state, str(path / "model.safetensors"))
     return path
+
+
+def token_sequences(count: int = 8, length: int = 40, pool: int = 16, vocab: int = 320, seed: int = 0) -> list[list[int]]:
+    """Random sequences over a small pool of token ids: each token recurs in many contexts, so the
+    target's greedy token depends on the context (the aux states), not on the token alone."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randperm(vocab - 3, generator=gen)[:pool] + 3
+    return tokens[torch.randint(0, pool, (count, length), generator=gen)].tolist()
+
+
+def write_trained_tiny_drafter(path: Path, target_dir: Path, version: str, sequences: list[list[int]],
+                               aux=(1, 2, 4), draft_vocab: int | None = None, steps: int = 150,
+                               seed: int = 0, **overrides) -> Path:
+    """A tiny drafter trained briefly (training-time test over 2 steps, hard labels) to give the tiny
+    target's greedy tokens on `sequences`, so its right conventions are the ones it was trained under.
+
+    Trained on the sequences it is later checked on (it memorizes them): what matters is that each
+    convention changes its numbers. Its gains are set so they do, as the scale drift of real drafters
+    does: small hidden_norm and final-norm gains make the residual and the fed-back state differ in
+    scale from their normalized forms; large fc_norm gains make norm_before_fc rescale fc's input.
+    draft_vocab: None for the target's whole vocabulary (no d2t), else the most frequent greedy
+    tokens of the sequences (d2t/t2d stored)."""
+    import torch.nn.functional as F
+
+    from eagle_export.checkpoint import load_target, save_drafter
+    from eagle_export.conformance import capture
+    from eagle_export.config import DrafterConfig
+    from eagle_export.drafter import Drafter
+    from eagle_export.reference import parallel_drafts
+
+    target = load_target(target_dir).eval()
+    states = capture(target, sequences)
+    vocab = target.config.vocab_size
+    greedy = torch.cat([g for _, g in states])
+    if draft_vocab is None:
+        kept = torch.arange(vocab)
+    else:
+        kept = torch.bincount(greedy, minlength=vocab).argsort(descending=True)[:draft_vocab].sort().values
+    cfg_dict = tiny_drafter_config(version, target_hidden=target.config.hidden_size, vocab=vocab,
+                                   draft_vocab=len(kept), aux=aux, **overrides)
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.from_hf(cfg_dict))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_((1.0 + 0.3 * torch.randn_like(p)) * (0.1 if "hidden_norm" in name else 0.2 if name == "norm.weight"
+                                                             else 3.0 if name.startswith("fc_norm") else 1.0))
+        if draft_vocab is not None:
+            drafter.d2t.copy_(kept - torch.arange(len(kept)))
+            drafter.t2d.zero_()
+            drafter.t2d[kept] = True
+    drafter.has_vocab_map = draft_vocab is not None
+    drafter.share_embeddings(target.embed_tokens)
+    to_draft = torch.full((vocab,), -1)
+    to_draft[kept] = torch.arange(len(kept))
+    t = min(len(s) for s in sequences) - 2
+    aux_in = torch.stack([s[:t, list(aux)].reshape(t, -1) for s, _ in states])
+    next_ids = torch.tensor([s[1:t + 2] for s in sequences])
+    labels = torch.stack([torch.stack([g[k + 1:k + 1 + t] for k in range(2)]) for _, g in states])
+    params = [p for name, p in drafter.named_parameters() if not name.startswith("embed_tokens")]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    with torch.enable_grad():  # some test modules switch autograd off at import
+        for _ in range(steps):
+            logits = parallel_drafts(drafter, next_ids, aux_in, 2)
+            loss = sum(F.cross_entropy(logits[k].flatten(0, 1), to_draft[labels[:, k]].flatten(), ignore_index=-1)
+                       for k in range(2))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    drafter.requires_grad_(False)
+    save_drafter(drafter, path, config=cfg_dict)
+    return path

@@ -1,0 +1,181 @@
+"""`inspect --check`: each convention a config can misstate is named when the numbers say so.
+
+Two tiny drafters are trained briefly on a tiny target (tiny_models.write_trained_tiny_drafter), so
+each has conventions that are right: the ones it was trained under. Each mutation writes a copy
+whose config.json (or vocabulary map) misstates one of them; the check must name that field, and
+must name nothing for the drafters as trained.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_export.checkpoint import load_drafter, load_target, save_drafter
+from eagle_export.conformance import conformance_check
+from eagle_export.errors import CheckpointError
+from tiny_models import token_sequences, write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A 7-layer target: L-3 = 4 and L-4 = 3. The EAGLE-3 drafter is trained on (1, 2, 3), Edge-LLM's
+# L-4 capture, with a reduced draft vocabulary; the EAGLE-3.1 one on (1, 2, 4) with the full one.
+AUX = {"3": (1, 2, 3), "3.1": (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conformance")
+    target_dir = write_tiny_target(root / "target", "llama", num_hidden_layers=7, initializer_range=0.4)
+    sequences = token_sequences()
+    drafters = {
+        "3": write_trained_tiny_drafter(root / "d3", target_dir, "3", sequences, aux=AUX["3"], draft_vocab=160),
+        "3.1": write_trained_tiny_drafter(root / "d31", target_dir, "3.1", sequences, aux=AUX["3.1"]),
+    }
+    return target_dir, drafters, sequences
+
+
+def check(target_dir, drafter_dir, sequences):
+    target = load_target(target_dir)
+    return conformance_check(target, load_drafter(drafter_dir, target=target), sequences, new_tokens=0)
+
+
+def mutate(src, dst, config=None, state=None):
+    """A copy of drafter `src` with config.json edited by `config(dict)` and the weights by `state(dict)`."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if config:
+        config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if state:
+        weights = load_file(dst / "model.safetensors")
+        state(weights)
+        save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+def set_key(key, value):
+    def edit(cfg):
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    return edit
+
+
+def set_aux(ids):
+    def edit(cfg):
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    return edit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["3", "3.1"])
+def test_drafters_as_trained_pass_cleanly(pair, version):
+    target_dir, drafters, sequences = pair
+    report = check(target_dir, drafters[version], sequences)
+    assert report["ok"] and report["matched"] and not report["findings"], report["findings"]
+    configured = report["readings"][0]
+    assert configured["reading"] == "as configured" and min(configured["acc@1"]) > 0.9
+    assert report["aux_layer_ids"] == list(AUX[version])
+
+
+def shuffled_vocab_map(weights):
+    """A non-trivial d2t for a drafter trained on draft ids = target ids (a permutation's offsets)."""
+    vocab = weights["lm_head.weight"].shape[0]
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    weights["d2t"] = perm - torch.arange(vocab)
+    weights["t2d"] = torch.ones(vocab, dtype=torch.bool)
+
+
+MUTATIONS = {  # name: (version, config edit, weights edit, the field the check must name)
+    "aux ids numbered one higher": ("3", set_aux([2, 3, 4]), None, "eagle_aux_hidden_state_layer_ids"),
+    "aux ids read in TorchSpec numbering": ("3.1", set_key("layer_numbering", "torchspec"), None,
+                                            "eagle_aux_hidden_state_layer_ids"),
+    "L-3 written for an L-4 capture": ("3", set_aux([1, 2, 4]), None, "eagle_aux_hidden_state_layer_ids"),
+    "EAGLE-3 said to feed back post-norm": ("3", set_key("norm_output", True), None, "norm_output"),
+    "EAGLE-3.1 said to feed back pre-norm": ("3.1", set_key("norm_output", None), None, "norm_output"),
+    "norm_before_residual on an EAGLE-3": ("3", set_key("norm_before_residual", True), None, "norm_before_residual"),
+    "norm_before_residual on an EAGLE-3.1": ("3.1", set_key("norm_before_residual", True), None,
+                                             "norm_before_residual"),
+    "norm_before_fc on an EAGLE-3": ("3", set_key("norm_before_fc", True), None, "norm_before_fc"),
+    "norm_before_fc on an EAGLE-3.1": ("3.1", set_key("norm_before_fc", True), None, "norm_before_fc"),
+    "a vocabulary map the drafter was not trained with": ("3.1", None, shuffled_vocab_map, "d2t"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_a_misstated_convention_is_named(pair, tmp_path, name):
+    target_dir, drafters, sequences = pair
+    version, config, state, field = MUTATIONS[name]
+    report = check(target_dir, mutate(drafters[version], tmp_path / "d", config, state), sequences)
+    named = {f["field"]: f for f in report["findings"]}
+    assert field in named and not report["ok"], report["readings"]
+    assert named[field]["acc@1"] - named[field]["configured_acc@1"] >= report["margin"]
+    assert field in named[field]["message"] or "aux layer ids" in named[field]["message"] \
+        or "d2t" in named[field]["message"]
+
+
+@pytest.mark.slow
+def test_fc_norm_folded_and_dropped_is_named(pair, tmp_path):
+    """An exporter that folds EAGLE-3.1's fc_norm gains into fc and drops the key leaves a drafter
+    that still needs its aux states normalized: it behaves as if fc_norm were true."""
+    from eagle_export.passes.fold_norms import fold_fc_norm_gains
+
+    target_dir, drafters, sequences = pair
+    target = load_target(target_dir)
+    drafter = load_drafter(drafters["3.1"], target=target)
+    fold_fc_norm_gains(drafter)
+    drafter.fc_norm = None
+    config = json.loads((drafters["3.1"] / "config.json").read_text())
+    config.pop("fc_norm")
+    save_drafter(drafter, tmp_path / "folded", config=config)
+    report = check(target_dir, tmp_path / "folded", sequences)
+    # A norm over the concatenation recovers part of it too; the per-aux norm recovers the most.
+    assert report["findings"][0]["field"] == "fc_norm", report["readings"]
+    assert "behaves as if fc_norm were true" in report["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("version, config, state, words", [
+    ("3.1", set_key("fc_norm", None), None, ["fc_norm.*", "fc_norm: true"]),
+    ("3", set_key("fc_norm", True), None, ["fc_norm: true", "no fc_norm"]),
+    ("3", None, lambda w: w.__setitem__("d2t", w["d2t"] + torch.arange(len(w["d2t"]))), ["d2t", "absolute"]),
+])
+def test_a_config_the_weights_contradict_is_named_at_load(pair, tmp_path, version, config, state, words):
+    target_dir, drafters, _ = pair
+    with pytest.raises(CheckpointError) as e:
+        load_drafter(mutate(drafters[version], tmp_path / "d", config, state), target=load_target(target_dir))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_random_drafter_matches_no_convention(pair, tmp_path):
+    target_dir, _, sequences = pair
+    drafter_dir = write_tiny_drafter(tmp_path / "random", "3.1", aux=AUX["3.1"])
+    report = check(target_dir, drafter_dir, sequences)
+    assert not report["matched"] and not report["ok"]
+    assert max(r["acc@1"][0] for r in report["readings"]) < report["min_acc"]
+
+
+@pytest.mark.slow
+def test_cli_check_passes_the_drafter_and_fails_a_misstated_one_with_strict(pair, tmp_path):
+    from click.testing import CliRunner
+
+    from eagle_export.cli import main
+
+    target_dir, drafters, sequences = pair
+    prompts = tmp_path / "prompts.txt"  # the tiny tokenizer reads "w<id>" words back as the ids
+    prompts.write_text("\n".join(" ".join(f"w{i}" for i in ids) for ids in sequences) + "\n")
+    args = ["--target", str(target_dir), "--check", "--strict", "--prompts", str(prompts)]
+    ok = CliRunner().invoke(main, ["inspect", str(drafters["3"]), *args])
+    assert ok.exit_code == 0, ok.output
+    assert "conformance ok" in ok.output and "as configured" in ok.output
+    bad = mutate(drafters["3"], tmp_path / "bad", set_key("norm_before_residual", True))
+    result = CliRunner().invoke(main, ["inspect", str(bad), *args])
+    assert result.exit_code == 1
+    assert "this drafter behaves as if norm_before_residual were false" in result.output
+    lenient = CliRunner().invoke(main, ["inspect", str(bad), "--target", str(target_dir), "--check", "--prompts",
+                                        str(prompts), "--json"])
+    assert lenient.exit_code == 0 and json.loads(lenient.output)["conformance"]["findings"]
