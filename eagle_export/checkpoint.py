@@ -20,6 +20,7 @@ from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_
 from .drafter import Drafter
 from .errors import CheckpointError
 from .layers import rope_inv_freq
+from .modelopt_hf import checkpoint_precision, restore_quantized, split_quantized
 from .target import Target
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -242,6 +243,10 @@ def load_drafter(path: str | Path, target: Target | None = None,
                               "pass the drafter checkpoint (LlamaForCausalLMEagle3 or speculators Eagle3) here")
     cfg = DrafterConfig.from_hf(raw, where=str(path))
     state = {drafter_key(k): v for k, v in load_state_dict(path).items()}
+    precision = checkpoint_precision(raw, str(path))
+    quantized: dict = {}
+    if precision:  # ModelOpt's HF format: FP8 weights dequantized here, NVFP4 ones restored below
+        state, quantized = split_quantized(state, resolve_dtype(dtype))
     extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")})
     if extra_layers:
         raise CheckpointError(f"{path}: drafter has more than one decoder layer (layers {', '.join(extra_layers)})",
@@ -272,11 +277,13 @@ def load_drafter(path: str | Path, target: Target | None = None,
     with torch.device("meta"):
         model = Drafter(cfg, own_embeddings=own_embeddings)
     # A missing norm_before_fc gain loads as ones, as speculators loads it.
-    optional = ("d2t", "t2d", "input_norm.weight")
+    optional = ("d2t", "t2d", "input_norm.weight", *(f"{m}.weight" for m in quantized if f"{m}.weight" not in state))
     _materialize(model, state, str(path), dtype, optional=optional)
     if cfg.norm_before_fc and "input_norm.weight" not in state:
         ones = torch.ones(model.input_norm.weight.shape, dtype=model.fc.weight.dtype)
         model.input_norm.weight = torch.nn.Parameter(ones, requires_grad=False)
+    if precision:
+        restore_quantized(model, precision, quantized)
     for name in ("d2t", "t2d"):
         if name not in state:  # identity vocabulary: no mapping stored
             size = cfg.draft_vocab_size if name == "d2t" else cfg.vocab_size

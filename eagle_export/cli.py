@@ -327,3 +327,32 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     if json_file:
         Path(json_file).write_text(text + "\n")
 
+
+@main.command("export-checkpoint")
+@click.argument("source", type=click.Path())
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Checkpoint directory to create.")
+@click.option("--format", "fmt", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang", "speculators"]),
+              help="vllm / sglang: LlamaForCausalLMEagle3 layout, aux ids in that engine's numbering; speculators.")
+@click.option("--target", type=click.Path(), help="The target directory, when SOURCE is a drafter directory.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "nvfp4"]),
+              help="Default: the build's drafter precision, or the drafter's own dtype.")
+@click.option("--embeddings", type=click.Choice(["store", "share"]),
+              help="Store the embedding table or leave it to the target (default: store for speculators).")
+@click.option("--verifier", help="The target's name to record for speculators (e.g. a Hub id; default: its path).")
+@click.option("--calib-prompts", type=int, help="FP8/NVFP4: ShareGPT conversations to calibrate on (default: the build's).")
+@click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
+def export_checkpoint_command(source, out_dir, fmt, target, precision, embeddings, verifier, calib_prompts, force):
+    """Write the drafter of a build (or of --target + drafter) as a checkpoint vLLM, SGLang or speculators loads."""
+    from .checkpoint_export import export_checkpoint, resolve_source
+
+    prompts = None
+    if calib_prompts is not None:
+        from .prompts import ChatTemplate, chat_prompts
+
+        prompts = list(chat_prompts(ChatTemplate(resolve_source(source, target)["target_dir"]), "sharegpt", calib_prompts))
+    summary = export_checkpoint(source, out_dir, fmt, target=target, precision=precision, embeddings=embeddings,
+                                verifier=verifier, calib_prompts=prompts, force=force, progress=click.echo)
+    trip = summary["round_trip"]
+    click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids_vllm']} in vLLM "
+               f"numbering, embeddings {summary['embeddings']}d); loaded back: max abs logit diff "
+               f"{trip['max_abs_logit_diff']:.3g} (tolerance {trip['tolerance']})")

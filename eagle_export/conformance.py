@@ -192,10 +192,10 @@ def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tok
     from pathlib import Path
 
     from .errors import EagleExportError
-    from .quantize import chat_prompts
+    from .prompts import ChatTemplate, chat_prompts
 
     if source in ("mt-bench", "sharegpt"):
-        return chat_prompts(target_dir, source, count, max_tokens)
+        return list(chat_prompts(ChatTemplate(target_dir), source, count, max_tokens))
     path = Path(source)
     if not path.is_file():
         raise EagleExportError(f"prompt source {source!r} is neither mt-bench, sharegpt nor a file",

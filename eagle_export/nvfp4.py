@@ -88,6 +88,28 @@ class NVFP4Linear(nn.Module):
         # ModelOpt's activation global scale: amax / (E2M1 max * E4M3 max).
         self.input_global_scale = None if input_amax is None else float(input_amax) / (E2M1_MAX * E4M3_MAX)
 
+    @classmethod
+    def from_packed(cls, codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
+                    input_global_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                    dtype: torch.dtype = torch.float32) -> "NVFP4Linear":
+        """An NVFP4Linear over stored codes and scales (ModelOpt's Hugging Face export), never re-quantized:
+        codes uint8 [out, in/2], block_scales float8_e4m3fn [out, in/16], global_scale (weight_scale_2) and
+        input_global_scale (input_scale, None when weight-only) fp32 scalars."""
+        from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        shape = torch.Size([codes.shape[0], codes.shape[1] * 2])
+        self.register_buffer("weight_codes", codes)
+        self.register_buffer("weight_block_scales", block_scales)
+        self.register_buffer("weight_global_scale", global_scale.float().reshape(()))
+        self.register_buffer("weight", NVFP4QTensor(shape, dtype, codes).dequantize(
+            torch.float32, scale=block_scales, double_scale=self.weight_global_scale,
+            block_sizes={-1: NVFP4_BLOCK}).to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.input_global_scale = None if input_global_scale is None else float(input_global_scale)
+        return self
+
     def forward(self, x):
         weight = self.weight
         if torch.onnx.is_in_onnx_export():

@@ -92,9 +92,11 @@ def quantize(model: nn.Module, precision: str, calib_batches: Iterable[tuple],
 
     calib_batches: from `target_calibration_batches` / `drafter_calibration_batches`.
     fake_quant (NVFP4 only): "modelopt" keeps ModelOpt's quantizers (needs CUDA), "packed" converts
-    to NVFP4Linear (CPU), "auto" picks "modelopt" when the model is on a CUDA device."""
-    if fake_quant not in ("auto", "modelopt", "packed"):
-        raise EagleExportError(f"unknown fake_quant {fake_quant!r}", "use auto, modelopt or packed")
+    to NVFP4Linear (CPU), "auto" picks "modelopt" when the model is on a CUDA device; "export" keeps
+    ModelOpt's calibrated quantizers on any device, for ModelOpt's exporter only (on CPU an NVFP4
+    model in this state cannot run)."""
+    if fake_quant not in ("auto", "modelopt", "packed", "export"):
+        raise EagleExportError(f"unknown fake_quant {fake_quant!r}", "use auto, modelopt, packed or export")
     mtq = _mtq()
     cfg = quant_config(precision, exclude)
     on_cuda = any(p.is_cuda for p in model.parameters())

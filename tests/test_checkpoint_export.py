@@ -1,0 +1,206 @@
+"""export-checkpoint: the drafter out in the vLLM / SGLang / speculators layouts, bf16 and ModelOpt FP8/NVFP4,
+loaded back by this project's loader with the same draft logits; and read by transformers' own layers."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.checkpoint_export import ROUND_TRIP_TOLERANCE, export_checkpoint, round_trip
+from eagle_export.errors import EagleExportError
+from eagle_export.quantize import drafter_calibration_batches, random_prompts
+from eagle_export.reference import parallel_drafts
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = random_prompts(320, 3, 16)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    target = write_tiny_target(root / "target", "llama")
+    drafters = {v: write_tiny_drafter(root / f"d{v}", v, torch_dtype="bfloat16") for v in ("3", "3.1")}
+    return target, drafters
+
+
+def export(sources, tmp_path, version, fmt="vllm", precision=None, **kw):
+    target, drafters = sources
+    out = tmp_path / f"{fmt}-{version}-{precision}"
+    summary = export_checkpoint(drafters[version], out, fmt, target=target, precision=precision,
+                                calib_prompts=PROMPTS, progress=lambda m: None, **kw)
+    return out, summary
+
+
+def logits(drafter, target, dtype=None):
+    """Step-0 and step-1 draft logits of `drafter` on PROMPTS' aux states."""
+    target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    out = []
+    for ids, aux in drafter_calibration_batches(target, PROMPTS):
+        out += parallel_drafts(drafter, torch.cat([ids, ids[:, -1:]], 1), aux.to(dtype or aux.dtype), 2)
+    return out
+
+
+@pytest.mark.parametrize("version", ["3", "3.1"])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_bf16_round_trip_is_bit_identical(sources, tmp_path, version, fmt):
+    out, summary = export(sources, tmp_path, version, fmt)
+    assert summary["precision"] == "bfloat16" and summary["round_trip"]["max_abs_logit_diff"] == 0.0
+    target = load_target(sources[0], dtype="bfloat16")
+    original = load_drafter(sources[1][version], target=target, dtype="bfloat16")
+    loaded = load_drafter(out, target=target, dtype="bfloat16")
+    # bf16 weights are written as they were read, so the drafter computes the same bits in bf16 too.
+    for a, b in zip(logits(original, target), logits(loaded, target)):
+        assert torch.equal(a, b)
+    for key in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"):
+        assert getattr(loaded.config, key) == getattr(original.config, key)
+    assert loaded.config.resolved_aux_layer_ids(target.config) == original.config.resolved_aux_layer_ids(target.config)
+
+
+@pytest.mark.parametrize("version", ["3", "3.1"])
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_modelopt_round_trip_gives_the_quantized_models_logits(sources, tmp_path, version, precision):
+    out, summary = export(sources, tmp_path, version, "vllm", precision)
+    assert summary["round_trip"]["max_abs_logit_diff"] <= ROUND_TRIP_TOLERANCE
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == precision.upper()
+    assert sorted(qc["ignore"]) == ["fc", "lm_head"]
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == precision.upper()
+    weights = load_file(out / "model.safetensors")
+    q = "midlayer.self_attn.q_proj"
+    assert weights[f"{q}.weight"].dtype == (torch.float8_e4m3fn if precision == "fp8" else torch.uint8)
+    assert weights["fc.weight"].dtype == torch.bfloat16 and weights["lm_head.weight"].dtype == torch.bfloat16
+    # q/k/v and gate/up share their scales, so a loader that fuses them need not requantize.
+    scale = "weight_scale" if precision == "fp8" else "weight_scale_2"
+    for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        for name in (scale, "input_scale"):
+            values = {float(weights[f"midlayer.{m}.{name}"]) for m in group}
+            assert len(values) == 1, (group, name, values)
+    loaded = load_drafter(out, target=load_target(sources[0]))
+    kind = "QuantLinear" if precision == "fp8" else "NVFP4Linear"
+    assert type(loaded.midlayer.self_attn.q_proj).__name__ == kind
+    for kept in (loaded.fc, loaded.lm_head):  # left in high precision, as the config's ignore list says
+        assert getattr(kept, "weight_quantizer", None) is None or not kept.weight_quantizer.is_enabled
+
+
+def test_the_round_trip_catches_a_wrong_scale(sources, tmp_path):
+    out, _ = export(sources, tmp_path, "3.1", "vllm", "fp8")
+    target = load_target(sources[0], dtype="float32")
+    reference = load_drafter(out, target=target, dtype="float32")
+    weights = load_file(out / "model.safetensors")
+    weights["midlayer.mlp.down_proj.weight_scale"] *= 1.01
+    save_file(weights, out / "model.safetensors")
+    target.aux_layer_ids = reference.config.resolved_aux_layer_ids(target.config)
+    assert round_trip(reference, out, target, drafter_calibration_batches(target, PROMPTS)) > 100 * ROUND_TRIP_TOLERANCE
+
+
+def test_configs_avoid_each_readers_traps(sources, tmp_path):
+    vllm3 = json.loads((export(sources, tmp_path, "3")[0] / "config.json").read_text())
+    assert "norm_output" not in vllm3 and "fc_norm" not in vllm3  # SpecForge reads norm_output: false wrongly
+    assert vllm3["norm_before_residual"] is False and vllm3["layer_numbering"] == "vllm"
+    assert vllm3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert vllm3["eagle_export"]["embeddings"] == "shared with the target (not stored)"
+    sglang = json.loads((export(sources, tmp_path, "3.1", "sglang")[0] / "config.json").read_text())
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # output of layer i
+    assert sglang["layer_numbering"] == "sglang" and sglang["fc_norm"] is True and sglang["norm_output"] is True
+    assert sglang["eagle_export"]["aux_layer_ids"] == {"vllm": [1, 3, 4], "sglang": [0, 2, 3]}
+    out, _ = export(sources, tmp_path, "3.1", "speculators")
+    spec = json.loads((out / "config.json").read_text())
+    assert spec["speculators_model_type"] == "eagle3" and spec["architectures"] == ["Eagle3Speculator"]
+    assert spec["norm_before_residual"] is False  # vLLM's speculators adapter defaults it to true
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert spec["transformer_layer_config"]["fc_norm"] is True and spec["transformer_layer_config"]["norm_output"]
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(sources[0])
+    weights = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" in weights and "layers.0.hidden_norm.weight" in weights
+    assert not any(k.startswith("midlayer.") for k in weights) and "d2t" in weights and "t2d" in weights
+
+
+def test_speculators_format_refuses_quantization_and_share_refuses_a_different_table(sources, tmp_path):
+    with pytest.raises(EagleExportError, match="--format vllm"):
+        export(sources, tmp_path, "3", "speculators", "fp8")
+    own = write_tiny_drafter(tmp_path / "own", "3", own_embeddings=True)
+    with pytest.raises(EagleExportError, match="--embeddings store"):
+        export_checkpoint(own, tmp_path / "x", "vllm", target=sources[0], progress=lambda m: None)
+    assert not (tmp_path / "x").exists()
+
+
+@torch.no_grad()
+def test_transformers_layers_read_the_vllm_layout_by_key_name(sources, tmp_path):
+    """A reader this project did not write: transformers' Llama attention, MLP, RMSNorm and RoPE, built
+    from the exported config.json and loaded by the vLLM layout's key names, in an EAGLE-3.1 step 0
+    written from the public description (fc over per-aux RMSNorms; cat(norm(embed), norm(x)) into
+    q/k/v; residual x; final norm; lm_head over the draft vocabulary; target id = draft id + d2t)."""
+    from transformers import AutoConfig
+    from transformers.models.llama import modeling_llama as L
+
+    out, _ = export(sources, tmp_path, "3.1", "vllm", "fp32")
+    cfg = AutoConfig.from_pretrained(out)
+    w = load_file(out / "model.safetensors")
+
+    def linear(name):
+        layer = torch.nn.Linear(*reversed(w[name].shape), bias=False)
+        layer.weight.copy_(w[name])
+        return layer
+
+    def norm(name, size):
+        module = L.LlamaRMSNorm(size, eps=cfg.rms_norm_eps)
+        module.weight.copy_(w[name])
+        return module
+
+    attn = L.LlamaAttention(cfg, layer_idx=0)
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(attn, p, linear(f"midlayer.self_attn.{p}.weight"))
+    mlp = L.LlamaMLP(cfg)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, p, linear(f"midlayer.mlp.{p}.weight"))
+    rope = L.LlamaRotaryEmbedding(cfg)
+    target = load_target(sources[0])
+    ids_aux = drafter_calibration_batches(target_with_ids(target, cfg), PROMPTS)
+    ours = load_drafter(out, target=target)
+    for ids, aux in ids_aux:
+        positions = torch.arange(ids.shape[1])[None]
+        h = cfg.target_hidden_size
+        x = linear("fc.weight")(torch.cat([norm(f"fc_norm.{i}.weight", h)(a)
+                                           for i, a in enumerate(aux.split(h, -1))], -1))
+        embeds = target.embed_tokens(ids)
+        attn_in = torch.cat([norm("midlayer.input_layernorm.weight", cfg.hidden_size)(embeds),
+                             norm("midlayer.hidden_norm.weight", cfg.hidden_size)(x)], -1)
+        t = ids.shape[1]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        a, _ = attn(attn_in, rope(x, positions), attention_mask=mask)
+        x = x + a
+        x = x + mlp(norm("midlayer.post_attention_layernorm.weight", cfg.hidden_size)(x))
+        theirs = linear("lm_head.weight")(norm("norm.weight", cfg.hidden_size)(x))
+        mine = parallel_drafts(ours, torch.cat([ids, ids[:, -1:]], 1), aux, 1)[0]
+        assert (theirs - mine).abs().max() < 1e-4
+        draft = theirs.argmax(-1)
+        assert torch.equal(draft + w["d2t"][draft], ours.to_target_ids(mine.argmax(-1)))
+
+
+def target_with_ids(target, cfg):
+    target.aux_layer_ids = tuple(cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    return target
+
+
+def test_cli_exports_and_reports_the_round_trip(sources, tmp_path):
+    from click.testing import CliRunner
+
+    from eagle_export.cli import main
+
+    target, drafters = sources
+    out = tmp_path / "spec"
+    result = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "--target", str(target), "-o", str(out),
+                                       "--format", "speculators", "--verifier", "org/tiny-target"])
+    assert result.exit_code == 0, result.output
+    assert "embeddings stored" in result.output and "max abs logit diff 0" in result.output
+    summary = json.loads((out / "export_summary.json").read_text())
+    assert summary["round_trip"]["max_abs_logit_diff"] == 0.0 and summary["embeddings"] == "store"
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    again = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "--target", str(target), "-o", str(out)])
+    assert again.exit_code == 2 and "already exists" in again.output and "--force" in again.output
+    alone = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "-o", str(tmp_path / "x")])
+    assert alone.exit_code == 2 and "--target" in alone.output
