@@ -18,6 +18,7 @@ import torch
 
 from . import contract as C
 from .checkpoint import load_drafter, load_target
+from .conformance import check_checkpoint
 from .doctor import gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
@@ -91,6 +92,34 @@ def evaluation_prompts(recipe: Recipe, template: ChatTemplate, calibration: list
     return held_out
 
 
+CONFORMANCE_PROMPTS = 8
+
+
+def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
+    """The prompts the build checks the drafter's conventions on: the first of the evaluation set."""
+    return list(chat_prompts(ChatTemplate(target_dir), recipe["evaluation"]["dataset"], CONFORMANCE_PROMPTS,
+                             recipe["calibration"]["max_tokens"]))
+
+
+def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, echo) -> dict:
+    """`inspect --check` on the recipe's pair (fp32 copies): refuse a drafter that matches no
+    convention; report a field an alternative reading names, and go on (the config is the user's)."""
+    result = check_checkpoint(drafter_dir, target_dir, conformance_prompts(recipe, target_dir))
+    configured = result["readings"][0]["acc@1"]
+    if not result["matched"]:
+        raise EagleExportError(
+            f"the drafter {drafter_dir} matches no convention: its teacher-forced acc@1 on {result['positions']} "
+            f"positions is below {result['min_acc']} under its config ({configured[0]:.3f}) and under every "
+            "alternative reading (aux numbering, norms, feedback, vocabulary map)",
+            "check that the drafter was trained for this target and that config.json is its own "
+            "(`eagle-export inspect DRAFTER --target TARGET --check` lists every reading)")
+    for finding in result["findings"]:
+        echo(f"  warning: {finding['message']}")
+    echo(f"  drafter conventions: acc@1 {configured[0]:.3f} / {configured[1]:.3f} at steps 0 / 1 as configured"
+         + ("" if result["ok"] else f"; {len(result['findings'])} field(s) named above"))
+    return result
+
+
 def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
     """Quantize the models the recipe asks for (`quantize_pair`) on the recipe's calibration set and
     measure them on held-out prompts. Returns (target, drafter, report): quantized copies where the
@@ -137,7 +166,7 @@ def tensorrt_available() -> tuple[bool, str]:
 
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     has_trt, no_trt_reason = tensorrt_available()
-    log = StageLog(echo, total=7)
+    log = StageLog(echo, total=8)
     precision = recipe["precision"]
     depth, sampling = recipe["depth"], recipe["sampling"]
     model_precisions = {precision["target"], precision["drafter"]}
@@ -149,6 +178,9 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target = load_target(target_dir, dtype=target_dtype)
             drafter = load_drafter(drafter_dir, target=target, dtype=drafter_dtype)
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
+
+        with log("check the drafter's conventions"):
+            conformance = conformance_stage(recipe, target_dir, drafter_dir, echo)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])
@@ -188,7 +220,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             "depth": depth, "sampling": sampling, "max_context": recipe["profiles"]["context"]["max"],
             "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
             "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
-            "quantization": quant_report, "engines": engines,
+            "quantization": quant_report, "engines": engines, "conformance": conformance,
             "backends": (["tensorrt"] if has_trt else []) + (
                 [] if "nvfp4" in model_precisions else ["onnxruntime"]) + (
                 [] if model_precisions & set(QUANTIZED) else ["torch"]),

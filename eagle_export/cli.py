@@ -55,9 +55,9 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
     report = inspect_checkpoint(path, target)
     if check:
-        from .conformance import check_checkpoint
+        from .conformance import check_checkpoint, check_prompts
 
-        report["conformance"] = check_checkpoint(path, target, prompts, num_prompts, new_tokens)
+        report["conformance"] = check_checkpoint(path, target, check_prompts(target, prompts, num_prompts), new_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

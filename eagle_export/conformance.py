@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
+from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
+from .errors import EagleExportError
+from .prompts import ChatTemplate, chat_prompts
 from .reference import parallel_drafts
 from .target import Target
 
@@ -189,11 +194,6 @@ def _message(row: dict, k: int, configured: float, aux_ids) -> str:
 def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tokens: int = 256) -> list[list[int]]:
     """Prompts for the check: a chat prompt set rendered with the target's chat template (mt-bench,
     sharegpt), or a text file whose lines are tokenized as they stand (no template)."""
-    from pathlib import Path
-
-    from .errors import EagleExportError
-    from .prompts import ChatTemplate, chat_prompts
-
     if source in ("mt-bench", "sharegpt"):
         return list(chat_prompts(ChatTemplate(target_dir), source, count, max_tokens))
     path = Path(source)
@@ -203,19 +203,15 @@ def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tok
     if not (Path(target_dir) / "tokenizer.json").is_file():
         raise EagleExportError(f"{target_dir} has no tokenizer.json to tokenize {path}",
                                "use a target directory that holds its tokenizer")
-    from tokenizers import Tokenizer
-
     tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     lines = [line for line in path.read_text().splitlines() if line.strip()][:count]
     return [tokenizer.encode(line, add_special_tokens=False).ids[:max_tokens] for line in lines]
 
 
-def check_checkpoint(drafter_dir, target_dir, source: str = "mt-bench", count: int = 16, new_tokens: int = 0) -> dict:
-    """Load the pair in fp32 and run `conformance_check` on `count` prompts of `source`."""
-    from .checkpoint import load_drafter, load_target
-
+def check_checkpoint(drafter_dir, target_dir, prompts: list[list[int]], new_tokens: int = 0) -> dict:
+    """Load the pair in fp32 (whatever they are stored in) and run `conformance_check` on `prompts`."""
     target = load_target(target_dir, dtype="float32")
     drafter = load_drafter(drafter_dir, target=target, dtype="float32")
     eos = target.config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return conformance_check(target, drafter, check_prompts(target_dir, source, count), new_tokens, eos_ids)
+    return conformance_check(target, drafter, prompts, new_tokens, eos_ids)

@@ -11,12 +11,14 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
+from eagle_export.build import conformance_prompts
 from eagle_export.build_dir import open_build
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
+from eagle_export.recipe import load_recipe
 from eagle_export.runtime import GenerationConfig
 from random_policy import RandomDepth
-from tiny_models import write_tiny_drafter, write_tiny_target
+from tiny_models import write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
 RECIPE = """\
 target: {target}
@@ -32,8 +34,13 @@ profiles:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
+    """A tiny target and a drafter trained briefly on the prompts the build checks conventions on
+    (a random drafter matches no convention and is refused)."""
     root = tmp_path_factory.mktemp("src")
-    return write_tiny_target(root / "target", "llama"), write_tiny_drafter(root / "drafter", "3.1")
+    target = write_tiny_target(root / "target", "llama")
+    recipe = load_recipe(write_recipe(root / "recipe.yaml", (target, root / "drafter")))
+    prompts = conformance_prompts(recipe, target)
+    return target, write_trained_tiny_drafter(root / "drafter", target, "3.1", prompts, aux=(1, 3, 4), draft_vocab=96)
 
 
 def write_recipe(path, sources, sampling=False, **edits):
@@ -64,6 +71,9 @@ def test_build_writes_a_complete_manifest(built):
     assert [r["name"] for r in manifest["passes"]["model"]][:2] == ["share_embeddings", "fold_fc_norm_into_target"]
     assert manifest["graphs"]["target"]["nodes_after_passes"] < manifest["graphs"]["target"]["nodes_exported"]
     assert manifest["validation"]["ok"] and len(manifest["validation"]["checks"]) >= 4
+    conformance = manifest["conformance"]
+    assert conformance["ok"] and conformance["readings"][0]["reading"] == "as configured"
+    assert "drafter conventions: acc@1" in log
     assert set(manifest["stage_seconds"]) >= {"load checkpoints", "model passes", "export ONNX (graph passes + TensorRT lint)"}
     # Without TensorRT: one clear line, and the build still runs on ONNX Runtime.
     assert "TensorRT is not installed: stopped after the ONNX stage" in log
@@ -244,6 +254,23 @@ def test_failed_build_leaves_no_partial_output(sources, tmp_path):
     result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "is not a directory" in result.output and "Traceback" not in result.output
     assert sorted(os.listdir(tmp_path)) == ["r.yaml"]
+
+
+def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path):
+    drafter = write_tiny_drafter(tmp_path / "random", "3.1")  # random weights: near zero under every reading
+    recipe = write_recipe(tmp_path / "r.yaml", (sources[0], drafter))
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "matches no convention" in result.output and "--check" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_checkpoint_from_a_build_keeps_its_conformance_record(built, tmp_path):
+    out, _ = built
+    result = CliRunner().invoke(main, ["export-checkpoint", str(out), "-o", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "ckpt" / "export_summary.json").read_text())
+    assert summary["conformance"] == json.loads((out / "manifest.json").read_text())["conformance"]
+    assert summary["source"]["build"] == str(out) and summary["round_trip"]["max_abs_logit_diff"] == 0.0
 
 
 def test_mismatched_pair_is_refused(tmp_path):

@@ -161,16 +161,24 @@ def write_trained_tiny_drafter(path: Path, target_dir: Path, version: str, seque
     drafter.share_embeddings(target.embed_tokens)
     to_draft = torch.full((vocab,), -1)
     to_draft[kept] = torch.arange(len(kept))
-    t = min(len(s) for s in sequences) - 2
-    aux_in = torch.stack([s[:t, list(aux)].reshape(t, -1) for s, _ in states])
-    next_ids = torch.tensor([s[1:t + 2] for s in sequences])
-    labels = torch.stack([torch.stack([g[k + 1:k + 1 + t] for k in range(2)]) for _, g in states])
+    # Ragged sequences are padded at the end (causal attention: padding never reaches a real position).
+    t = max(len(s) for s in sequences) - 2
+    aux_in = torch.zeros(len(sequences), t, len(aux) * target.config.hidden_size)
+    next_ids = torch.zeros(len(sequences), t + 1, dtype=torch.long)
+    labels = torch.full((len(sequences), 2, t), -1)
+    for i, (ids, (s, g)) in enumerate(zip(sequences, states)):
+        n = len(ids) - 2
+        aux_in[i, :n] = s[:n, list(aux)].reshape(n, -1)
+        next_ids[i, :n + 1] = torch.tensor(ids[1:])
+        for k in range(2):
+            labels[i, k, :n] = g[k + 1:k + 1 + n]
     params = [p for name, p in drafter.named_parameters() if not name.startswith("embed_tokens")]
     optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     with torch.enable_grad():  # some test modules switch autograd off at import
         for _ in range(steps):
             logits = parallel_drafts(drafter, next_ids, aux_in, 2)
-            loss = sum(F.cross_entropy(logits[k].flatten(0, 1), to_draft[labels[:, k]].flatten(), ignore_index=-1)
+            targets = [torch.where(labels[:, k] >= 0, to_draft[labels[:, k].clamp(min=0)], -1) for k in range(2)]
+            loss = sum(F.cross_entropy(logits[k].flatten(0, 1), targets[k].flatten(), ignore_index=-1)
                        for k in range(2))
             optimizer.zero_grad()
             loss.backward()
