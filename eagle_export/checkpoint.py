@@ -220,6 +220,14 @@ def check_state_against_config(cfg: DrafterConfig, state: dict[str, torch.Tensor
         raise CheckpointError(f"{where}: config.json sets fc_norm: true but the weights hold no fc_norm.*",
                               "restore the fc_norm.N.weight tensors (a converter may have dropped them), or remove "
                               "fc_norm from config.json if this is an EAGLE-3 drafter")
+    has_qk_norm = any(k.startswith("midlayer.self_attn.q_norm.") for k in state)
+    if has_qk_norm != cfg.qk_norm:
+        layer_type = (cfg.raw.get("transformer_layer_config") or cfg.raw.get("transformer_config") or cfg.raw).get(
+            "model_type")
+        raise CheckpointError(
+            f"{where}: the weights {'hold' if has_qk_norm else 'lack'} q_norm/k_norm (a Qwen3 decoder layer) but "
+            f"config.json's layer model_type is {layer_type!r}",
+            "set the decoder layer's model_type to qwen3 when it has q_norm/k_norm weights, llama when not")
     d2t = state.get("d2t")
     if d2t is not None:
         ids = torch.arange(len(d2t)) + d2t.long()

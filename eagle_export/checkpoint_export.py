@@ -92,8 +92,10 @@ def _rope(cfg) -> dict:
 
 
 def layer_config(cfg, dtype: torch.dtype) -> dict:
-    """The decoder layer's Llama config keys, as every format spells them."""
-    return {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+    """The decoder layer's config keys, as every format spells them (a Qwen3 layer: q/k norm)."""
+    window = {"layer_types": ["sliding_attention"], "sliding_window": cfg.sliding_window} if cfg.sliding_window else {}
+    return {"model_type": "qwen3" if cfg.qk_norm else "llama", **window,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
             "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
@@ -147,7 +149,8 @@ def round_trip(reference: Drafter, path: Path, target, batches) -> float:
     """Max abs difference of step-0 and step-1 draft logits: `reference` vs `path` loaded back, in fp32."""
     loaded = load_drafter(path, target=target, dtype=reference.fc.weight.dtype)
     read, written = loaded.config, reference.config
-    for key in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual", "draft_vocab_size"):
+    for key in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual", "draft_vocab_size",
+                "sliding_window", "qk_norm"):
         if getattr(read, key) != getattr(written, key):
             raise EagleExportError(f"the exported config.json reads back with {key}={getattr(read, key)}, "
                                    f"the drafter has {getattr(written, key)}", "this is a bug in export-checkpoint")
@@ -194,6 +197,10 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     out_dtype = resolve_dtype(dtype or (precision if precision in DTYPES else None) or drafter_cfg_dtype or "float32")
     # fp32 for everything computed here (calibration, logits); `out_dtype` only for what is written.
     drafter = load_drafter(src["drafter_dir"], target=target_model, dtype="float32")
+    if fmt != "speculators" and drafter.config.qk_norm:
+        raise EagleExportError("this drafter's decoder layer is a Qwen3 layer (q/k norm), which vLLM's "
+                               "LlamaForCausalLMEagle3 layout has no weights for",
+                               "export it with --format speculators (vLLM serves Qwen3-layer drafters in that layout)")
     aux_ids = tuple(drafter.config.resolved_aux_layer_ids(target_model.config))
     target_model.aux_layer_ids = aux_ids
     own_table = drafter.owns_embeddings and not torch.equal(drafter.embed_tokens.weight, target_model.embed_tokens.weight)

@@ -150,6 +150,8 @@ class DrafterConfig:
     norm_output: bool = False      # EAGLE-3.1: feed back the post-norm hidden state
     norm_before_fc: bool = False   # one RMSNorm over the concatenated aux states before fc
     norm_before_residual: bool = False  # the residual around attention is hidden_norm(x), not x
+    sliding_window: int | None = None  # attention sees the last `sliding_window` positions only
+    qk_norm: bool = False          # a Qwen3 decoder layer: RMSNorm over each query and key head
     layer_numbering: str = "vllm"  # "vllm": id i = entering layer i; "torchspec": id i = leaving layer i
     layer_numbering_reason: str = "default (no TorchSpec marker in config.json)"
     raw: dict = field(default_factory=dict, repr=False)
@@ -193,6 +195,9 @@ class DrafterConfig:
             max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
             fc_norm=flag("fc_norm"), norm_output=flag("norm_output"),
             norm_before_fc=flag("norm_before_fc"), norm_before_residual=flag("norm_before_residual"),
+            sliding_window=_drafter_window(flat, where),
+            # the layer's own model_type: a speculators config's top level names the speculator, not the layer
+            qk_norm=(nested or cfg).get("model_type") in QK_NORM_LAYER_TYPES,
             layer_numbering=numbering, layer_numbering_reason=reason, raw=cfg,
         )
 
@@ -203,6 +208,26 @@ class DrafterConfig:
             return target.default_aux_layer_ids()
         shift = 1 if self.layer_numbering == "torchspec" else 0
         return tuple(i + shift for i in self.aux_layer_ids)
+
+
+QK_NORM_LAYER_TYPES = ("qwen3",)  # decoder layer types with q/k norm (speculators' default layer config is Qwen3)
+
+
+def _drafter_window(cfg: dict, where: str) -> int | None:
+    """The drafter layer's sliding window: `layer_types: [sliding_attention]` with `sliding_window`
+    (transformers' and speculators' spelling), or Qwen2-style `use_sliding_window`. A window the
+    layer types do not use (Qwen3Config carries 4096 by default) is ignored."""
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if layer_types[0] != "sliding_attention":
+            return None
+    elif not cfg.get("use_sliding_window"):
+        return None
+    window = cfg.get("sliding_window")
+    if not window:
+        raise CheckpointError(f"{where}: the drafter layer is a sliding-window layer but config.json gives no "
+                              "sliding_window", "add \"sliding_window\": N (the window the drafter was trained with)")
+    return int(window)
 
 
 # How each spelling of the aux layer ids counts. "vllm": id i is the residual stream entering

@@ -4,6 +4,8 @@ Step 0:  x = fc(aux_0 .. aux_{A-1})     (EAGLE-3.1 `fc_norm`: one RMSNorm per au
 Layer:   attn(cat(input_layernorm(embed(tok)), hidden_norm(x))) + residual, then MLP + residual
 Output:  logits = lm_head(norm(h)) over the draft vocabulary; target id = draft id + d2t[draft id]
 Step k>0 feeds back h (EAGLE-3) or norm(h) (EAGLE-3.1 `norm_output`) in place of fc(...).
+Variants read from the config: a sliding window over the keys (speculators' `layer_types:
+[sliding_attention]`); RMSNorm over each query and key head (a Qwen3 decoder layer).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import DrafterConfig
-from .layers import MLP, Attention, RMSNorm, attention_mask, rope_cos_sin, rope_inv_freq
+from .layers import MLP, Attention, RMSNorm, attention_mask, in_window, key_positions, rope_cos_sin, rope_inv_freq
 
 
 class DrafterLayer(nn.Module):
@@ -21,7 +23,8 @@ class DrafterLayer(nn.Module):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.self_attn = Attention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
@@ -80,12 +83,16 @@ class Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step(self, input_ids, hidden, positions, past_k, past_v, mask, prefix_kv=None):
+    def step(self, input_ids, hidden, positions, past_k, past_v, mask, key_positions, prefix_kv=None):
         """The drafter step every path runs (forward, the unrolled graph, the reference's parallel
         drafts): embed the tokens, RoPE at `positions`, the decoder layer over the cache, final norm.
         input_ids, positions [B,T]; hidden [B,T,H]; past_k, past_v [B,Hkv,S,D]; mask broadcast to
-        [B,Hq,T,S(+prefix)]; prefix_kv: extra keys/values after the cache (see Attention)
+        [B,Hq,T,S(+prefix)+T], which keys are valid; key_positions [B or 1, S(+prefix)+T], the position
+        of each of those keys (a sliding-window drafter also hides keys behind its window);
+        prefix_kv: extra keys/values after the cache (see Attention)
         -> (normed state [B,T,H], lm_head's input; feedback state [B,T,H]; new_k, new_v [B,Hkv,T,D])."""
+        if self.config.sliding_window is not None:
+            mask = mask & in_window(positions, key_positions, self.config.sliding_window)[:, None, None]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq, hidden.dtype)
         h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv)
@@ -101,7 +108,8 @@ class Drafter(nn.Module):
         if self.embed_tokens is None:
             raise RuntimeError("the drafter has no embedding table: call share_embeddings(target.embed_tokens)")
         mask = attention_mask(positions, cache_lens, k_cache.shape[3])
-        normed, feedback, new_k, new_v = self.step(input_ids, hidden, positions, k_cache[0], v_cache[0], mask)
+        normed, feedback, new_k, new_v = self.step(input_ids, hidden, positions, k_cache[0], v_cache[0], mask,
+                                                   key_positions(k_cache.shape[3], positions))
         return self.lm_head(normed), feedback, new_k.unsqueeze(0), new_v.unsqueeze(0)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B,T,K] bool: key k lies in the sliding window of query t (the window counts the query itself,
+    as Mistral and Qwen count it). query_positions [B,T]; key_positions [B,K] or [K]."""
+    return key_positions.unsqueeze(-2) > query_positions.unsqueeze(-1) - window
+
+
+def key_positions(past_len: int, positions: torch.Tensor) -> torch.Tensor:
+    """[B, S+T]: the position of every key a step attends to, cache slot j holding position j."""
+    slots = torch.arange(past_len, device=positions.device).expand(positions.shape[0], -1)
+    return torch.cat([slots, positions], dim=-1)
+
+
 def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: int,
                    sliding_window: int | None = None) -> torch.Tensor:
     """Boolean [B, 1, 1, T, past_len + T]: True where query t may attend to key s."""
@@ -75,10 +87,10 @@ def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: 
     past_ok = past_ok.expand(-1, t, -1)                                    # [B,T,S]
     new_ok = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
     new_ok = new_ok.unsqueeze(0).expand(positions.shape[0], -1, -1)       # [B,T,T]
+    mask = torch.cat([past_ok, new_ok], dim=-1)
     if sliding_window is not None:
-        past_ok = past_ok & (slots.view(1, 1, -1) > positions.unsqueeze(-1) - sliding_window)
-        new_ok = new_ok & (positions.unsqueeze(1) > positions.unsqueeze(-1) - sliding_window)
-    return torch.cat([past_ok, new_ok], dim=-1)[:, None, None]
+        mask = mask & in_window(positions, key_positions(past_len, positions), sliding_window)
+    return mask[:, None, None]
 
 
 class Attention(nn.Module):

@@ -229,6 +229,7 @@ def parallel_drafts(drafter: Drafter, next_ids: torch.Tensor, aux: torch.Tensor,
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     own = torch.eye(n, dtype=torch.bool)
     keys, values, out = [], [], []
+    key_pos = torch.arange(t)  # the step-0 keys, then each later step's (position p + k for chain p)
     for k in range(depth):
         start = 0 if k == 0 else first_chain  # step 0 also builds the keys of every earlier position
         positions = torch.arange(start + k, t + k).expand(b, t - start)
@@ -236,8 +237,10 @@ def parallel_drafts(drafter: Drafter, next_ids: torch.Tensor, aux: torch.Tensor,
                                                                        drafter.config.head_dim)
         past_v = torch.cat(values, dim=2) if values else past_k
         mask = torch.cat([causal[start:]] + [own] * k, dim=-1)[None, None, None]
+        if k > 0:
+            key_pos = torch.cat([key_pos, positions[0]])
         normed, hidden, new_k, new_v = drafter.step(next_ids[:, start + k:t + k], hidden, positions, past_k, past_v,
-                                                    mask)
+                                                    mask, key_pos)
         keys.append(new_k)
         values.append(new_v)
         if k == 0:

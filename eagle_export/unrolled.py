@@ -97,7 +97,9 @@ class UnrolledDrafter(nn.Module):
         mask = torch.cat([past_ok.expand(-1, width, -1), causal[None] & row_valid[:, None, :]], dim=-1)
         hidden = d.fuse_aux(aux_hidden)
         positions = cache_lens[:, None] + rows[None, :]
-        normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None])
+        key_pos = torch.cat([slots[None, :].expand(positions.shape[0], -1), positions], dim=-1)  # [B,S+W]
+        normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None],
+                                                key_pos)
         # The last valid row of each sequence, selected by a one-hot sum (exact; plainer to every
         # backend than a gather with a per-sequence index).
         last = (rows[None, :] == (num_valid - 1)[:, None])[:, :, None]                   # [B,W,1]
@@ -112,8 +114,9 @@ class UnrolledDrafter(nn.Module):
                 positions = (cache_lens + num_valid - 1 + step)[:, None]
                 earlier = (cache_lens >= 0)[:, None, None].expand(-1, 1, step)           # all True, [B,1,step]
                 mask = torch.cat([past_ok, row_valid[:, None, :], earlier], dim=-1)
+                key_pos = torch.cat([key_pos, positions], dim=-1)                        # [B,S+W+step]
                 normed, feedback, new_k, new_v = d.step(target_token, feedback, positions, past_k, past_v,
-                                                        mask[:, None, None], (keys, values))
+                                                        mask[:, None, None], key_pos, (keys, values))
                 keys, values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
             token, prob, dist = self._choose(normed, step, temperature, uniform_noise)
             target_token = d.to_target_ids(token)                                       # [B,1]

@@ -204,3 +204,22 @@ def test_cli_exports_and_reports_the_round_trip(sources, tmp_path):
     assert again.exit_code == 2 and "already exists" in again.output and "--force" in again.output
     alone = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "-o", str(tmp_path / "x")])
     assert alone.exit_code == 2 and "--target" in alone.output
+
+
+def test_sliding_window_and_qwen3_layer_drafters_export(sources, tmp_path):
+    target, _ = sources
+    windowed = write_tiny_drafter(tmp_path / "w", "3.1", layer_types=["sliding_attention"], sliding_window=3)
+    qwen3 = write_tiny_drafter(tmp_path / "q", "3", model_type="qwen3")
+    for drafter, fmt in ((windowed, "vllm"), (windowed, "speculators"), (qwen3, "speculators")):
+        out = tmp_path / f"{drafter.name}-{fmt}"
+        summary = export_checkpoint(drafter, out, fmt, target=target, calib_prompts=PROMPTS, progress=lambda m: None)
+        assert summary["round_trip"]["max_abs_logit_diff"] == 0.0
+        config = json.loads((out / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        if drafter == windowed:
+            assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 3
+        else:
+            assert layer["model_type"] == "qwen3" and "layers.0.self_attn.q_norm.weight" in load_file(
+                out / "model.safetensors")
+    with pytest.raises(EagleExportError, match="--format speculators"):
+        export_checkpoint(qwen3, tmp_path / "x", "vllm", target=target, progress=lambda m: None)

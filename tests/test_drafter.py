@@ -199,3 +199,73 @@ def test_older_speculators_spellings_load(tmp_path, target):
     drafter = load_drafter(tmp_path / "spec", target=target)
     assert drafter.config.norm_before_fc and torch.equal(drafter.input_norm.weight, torch.ones(3 * 64))
     assert drafter.config.resolved_aux_layer_ids(target.config) == (1, 3, 4)
+
+
+WINDOW = {"layer_types": ["sliding_attention"], "sliding_window": 4}
+
+
+def test_a_sliding_window_drafter_sees_only_its_window(tmp_path, target):
+    """The last row of a window-4 drafter over 12 rows equals the full-attention drafter over the last 4
+    rows (same positions, so the same keys); over all 12 rows the full-attention drafter differs."""
+    windowed = load_drafter(write_tiny_drafter(tmp_path / "w", "3.1", **WINDOW), target=target)
+    full = load_drafter(write_tiny_drafter(tmp_path / "f", "3.1"), target=target)
+    assert windowed.config.sliding_window == 4 and full.config.sliding_window is None
+    ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+    k, v = target.empty_cache(1, 0)
+    _, aux, _, _ = target(ids, torch.arange(12)[None], k, v, torch.zeros(1, dtype=torch.long))
+
+    def last_logits(drafter, rows):
+        dk, dv = drafter.empty_cache(1, 0)
+        return drafter(ids[:, rows], drafter.fuse_aux(aux[:, rows]), torch.arange(12)[None, rows], dk, dv,
+                       torch.zeros(1, dtype=torch.long))[0][0, -1]
+
+    assert torch.allclose(last_logits(windowed, slice(0, 12)), last_logits(full, slice(8, 12)), atol=1e-5)
+    assert not torch.allclose(last_logits(full, slice(0, 12)), last_logits(full, slice(8, 12)), atol=1e-3)
+
+
+def test_parallel_drafts_equal_the_chain_with_a_sliding_window(tmp_path, target):
+    """Training-time test and the decoding chain hide the same keys behind the window, at every step."""
+    from eagle_export.reference import draft_chain, parallel_drafts
+
+    drafter = load_drafter(write_tiny_drafter(tmp_path / "w", "3.1", draft_vocab=320, **WINDOW), target=target)
+    ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(1))
+    k, v = target.empty_cache(1, 0)
+    _, aux, _, _ = target(ids, torch.arange(20)[None], k, v, torch.zeros(1, dtype=torch.long))
+    depth, t = 3, 16
+    next_ids = ids[:, 1:t + depth]
+    logits = parallel_drafts(drafter, next_ids, aux[:, :t], depth)
+    for p in (2, 9, 15):
+        chain = draft_chain(drafter, next_ids[:, :p + 1], aux[:, :p + 1], depth,
+                            choose=lambda lg, k, p=p: next_ids[:, min(p + k + 1, t + depth - 2)])  # teacher-forced
+        for k in range(depth):
+            assert torch.allclose(chain.logits[0, k], logits[k][0, p], atol=1e-5), (p, k)
+
+
+def test_window_and_qwen3_layer_configs(tmp_path, target):
+    assert without_eagle_config(layer_types=["full_attention"], sliding_window=4096).sliding_window is None
+    assert without_eagle_config(use_sliding_window=True, sliding_window=8).sliding_window == 8
+    with pytest.raises(Exception, match="sliding_window"):
+        without_eagle_config(layer_types=["sliding_attention"])
+    # speculators' default layer config is Qwen3's: q/k norm per head, and a window it does not use
+    qwen3 = without_eagle_config(model_type="qwen3", layer_types=["full_attention"], sliding_window=4096)
+    assert qwen3.qk_norm and qwen3.sliding_window is None
+    nested = DrafterConfig.from_hf({"model_type": "speculator_model", "speculators_model_type": "eagle3",
+                                    "transformer_layer_config": {**tiny_drafter_config("3"), "model_type": "qwen3"}})
+    assert nested.qk_norm
+    src = write_tiny_drafter(tmp_path / "llama", "3")
+    with pytest.raises(Exception, match="q_norm/k_norm"):  # a Qwen3 config over weights without q/k norm
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3"}))
+        load_drafter(src, target=target)
+
+
+def test_a_qwen3_layer_drafter_applies_its_qk_norms(tmp_path, target):
+    drafter_dir = write_tiny_drafter(tmp_path / "q", "3", model_type="qwen3")
+    weights = load_file(drafter_dir / "model.safetensors")
+    assert "midlayer.self_attn.q_norm.weight" in weights and "midlayer.self_attn.k_norm.weight" in weights
+    ids = torch.randint(3, 320, (1, 6), generator=torch.Generator().manual_seed(2))
+    before = run_steps(load_drafter(drafter_dir, target=target), target, ids, steps=1)
+    weights["midlayer.self_attn.k_norm.weight"] = weights["midlayer.self_attn.k_norm.weight"] * 2.0
+    save_file(weights, drafter_dir / "model.safetensors")
+    after = run_steps(load_drafter(drafter_dir, target=target), target, ids, steps=1)
+    assert not torch.allclose(before[0], after[0], atol=1e-3)

@@ -37,7 +37,9 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {"target": write_tiny_target(root / "t", "llama", seed=1),
             "3": write_tiny_drafter(root / "d3", "3", seed=2),
-            "3.1": write_tiny_drafter(root / "d31", "3.1", seed=3)}
+            "3.1": write_tiny_drafter(root / "d31", "3.1", seed=3),
+            "3.1-window": write_tiny_drafter(root / "d31w", "3.1", seed=3, layer_types=["sliding_attention"],
+                                             sliding_window=3)}
 
 
 def load_pair(dirs, version, dtype=None):
@@ -87,7 +89,8 @@ def compare(spec, got, expected, tol, relative=False):
 # ---------------------------------------------------------------- fp32: ORT equals torch
 
 @pytest.mark.parametrize("version,depth,sampling", [("3", 1, False), ("3", 4, True), ("3", 8, False),
-                                                    ("3.1", 1, True), ("3.1", 4, False), ("3.1", 8, True)])
+                                                    ("3.1", 1, True), ("3.1", 4, False), ("3.1", 8, True),
+                                                    ("3.1-window", 4, True)])
 def test_drafter_onnx_matches_torch_fp32(tmp_path, dirs, version, depth, sampling):
     _, drafter = load_pair(dirs, version)
     path = tmp_path / "drafter.onnx"

@@ -17,9 +17,11 @@ def target(tmp_path_factory):
     return load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
 
 
-@pytest.fixture(scope="module", params=["3", "3.1"])
+@pytest.fixture(scope="module", params=["3", "3.1", "3.1-window3"])
 def drafter(request, tmp_path_factory, target):
-    path = write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param, seed=7)
+    version, _, window = request.param.partition("-window")
+    extra = {"layer_types": ["sliding_attention"], "sliding_window": int(window)} if window else {}
+    path = write_tiny_drafter(tmp_path_factory.mktemp("d"), version, seed=7, **extra)
     return load_drafter(path, target=target)
 
 
