@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import write_tiny_drafter, write_tiny_target
+from eagle_export.build import conformance_prompts
+from eagle_export.recipe import load_recipe
+from tiny_models import write_tiny_target, write_trained_tiny_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "eagle_export", "passes", "recipes", "samples")
@@ -86,8 +88,13 @@ def test_installed_command_runs_from_an_empty_directory(installed, tmp_path):
     assert shipped["kind"] == "drafter" and shipped["eagle_version"] == "3.1", shipped
 
     # The default recipe (shipped in the package) with the tiny checkpoints in place of the sample's.
+    # The drafter is trained briefly on the prompts the build checks conventions on (a random one
+    # matches no convention and is refused).
     sources = tmp_path / "sources"
-    target, drafter = write_tiny_target(sources / "target", "llama"), write_tiny_drafter(sources / "drafter", "3.1")
+    target = write_tiny_target(sources / "target", "llama")
+    prompts = conformance_prompts(load_recipe(None, {"target": str(target), "drafter": str(sources / "drafter")}),
+                                  target)
+    drafter = write_trained_tiny_drafter(sources / "drafter", target, "3.1", prompts, aux=(1, 3, 4), draft_vocab=96)
     log = run([cli, "build", "--target", target, "--drafter", drafter, "-o", "b",
                "--set", "profiles.context.opt=64", "--set", "profiles.context.max=96"], cwd=empty)
     assert "built b:" in log, log
