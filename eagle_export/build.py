@@ -2,7 +2,8 @@
 
 load -> model passes -> quantize -> export (ONNX passes + lint inside) -> engines -> validate -> manifest
 Everything is written into a temporary directory beside the output and renamed at the end
-(manifest.atomic_build_dir), so a failure or Ctrl-C never leaves a half build.
+(manifest.atomic_build_dir), so a failure, Ctrl-C or SIGTERM never leaves a half build, and --force
+replaces only an earlier build, never a checkpoint the build reads.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     precision = recipe["precision"]
     depth, sampling = recipe["depth"], recipe["sampling"]
     model_precisions = {precision["target"], precision["drafter"]}
-    with atomic_build_dir(out_dir, force) as tmp:
+    target_dir, drafter_dir = resolve_sources(recipe)
+    with atomic_build_dir(out_dir, force, inputs=(target_dir, drafter_dir), warn=echo) as tmp:
         with log("load checkpoints"):
-            target_dir, drafter_dir = resolve_sources(recipe)
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
             target = load_target(target_dir, dtype=target_dtype)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import glob
 import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,34 +212,110 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
     return problems
 
 
+def is_build_dir(path: Path) -> bool:
+    """A build this tool made: a readable manifest.json that says so. Only these may be replaced."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("tool") == "eagle-export"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=is_build_dir) -> list[str]:
+    """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
+    only what `replaceable` recognises as this tool's own output, never an input of the build or a
+    directory holding one (`-o ''` is the current directory)."""
+    for source in inputs:
+        source = Path(source).resolve()
+        if out_dir == source or out_dir in source.parents:
+            what = "is" if out_dir == source else f"holds {source}, which is"
+            raise EagleExportError(f"the output {out_dir} {what} an input of this build",
+                                   "choose an -o outside the checkpoints the build reads")
+    if out_dir.exists() or out_dir.is_symlink():
+        if not force:
+            raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
+        if not out_dir.is_dir() or not replaceable(out_dir):
+            raise EagleExportError(f"{out_dir} exists and is not a build made by eagle-export (--force replaces only "
+                                   f"those: a directory with its {MANIFEST})",
+                                   "choose another -o, or move that directory away yourself")
+    return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
+            for source in map(lambda s: Path(s).resolve(), inputs) if source in out_dir.parents]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def sweep_leftovers(out_dir: Path) -> list[Path]:
+    """Remove what a killed build (SIGKILL, power loss) left beside `out_dir`: `.NAME.partial-PID-*`
+    of a dead process, and `.NAME.old-PID` (a replaced build) once `out_dir` exists again."""
+    removed = []
+    for kind in ("partial", "old"):
+        prefix = f".{out_dir.name}.{kind}-"
+        for path in out_dir.parent.glob(glob.escape(prefix) + "*"):
+            pid = path.name[len(prefix):].split("-")[0]
+            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _process_alive(int(pid)):
+                continue
+            if kind == "old" and not out_dir.is_dir():
+                continue  # killed between its two renames: this may be the only copy of the old build
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the partial build is removed
+
+
 @contextlib.contextmanager
-def atomic_build_dir(out_dir: str | Path, force: bool = False):
+def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=is_build_dir, warn=None):
     """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
 
-    A failure or Ctrl-C removes the temporary directory, so no half build is ever left; an existing
-    output is replaced only with `force`, and only once the new build is complete."""
+    A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An
+    existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
+    only once the new build is complete. Without `force` the final rename cannot replace a build that
+    another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
     out_dir = Path(out_dir).resolve()
-    if out_dir.exists() and not force:
-        raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
+    for message in check_output(out_dir, inputs, force, replaceable):
+        (warn or print)(f"warning: {message}")
     parent = out_dir.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
+        sweep_leftovers(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=parent))
     except OSError as e:
         raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
                                "choose an output directory you can write to (-o)") from None
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would outlive the rename
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         yield tmp
-        if out_dir.exists():
+        if force and (out_dir.exists() or out_dir.is_symlink()):
+            check_output(out_dir, (), force, replaceable)  # still ours, whatever happened meanwhile
             old = parent / f".{out_dir.name}.old-{os.getpid()}"
             out_dir.rename(old)
             tmp.rename(out_dir)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(out_dir)
-    except BaseException:  # includes KeyboardInterrupt: the partial build goes, whatever stopped it
+            try:
+                os.rename(tmp, out_dir)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                raise EagleExportError(f"{out_dir} appeared while this build ran (another build to the same -o "
+                                       "finished first); it was kept and this build discarded",
+                                       "pass --force to replace it, or choose another -o") from None
+    except BaseException:  # includes KeyboardInterrupt and SIGTERM: the partial build goes, whatever stopped it
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -180,3 +180,18 @@ def test_no_fix_line_repeats_what_its_problem_names():
     assert sites > 60  # the walk found the error sites
     unexplained = {where: value for (file, value), where in repeats.items() if (file, value) not in REPEATS_ALLOWED}
     assert not unexplained, f"fix lines repeating their problem's value: {unexplained}"
+# ---------------------------------------------------------------- build outputs: nothing a user owns is lost
+
+def test_build_force_refuses_what_is_not_a_build_and_the_builds_own_inputs(tmp_path, tiny_target_dir, monkeypatch):
+    drafter = write_tiny_drafter(tmp_path / "drafter", "3.1")
+    notes = tmp_path / "p"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("notes")
+    pair = ["build", "--target", str(tiny_target_dir), "--drafter", str(drafter), "--force", "-o"]
+    monkeypatch.chdir(notes)
+    for out, problem in ((str(notes), "not a build made by eagle-export"), (str(drafter), "an input of this build"),
+                         (str(tmp_path), "an input of this build"), ("", "not a build made by eagle-export")):
+        result = CliRunner().invoke(main, pair + [out])
+        assert result.exit_code == 2 and problem in result.output and "fix:" in result.output, (out, result.output)
+    assert (notes / "notes.txt").read_text() == "notes"
+    assert sorted(p.name for p in drafter.iterdir()) == ["config.json", "model.safetensors"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle_export.errors import EagleExportError
-from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, atomic_build_dir, read_manifest, verify_artifacts,
-                                   write_manifest)
+from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, atomic_build_dir, read_manifest, sweep_leftovers,
+                                   verify_artifacts, write_manifest)
 
 # The sample build's manifest.json as eagle-export 0.1.0 wrote it before the typed view (its two
 # checkpoint paths anonymized): an existing build must still open.
@@ -105,6 +105,86 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert proc.returncode != 0 and os.listdir(tmp_path) == []
+
+
+def test_force_replaces_only_a_build_of_ours(tmp_path):
+    mine = tmp_path / "p"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("notes")
+    other = tmp_path / "q"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"tool": "something-else"}))
+    afile = tmp_path / "f.txt"
+    afile.write_text("keep")
+    for out in (mine, other, afile):
+        with pytest.raises(EagleExportError, match="not a build made by eagle-export") as err:
+            with atomic_build_dir(out, force=True) as tmp:
+                (tmp / "x.onnx").write_bytes(b"x")
+        assert "--force replaces only" in err.value.problem
+    assert (mine / "notes.txt").read_text() == "notes" and (other / "manifest.json").is_file()
+    assert afile.read_text() == "keep" and sorted(os.listdir(tmp_path)) == ["f.txt", "p", "q"]
+
+
+def test_force_never_replaces_an_input_or_a_directory_holding_one(tmp_path):
+    drafter = tmp_path / "ckpt" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    (drafter / "manifest.json").write_text(json.dumps({"tool": "eagle-export"}))  # even one that looks like ours
+    for out in (drafter, drafter.parent, tmp_path):
+        with pytest.raises(EagleExportError, match="an input of this build"):
+            with atomic_build_dir(out, force=True, inputs=[drafter]):
+                pass
+    assert (drafter / "config.json").is_file()
+    warnings = []
+    with atomic_build_dir(drafter / "build", inputs=[drafter], warn=warnings.append) as tmp:
+        (tmp / "x.onnx").write_bytes(b"x")
+    assert len(warnings) == 1 and "inside the input" in warnings[0] and (drafter / "build" / "x.onnx").is_file()
+
+
+def test_a_second_build_to_the_same_output_fails_and_keeps_the_first(tmp_path):
+    """Two builds to one -o without --force: the one that finishes second is refused at its rename
+    (no check-then-rename window), the first stays whole, and nothing partial is left."""
+    with pytest.raises(EagleExportError, match="appeared while this build ran") as err:
+        with atomic_build_dir(tmp_path / "build") as tmp:
+            (tmp / "second.onnx").write_bytes(b"2")
+            make_build(tmp_path)  # the other build finishes first
+    assert "--force" in err.value.fix
+    build = tmp_path / "build"
+    assert verify_artifacts(build, read_manifest(build)) == [] and sorted(os.listdir(tmp_path)) == ["build"]
+
+
+def test_a_killed_builds_leftovers_are_swept_safely(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f".build.partial-{dead_pid}-abc"
+    live = tmp_path / f".build.partial-{os.getpid()}-abc"  # a build still running
+    odd = tmp_path / ".build.partial-notapid"
+    other = tmp_path / f".other.partial-{dead_pid}-abc"  # another output's
+    old = tmp_path / f".build.old-{dead_pid}"  # killed between its two renames: the only copy of the old build
+    for d in (stale, live, odd, other, old):
+        d.mkdir()
+        (d / "f").write_text("x")
+    assert sweep_leftovers(tmp_path / "build") == [stale]
+    make_build(tmp_path)
+    assert sweep_leftovers(tmp_path / "build") == [old]  # once the output exists again, the old copy may go
+    assert sorted(os.listdir(tmp_path)) == sorted(["build", live.name, odd.name, other.name])
+
+
+def test_sigterm_mid_build_leaves_no_partial_output(tmp_path):
+    """SIGTERM (timeout, container stop, a scheduler's preemption) cleans up as Ctrl-C does."""
+    script = textwrap.dedent(f"""
+        import time, pathlib
+        from eagle_export.manifest import atomic_build_dir
+        with atomic_build_dir(pathlib.Path({str(tmp_path)!r}) / "build") as tmp:
+            (tmp / "target.onnx").write_bytes(b"partial")
+            print("started", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and os.listdir(tmp_path) == []
 
 
 def test_a_manifest_written_before_the_typed_view_reads():
