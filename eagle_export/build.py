@@ -24,7 +24,7 @@ from .doctor import gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import export_drafter, export_target
-from .manifest import atomic_build_dir, write_manifest
+from .manifest import atomic_build_dir, source_hashes, write_manifest
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .passes.onnx_cleanup import onnx_pipeline
@@ -174,6 +174,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     target_dir, drafter_dir = resolve_sources(recipe)
     with atomic_build_dir(out_dir, force, inputs=(target_dir, drafter_dir), warn=echo) as tmp:
         with log("load checkpoints"):
+            # hashed before loading: a file changed meanwhile fails the check later, never passes it
+            source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
             target = load_target(target_dir, dtype=target_dtype)
@@ -218,6 +220,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
 
         content = {
             "recipe": recipe.data, "sources": {"target": str(target_dir), "drafter": str(drafter_dir)},
+            "source_files": source_files,
             "depth": depth, "sampling": sampling, "max_context": recipe["profiles"]["context"]["max"],
             "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
             "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},

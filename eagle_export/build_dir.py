@@ -15,7 +15,7 @@ from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
-from .manifest import Manifest, verify_artifacts
+from .manifest import Manifest, verify_artifacts, verify_sources
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
@@ -49,11 +49,14 @@ class OpenBuild:
 
 def torch_models(manifest: Manifest):
     """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
-    even for a quantized build (validation compares its graphs with them)."""
-    for role, model in manifest.models.items():
-        if not Path(model.source).is_dir():
-            raise EagleExportError(f"the torch backend needs the {role} checkpoint {model.source}, which is gone",
-                                   "use --backend onnxruntime, or restore the checkpoint")
+    even for a quantized build (validation compares its graphs with them). Refused unless every
+    source file still has the sha256 the build recorded: other weights would run silently."""
+    changed, unavailable = verify_sources(manifest)
+    if changed or unavailable:
+        raise EagleExportError("the torch backend rebuilds the models from the checkpoints the build was made "
+                               "from, and cannot trust them: " + "; ".join(changed + unavailable),
+                               "use the onnxruntime backend (it runs the build's own graphs), restore the "
+                               "checkpoints, or rebuild with `eagle-export build --force`")
     target = load_target(manifest.target.source, dtype=manifest.target.dtype,
                          aux_layer_ids=manifest.target.aux_layer_ids)
     drafter = load_drafter(manifest.drafter.source, target=target, dtype=manifest.drafter.dtype)

@@ -41,6 +41,16 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+# The files of a checkpoint directory a loader may read: config, weights, shard index, vocab maps.
+SOURCE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".npy")
+
+
+def source_hashes(checkpoint_dir: str | Path) -> dict[str, str]:
+    """sha256 of each file of a checkpoint directory that loading it may read (manifest.source_files)."""
+    return {p.name: sha256_file(p) for p in sorted(Path(checkpoint_dir).iterdir())
+            if p.is_file() and p.suffix in SOURCE_SUFFIXES}
+
+
 def artifact_hashes(build_dir: Path) -> dict[str, dict]:
     """sha256 and size of every file in the build except the manifest itself and the runtime's cost
     cache (written when the build is used, per machine)."""
@@ -143,6 +153,7 @@ class Manifest:
     skipped_passes: tuple[str, ...]
     evaluation_prompts: tuple[tuple[int, ...], ...]  # a quantized build's held-out prompts (none before 0.1)
     artifacts: dict[str, dict]
+    source_files: dict[str, dict[str, str]]  # role -> {file: sha256} of its checkpoint (none before 0.2)
 
     @classmethod
     def read(cls, build_dir: str | Path) -> Manifest:
@@ -177,7 +188,7 @@ class Manifest:
                 None if isinstance(engines, list) else engines.get("skipped", ""),
                 tuple(data["passes"]["skipped_by_recipe"]),
                 tuple(tuple(p) for p in quantization.get("evaluation", {}).get("prompt_ids", ())),
-                data["artifacts"])
+                data["artifacts"], data.get("source_files", {}))
         except (KeyError, TypeError) as e:
             raise EagleExportError(f"{where} is incomplete (no {e} where a build records it)",
                                    "rebuild with `eagle-export build --force`") from None
@@ -270,6 +281,27 @@ def sweep_leftovers(out_dir: Path) -> list[Path]:
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the partial build is removed
+
+
+def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
+    """(changed, unavailable): how the checkpoints the build was made from differ from their hashes
+    in the manifest, and those that cannot be compared (gone, or no hashes recorded)."""
+    changed, unavailable = [], []
+    for role, model in manifest.models.items():
+        recorded = manifest.source_files.get(role)
+        if not Path(model.source).is_dir():
+            unavailable.append(f"the {role} checkpoint {model.source} is gone")
+        elif recorded is None:
+            unavailable.append(f"the build recorded no hashes of the {role} checkpoint (made by an older eagle-export)")
+        else:
+            now = source_hashes(model.source)
+            files = sorted(name for name in recorded.keys() | now.keys() if recorded.get(name) != now.get(name))
+            if files:
+                how = {name: "added" if name not in recorded else "gone" if name not in now else "modified"
+                       for name in files}
+                changed.append(f"the {role} checkpoint {model.source} changed since the build: "
+                               + ", ".join(f"{name} ({how[name]})" for name in files))
+    return changed, unavailable
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """`eagle-export validate`: re-check a build's artifacts against their sources.
 
-1. every artifact's sha256 against the manifest;
+1. every artifact's sha256 against the manifest, and the source checkpoints' (the torch models of
+   step 2 are rebuilt from them: changed sources fail here, instead of the graphs failing below);
 2. the ONNX graphs against the torch modules they came from (rebuilt from the recorded sources
    with the same passes), on the same inputs: ids identical, values within the dtype's tolerance;
    a quantized graph, whose quantized torch module is gone, against the unquantized torch model
@@ -24,7 +25,7 @@ from . import contract as C
 from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
-from .manifest import Agreement, Manifest, verify_artifacts
+from .manifest import Agreement, Manifest, verify_artifacts, verify_sources
 from .progress import track
 from .quantize import drafter_calibration_batches
 from .reference import draft_chain
@@ -194,14 +195,21 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
         return _summary(checks)
     quantized = manifest.quantized_roles
     if reference is None:
-        reference = torch_models(manifest)
-    checks += _numerics(build_dir, manifest, *reference, skip=quantized)
-    if quantized:
-        checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
+        changed, unavailable = verify_sources(manifest)
+        if changed or unavailable:  # the graphs cannot be compared with models other than their own
+            checks.append(("source checkpoints", False if changed else None,
+                           "; ".join(changed + unavailable) + ": graphs not compared with torch"))
+        else:
+            checks.append(("source checkpoints", True, "every file has the sha256 the build recorded"))
+            reference = torch_models(manifest)
+    if reference is not None:
+        checks += _numerics(build_dir, manifest, *reference, skip=quantized)
+        if quantized:
+            checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
     if "nvfp4" in {m.precision for m in manifest.models.values()}:
         checks.append(("lossless loop", None, "not run: ONNX Runtime, which runs the loop here, has no FP4 kernels"))
     else:
-        target = None if quantized else reference[0]
+        target = None if quantized or reference is None else reference[0]
         checks += _lossless(build_dir, manifest, target, 2 if quick else 3, 16 if quick else 32)
     return _summary(checks)
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from eagle_export.build import conformance_prompts
 from eagle_export.build_dir import open_build
@@ -210,6 +211,39 @@ def test_run_sampling_and_torch_backend(built):
     for args in (["--temperature", "0.7", "--top-p", "0.9"], ["--backend", "torch"]):
         result = CliRunner().invoke(main, ["run", str(out), "--chat", "w9 w10", "--max-new-tokens", "6", *args])
         assert result.exit_code == 0, result.output
+
+
+def test_the_torch_backend_refuses_sources_changed_since_the_build(built, sources, tmp_path):
+    """The torch backend rebuilds the models from the recorded checkpoints: a changed checkpoint must
+    be refused by name, and validate must say the source changed instead of blaming a graph."""
+    out, _ = built
+    copy, src = tmp_path / "copy", tmp_path / "src"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    src.mkdir()
+    for role, path in zip(("target", "drafter"), sources):
+        subprocess.run(["cp", "-r", str(path), str(src / role)], check=True)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["sources"] = {"target": str(src / "target"), "drafter": str(src / "drafter")}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert set(manifest["source_files"]["drafter"]) >= {"config.json", "model.safetensors"}
+    open_build(copy, backend="torch")  # unchanged: opens
+    weights = load_file(src / "drafter" / "model.safetensors")
+    weights["fc.weight"] = weights["fc.weight"] * 1.01
+    save_file(weights, str(src / "drafter" / "model.safetensors"))
+    with pytest.raises(EagleExportError, match="drafter checkpoint .* changed since the build: model.safetensors "
+                                               r"\(modified\)") as err:
+        open_build(copy, backend="torch")
+    assert "onnxruntime" in err.value.fix
+    result = CliRunner().invoke(main, ["validate", str(copy), "--json"])
+    report = json.loads(result.output)
+    assert result.exit_code == 1 and report["failures"][0].startswith("source checkpoints: the drafter checkpoint")
+    assert len(report["failures"]) == 1  # no graph is blamed
+    # Gone: the build's own files still verify, the torch comparisons are skipped with the reason.
+    subprocess.run(["rm", "-r", str(src)], check=True)
+    result = CliRunner().invoke(main, ["validate", str(copy), "--json"])
+    report = json.loads(result.output)
+    assert result.exit_code == 0 and report["checks"][0]["ok"] and "is gone" in report["skipped"][0]
+    assert "Traceback" not in result.output
 
 
 def test_bench_json_and_plot(built, tmp_path):
