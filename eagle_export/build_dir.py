@@ -120,5 +120,6 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
-                                 cost_cache=CostCache(cache_path(path, manifest.data), cost_key(chosen, threads)))
+                                 cost_cache=CostCache(cache_path(path, manifest.data), cost_key(chosen, threads)),
+                                 vocab_size=t.vocab_size)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)

@@ -112,6 +112,7 @@ class BuiltModel:
     aux_layer_ids: tuple[int, ...] = ()
     eos_token_id: int | tuple[int, ...] | None = None
     agreement: Agreement | None = None  # quantized models only
+    vocab_size: int | None = None  # recorded for the target only
 
     @property
     def quantized(self) -> bool:
@@ -171,7 +172,8 @@ class Manifest:
                     data["sources"][role], m["precision"], m["dtype"], m["hidden_size"], m["num_kv_heads"],
                     m["head_dim"], m.get("num_layers", 1), tuple(m.get("aux_layer_ids", ())),
                     tuple(m["eos_token_id"]) if isinstance(m.get("eos_token_id"), list) else m.get("eos_token_id"),
-                    Agreement(measured["top1_agreement"], measured["positions"]) if measured else None)
+                    Agreement(measured["top1_agreement"], measured["positions"]) if measured else None,
+                    m.get("vocab_size"))
 
             def graph(name: str) -> GraphFile | None:
                 g = data["graphs"].get(name)

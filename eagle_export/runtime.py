@@ -23,10 +23,12 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import contract as C
@@ -45,6 +47,33 @@ class GenerationConfig:
     eos_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
+
+    def __post_init__(self):
+        """Refuse nonsense here, where the CLI and the Python API both pass: NaN or a negative
+        temperature would decode greedily, an empty stop string would stop after one token."""
+        def integer(value) -> bool:
+            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+        def number(value) -> bool:
+            return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not integer(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise EagleExportError(f"max_new_tokens is {self.max_new_tokens!r}", "pass a whole number of 1 or more")
+        if not number(self.temperature) or self.temperature < 0:
+            raise EagleExportError(f"temperature is {self.temperature!r}",
+                                   "pass 0 for greedy decoding or a finite positive number to sample")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise EagleExportError(f"top_p is {self.top_p!r}, outside (0, 1]", "pass a top_p above 0 and at most 1")
+        if isinstance(self.eos_ids, (str, bytes)) or not all(integer(i) and i >= 0 for i in self.eos_ids):
+            raise EagleExportError(f"eos_ids {self.eos_ids!r} are not token ids", "pass a tuple of ids of 0 or more")
+        if isinstance(self.stop_strings, (str, bytes)):
+            raise EagleExportError(f"stop_strings is the single string {self.stop_strings!r}, read as its characters",
+                                   f"pass a tuple of strings, e.g. ({self.stop_strings!r},)")
+        if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
+            raise EagleExportError(f"stop_strings {self.stop_strings!r} holds an empty string or a non-string "
+                                   "(an empty string is found at once)", "pass non-empty strings only")
+        if not integer(self.seed):
+            raise EagleExportError(f"seed is {self.seed!r}", "pass a whole number")
 
 
 @dataclass
@@ -121,8 +150,9 @@ class SpeculativeRuntime:
     def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
                  drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,
                  draft_to_target: torch.Tensor | None = None, tokenizer=None, depth_policy="goodput",
-                 costs: CostCurves | None = None, cost_cache: CostCache | None = None):
+                 costs: CostCurves | None = None, cost_cache: CostCache | None = None, vocab_size: int | None = None):
         self.backend = backend
+        self.vocab_size = vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.depth_policy = depth_policy
         check_policy(depth_policy)  # an unknown name fails here, not mid-generation
         self.cost_cache = cost_cache
@@ -143,7 +173,7 @@ class SpeculativeRuntime:
         t, d = target.config, drafter.config
         return cls(backend, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                    target.aux_width, max_context, draft_to_target=drafter.to_target_ids(
-                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer, **kw)
+                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer, vocab_size=t.vocab_size, **kw)
 
     def cost_curves(self, batch: int) -> CostCurves:
         """The measured costs, measuring (and caching) this batch size on its first use."""
@@ -199,7 +229,10 @@ class SpeculativeRuntime:
             raise EagleExportError(f"the {self.backend.name} backend of this build cannot sample "
                                    "(it has no logits output or no sampling drafter graph)",
                                    "use --temperature 0, or rebuild with sampling: true in the recipe")
+        if not isinstance(config, GenerationConfig):
+            raise EagleExportError(f"config is a {type(config).__name__}", "pass an eagle_export.runtime.GenerationConfig")
         for i, p in enumerate(prompts):
+            self._check_ids(i, p)
             if len(p) == 0:
                 raise EagleExportError(f"prompt {i} is empty: there is nothing to continue",
                                        "pass some text, or use --chat so the chat template adds its tokens")
@@ -217,6 +250,19 @@ class SpeculativeRuntime:
         state = _State(self, prompts, config)
         state.policy = policy
         return state
+
+    def _check_ids(self, i: int, prompt) -> None:
+        """Token ids are whole numbers in [0, vocab): Gather would wrap a negative id silently."""
+        if isinstance(prompt, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                       for t in prompt):
+            raise EagleExportError(f"prompt {i} is not a list of token ids ({str(prompt)[:60]!r})",
+                                   "pass each prompt as a list of ints (the tokenizer's ids)")
+        vocab = self.vocab_size
+        bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise EagleExportError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, "
+                                   f"{vocab if vocab is not None else 'vocab'})",
+                                   "encode the prompt with this build's tokenizer")
 
     def _prefill(self, state, draft: bool = True):
         b = len(state.prompts)

@@ -213,6 +213,14 @@ def test_run_sampling_and_torch_backend(built):
         assert result.exit_code == 0, result.output
 
 
+def test_run_refuses_nonsense_generation_settings(built):
+    out, _ = built
+    for args, problem in ((["--temperature", "nan"], "temperature is nan"), (["--top-p", "0"], "top_p is 0.0"),
+                          (["--max-new-tokens", "-1"], "max_new_tokens is -1")):
+        result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5 w6", "--backend", "onnxruntime", *args])
+        assert result.exit_code == 2 and f"error: {problem}" in result.output and "fix:" in result.output, args
+
+
 def test_the_torch_backend_refuses_sources_changed_since_the_build(built, sources, tmp_path):
     """The torch backend rebuilds the models from the recorded checkpoints: a changed checkpoint must
     be refused by name, and validate must say the source changed instead of blaming a graph."""

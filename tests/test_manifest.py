@@ -191,7 +191,8 @@ def test_a_manifest_written_before_the_typed_view_reads():
     m = Manifest.from_json(json.loads(SAMPLE_0_1_0.read_text()))
     assert (m.depth, m.sampling, m.max_context) == (4, False, 2048)
     assert m.target == BuiltModel("checkpoints/smollm2-135m-instruct", "fp32", "fp32", hidden_size=576,
-                                  num_kv_heads=3, head_dim=64, num_layers=30, aux_layer_ids=(2, 15, 27), eos_token_id=2)
+                                  num_kv_heads=3, head_dim=64, num_layers=30, aux_layer_ids=(2, 15, 27), eos_token_id=2,
+                                  vocab_size=49152)
     assert m.drafter.source == "samples/eagle3.1-smollm2-135m" and m.drafter.num_kv_heads == 3
     assert m.drafter.num_layers == 1 and m.target.agreement is None and not m.quantized_roles
     assert m.target_graph == GraphFile("target.onnx") and m.drafter_graph == GraphFile("drafter.onnx")

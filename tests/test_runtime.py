@@ -145,6 +145,30 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    ("max_new_tokens", -1, "max_new_tokens is -1"), ("max_new_tokens", 0, "max_new_tokens is 0"),
+    ("max_new_tokens", 2.5, "max_new_tokens is 2.5"), ("temperature", float("nan"), "temperature is nan"),
+    ("temperature", -0.5, "temperature is -0.5"), ("temperature", float("inf"), "temperature is inf"),
+    ("top_p", 0.0, "top_p is 0.0"), ("top_p", -1.0, "top_p is -1.0"), ("top_p", 1.5, "top_p is 1.5"),
+    ("top_p", float("nan"), "top_p is nan"), ("stop_strings", ("",), "empty string"),
+    ("stop_strings", "###", "single string"), ("eos_ids", (-1,), "not token ids"), ("seed", "x", "seed is"),
+])
+def test_generation_config_refuses_nonsense(field, value, problem):
+    with pytest.raises(EagleExportError, match=problem) as err:
+        GenerationConfig(**{field: value})
+    assert err.value.fix
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(target, drafter):
+    runtime = make_runtime(target, drafter, 2)
+    vocab = target.config.vocab_size
+    for prompt, problem in (([5, -1, 7], "token id -1"), ([5, vocab], f"token id {vocab}"),
+                            ([5, 2.0], "not a list of token ids"), ("hello", "not a list of token ids")):
+        with pytest.raises(EagleExportError, match=problem):
+            runtime.generate([[3, 4], prompt], GenerationConfig(max_new_tokens=2))
+    assert len(runtime.generate([[5, vocab - 1]], GenerationConfig(max_new_tokens=2))[0].tokens) == 2
+
+
 def test_stop_string_inside_an_accepted_draft(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     generated = full[len(PROMPTS[0]):]
