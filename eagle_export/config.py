@@ -65,6 +65,60 @@ class RopeConfig:
                    original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)))
 
 
+# The one list of config fields whose values these models implement only in part: key -> the values
+# implemented (absent counts as implemented). Anything else would build a graph that silently
+# computes another function (a `gelu` target built byte-identical to the SiLU one), so it is refused.
+IMPLEMENTED_VALUES = {
+    "hidden_act": ("silu", "swish"),             # MLP activation
+    "hidden_activation": ("silu", "swish"),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1, 1.0),           # RoPE over the whole head
+    "final_logit_softcapping": (None,),
+    "attn_logit_softcapping": (None,),
+    "logits_scaling": (None, 1, 1.0),            # Granite-style multipliers
+    "embedding_multiplier": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "use_qk_norm": (None, False),
+}
+
+
+def check_implemented(cfg: dict, where: str) -> None:
+    """Refuse a config that sets a field to a value the models here do not implement (rope types:
+    RopeConfig; sliding windows: TargetConfig)."""
+    for key, implemented in IMPLEMENTED_VALUES.items():
+        if key in cfg and cfg[key] not in implemented:
+            shown = ", ".join(repr(v) for v in implemented if v is not None) or "absent"
+            raise CheckpointError(f"{where}: config.json sets {key}={cfg[key]!r}, which this tool does not implement "
+                                  f"(implemented: {shown}); the model would compute something else",
+                                  "use a checkpoint of a supported family (Llama, Mistral, Qwen2, Qwen3) as released")
+
+
+def _target_window(cfg: dict, family: str, num_layers: int, where: str) -> int | None:
+    """The sliding window of every layer, or None. Llama has none; Qwen2/3 slide only with
+    use_sliding_window, and then (as transformers) the layers from max_window_layers on; a window
+    on some layers only is not implemented."""
+    window = cfg.get("sliding_window")
+    if family == "llama" or not window:
+        return None
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None  # Qwen configs carry a window they do not use unless use_sliding_window is set
+        first = int(cfg.get("max_window_layers") or 0)
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    if cfg.get("layer_types"):
+        sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
+    if all(sliding):
+        return int(window)
+    if not any(sliding):
+        return None
+    raise CheckpointError(f"{where}: a sliding window on {sum(sliding)} of {len(sliding)} layers "
+                          "(max_window_layers / layer_types) is not implemented", "use a checkpoint whose layers all "
+                          "use the same attention, or set use_sliding_window: false if the window was never used")
+
+
 def _require(cfg: dict, key: str, where: str):
     if key not in cfg or cfg[key] is None:
         raise CheckpointError(f"{where}: config.json lacks {key!r}", "use the checkpoint's original config.json")
@@ -102,13 +156,14 @@ class TargetConfig:
             raise CheckpointError(f"{where}: unsupported architecture {found}",
                                   f"supported target architectures: {', '.join(TARGET_ARCHITECTURES)}")
         family, bias_default, qk_norm = TARGET_ARCHITECTURES[arch]
+        check_implemented(cfg, where)
+        attention_bias = bool(cfg.get("attention_bias", bias_default))
+        if attention_bias and family != "qwen2":  # Qwen2's bias is on q/k/v only; Llama's would be on o_proj too
+            raise CheckpointError(f"{where}: config.json sets attention_bias=true on a {arch}, whose o_proj bias "
+                                  "this tool does not implement", "use the checkpoint as released (attention_bias: false)")
         hidden = int(_require(cfg, "hidden_size", where))
         heads = int(_require(cfg, "num_attention_heads", where))
-        window = cfg.get("sliding_window")
-        if family == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2 configs carry a window they do not use unless use_sliding_window is set
-        if family in ("llama", "qwen3"):
-            window = None
+        window = _target_window(cfg, family, int(_require(cfg, "num_hidden_layers", where)), where)
         return cls(
             architecture=arch, family=family, hidden_size=hidden,
             intermediate_size=int(_require(cfg, "intermediate_size", where)),
@@ -120,8 +175,7 @@ class TargetConfig:
             rope=RopeConfig.from_hf(cfg, where),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", bias_default)),
-            qk_norm=qk_norm, sliding_window=int(window) if window else None,
+            attention_bias=attention_bias, qk_norm=qk_norm, sliding_window=window,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
         )
@@ -172,6 +226,7 @@ class DrafterConfig:
         nested = cfg.get("transformer_layer_config") or cfg.get("transformer_config") or {}
         flat = {**nested, **{k: v for k, v in cfg.items() if k not in ("transformer_layer_config", "transformer_config")}}
         eagle_cfg = flat.get("eagle_config") or {}
+        check_implemented(flat, where)
         hidden = int(_require(flat, "hidden_size", where))
         heads = int(_require(flat, "num_attention_heads", where))
         aux_ids, numbering, reason = _aux_layer_ids(flat, where)

@@ -195,3 +195,46 @@ def test_build_force_refuses_what_is_not_a_build_and_the_builds_own_inputs(tmp_p
         assert result.exit_code == 2 and problem in result.output and "fix:" in result.output, (out, result.output)
     assert (notes / "notes.txt").read_text() == "notes"
     assert sorted(p.name for p in drafter.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# ---------------------------------------------------------------- config fields the models do not implement
+
+@pytest.mark.parametrize("edit, field", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"), ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"logits_scaling": 8.0}, "logits_scaling=8.0"), ({"attention_bias": True}, "attention_bias=true"),
+])
+def test_config_fields_the_models_do_not_implement_are_refused(tmp_path, tiny_target_dir, edit, field):
+    """Each of these used to be ignored: the graph computed the plain Llama function instead."""
+    cfg = {**json.loads((tiny_target_dir / "config.json").read_text()), **edit}
+    with pytest.raises(CheckpointError, match=field.replace("(", r"\(")) as e:
+        load_target(copy_with(tiny_target_dir, tmp_path / "t", config=cfg))
+    assert "does not implement" in e.value.problem
+
+
+def test_a_drafter_config_with_another_activation_is_refused(tmp_path, tiny_target_dir):
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1")
+    cfg = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu_pytorch_tanh"}))
+    with pytest.raises(CheckpointError, match="hidden_act='gelu_pytorch_tanh'"):
+        load_drafter(drafter, target=load_target(tiny_target_dir))
+
+
+def test_qwen_sliding_windows_follow_max_window_layers():
+    from eagle_export.config import TargetConfig
+    from tiny_models import tiny_target_config
+
+    def window(**edits):
+        return TargetConfig.from_hf({**tiny_target_config("qwen2"), "layer_types": None, **edits}).sliding_window
+
+    layers = tiny_target_config("qwen2")["num_hidden_layers"]
+    assert window(use_sliding_window=False, sliding_window=8) is None
+    assert window(use_sliding_window=True, sliding_window=8, max_window_layers=0) == 8
+    assert window(use_sliding_window=True, sliding_window=8, max_window_layers=layers) is None  # no layer slides
+    with pytest.raises(CheckpointError, match=f"sliding window on {layers - 1} of {layers} layers"):
+        window(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    qwen3 = {**tiny_target_config("qwen2"), "architectures": ["Qwen3ForCausalLM"], "layer_types": None}
+    assert TargetConfig.from_hf({**qwen3, "use_sliding_window": True, "sliding_window": 8,
+                                 "max_window_layers": 0}).sliding_window == 8  # was ignored for Qwen3
