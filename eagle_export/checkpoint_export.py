@@ -61,6 +61,18 @@ PASSES_NOT_APPLIED = {
 ROUND_TRIP_TOLERANCE = 1e-5
 
 
+def is_checkpoint_export(path: Path) -> bool:
+    """A checkpoint export-checkpoint wrote: its config.json names this tool (`eagle_export.exported_by`)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        return str(config["eagle_export"]["exported_by"]).startswith("eagle-export ")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+EXPORT_OUTPUT = ("a checkpoint written by eagle-export export-checkpoint", is_checkpoint_export)
+
+
 def resolve_source(source, target=None) -> dict:
     """{target_dir, drafter_dir, precision, calibration, depth, conformance} from a build directory
     (its manifest) or from a drafter directory and `target`."""
@@ -254,7 +266,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if hf_quant_config is not None:
         config["quantization_config"] = quantization_config(hf_quant_config)
 
-    with atomic_build_dir(out_dir, force) as tmp:
+    inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
+    with atomic_build_dir(out_dir, force, inputs, replaceable=EXPORT_OUTPUT, warn=progress) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weight_names(fmt, state), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if hf_quant_config is not None:

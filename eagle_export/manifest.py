@@ -233,10 +233,13 @@ def is_build_dir(path: Path) -> bool:
         return False
 
 
-def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=is_build_dir) -> list[str]:
+BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
+
+
+def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
     """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
-    only what `replaceable` recognises as this tool's own output, never an input of the build or a
-    directory holding one (`-o ''` is the current directory)."""
+    only what `replaceable` = (description, test) recognises as this tool's own output, never an
+    input of the build or a directory holding one (`-o ''` is the current directory)."""
     for source in inputs:
         source = Path(source).resolve()
         if out_dir == source or out_dir in source.parents:
@@ -246,9 +249,9 @@ def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=is_b
     if out_dir.exists() or out_dir.is_symlink():
         if not force:
             raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
-        if not out_dir.is_dir() or not replaceable(out_dir):
-            raise EagleExportError(f"{out_dir} exists and is not a build made by eagle-export (--force replaces only "
-                                   f"those: a directory with its {MANIFEST})",
+        description, test = replaceable
+        if not out_dir.is_dir() or not test(out_dir):
+            raise EagleExportError(f"{out_dir} exists and is not {description}: --force replaces only those",
                                    "choose another -o, or move that directory away yourself")
     return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
             for source in map(lambda s: Path(s).resolve(), inputs) if source in out_dir.parents]
@@ -307,7 +310,7 @@ def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
 
 
 @contextlib.contextmanager
-def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=is_build_dir, warn=None):
+def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=BUILD_OUTPUT, warn=None):
     """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
 
     A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An

@@ -202,6 +202,17 @@ def test_cli_exports_and_reports_the_round_trip(sources, tmp_path):
     assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
     again = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "--target", str(target), "-o", str(out)])
     assert again.exit_code == 2 and "already exists" in again.output and "--force" in again.output
+    args = [str(drafters["3.1"]), "--target", str(target), "--force", "-o"]
+    replaced = CliRunner().invoke(main, ["export-checkpoint", *args, str(out)])  # our own export: replaced
+    assert replaced.exit_code == 0, replaced.output
+    for theirs in (drafters["3.1"], drafters["3.1"].parent, target):
+        refused = CliRunner().invoke(main, ["export-checkpoint", *args, str(theirs)])
+        assert refused.exit_code == 2 and "an input of this build" in refused.output, refused.output
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "n.txt").write_text("mine")
+    refused = CliRunner().invoke(main, ["export-checkpoint", *args, str(tmp_path / "notes")])
+    assert refused.exit_code == 2 and "not a checkpoint written by eagle-export" in refused.output
+    assert (tmp_path / "notes" / "n.txt").read_text() == "mine"
     alone = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "-o", str(tmp_path / "x")])
     assert alone.exit_code == 2 and "--target" in alone.output
 
