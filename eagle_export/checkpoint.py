@@ -55,18 +55,38 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
+    except PermissionError as e:  # not "re-download": the file is there, this user may not read it
+        raise CheckpointError(f"{file} cannot be read ({e.strerror or 'permission denied'})",
+                              "make it readable to this user (check its permissions)") from None
     except Exception as e:
         raise CheckpointError(f"{file} is not a readable safetensors file ({e})",
                               "re-download the file; a truncated or corrupted file cannot be loaded") from None
 
 
+FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # FP8 codes: their fp32 scales are
+
+
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory: single or sharded safetensors, else a weights-only pickle."""
-    path = Path(path)
+    """All tensors of a checkpoint directory: single or sharded safetensors, else a weights-only
+    pickle. A NaN or infinite weight is the checkpoint's problem, named here, not a numerics failure
+    of the build later."""
+    state = _read_tensors(Path(path))
+    for name, tensor in state.items():
+        if tensor.dtype in FINITE_CHECKED and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{path}: weight {name} holds NaN or infinite values",
+                                  "restore the checkpoint (a damaged download or a diverged training run)")
+    return state
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            except (OSError, ValueError, AttributeError) as e:
+                raise CheckpointError(f"{index} cannot be read as a JSON index ({e})",
+                                      "restore the index file from the checkpoint") from None
             shards = sorted(set(weight_map.values()))
             missing = [s for s in shards if not (path / s).is_file()]
             if missing:
@@ -184,7 +204,14 @@ def _load_separate_vocab_map(path: Path, name: str) -> torch.Tensor | None:
         if not file.is_file():
             continue
         if suffix == ".npy":
-            return torch.from_numpy(np.load(file, allow_pickle=False))
+            try:
+                array = np.load(file, allow_pickle=False)
+                if array.dtype.kind not in "iub":
+                    raise ValueError(f"dtype {array.dtype}")
+            except (ValueError, OSError) as e:  # an object array needs pickle, refused
+                raise CheckpointError(f"{file} is not a plain integer array ({e})",
+                                      f"save {name} as an integer .npy (numpy.save of an int64 array)") from None
+            return torch.from_numpy(array)
         if suffix == ".safetensors":
             tensors = _read_safetensors(file)
             return tensors.get(name, next(iter(tensors.values())))

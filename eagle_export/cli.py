@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+import traceback
 
 import click
 
@@ -21,6 +23,26 @@ class _Group(click.Group):
             if e.fix:
                 click.echo(f"  fix: {e.fix}", err=True)
             sys.exit(2)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click's own: usage errors, --help, Ctrl-C at a prompt
+        except Exception as e:  # the last line only: bad input is caught where it enters, as EagleExportError
+            with tempfile.NamedTemporaryFile("w", prefix="eagle-export-error-", suffix=".log", delete=False) as log:
+                traceback.print_exc(file=log)
+            click.echo(f"error: internal error ({type(e).__name__}: {str(e)[:300]})", err=True)
+            click.echo(f"  fix: this is a bug in eagle-export; report it with the traceback in {log.name}", err=True)
+            sys.exit(3)
+
+
+def utf8(ctx, param, value):
+    """An argument that is not valid UTF-8 (the shell passed undecodable bytes) is refused at once."""
+    for text in (value if isinstance(value, tuple) else (value,)):
+        try:
+            text is None or text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EagleExportError(f"{param.opts[-1] if param.opts else param.name} is not valid UTF-8 text "
+                                   f"({text.encode('utf-8', 'backslashreplace').decode()[:80]})",
+                                   "pass UTF-8 text (check the terminal's locale and the file name)") from None
+    return value
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -120,14 +142,14 @@ def doctor(as_json):
 
 
 @main.command()
-@click.option("--recipe", type=click.Path(), help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
-@click.option("-o", "--out", "out_dir", default="build/sample", show_default=True, type=click.Path(),
+@click.option("--recipe", type=click.Path(), callback=utf8, help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
+@click.option("-o", "--out", "out_dir", default="build/sample", show_default=True, type=click.Path(), callback=utf8,
               help="Build directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
-@click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).")
-@click.option("--drafter", help="Override the recipe's drafter directory.")
+@click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).", callback=utf8)
+@click.option("--drafter", help="Override the recipe's drafter directory.", callback=utf8)
 @click.option("--depth", type=int, help=f"Override the speculation depth K (1..{MAX_DEPTH}).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", callback=utf8,
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
 def build(recipe, out_dir, force, target, drafter, depth, sets):
     """Build engines (or ONNX graphs without TensorRT), a manifest, and its validation, from a recipe."""
@@ -166,8 +188,9 @@ def validate(build_dir, as_json):
 
 @main.command()
 @click.argument("build_dir", type=click.Path())
-@click.option("--prompt", multiple=True, help="Raw text to continue (repeatable: one request each).")
-@click.option("--chat", multiple=True, help="A user message, wrapped in the model's chat template (repeatable).")
+@click.option("--prompt", multiple=True, help="Raw text to continue (repeatable: one request each).", callback=utf8)
+@click.option("--chat", multiple=True, help="A user message, wrapped in the model's chat template (repeatable).",
+              callback=utf8)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -214,7 +237,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
 
 @main.command()
 @click.argument("build_dir", type=click.Path())
-@click.option("--dataset", default="mt-bench", show_default=True,
+@click.option("--dataset", default="mt-bench", show_default=True, callback=utf8,
               help="mt-bench, humaneval, sharegpt, or a text file (one prompt a line).")
 @click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
@@ -236,13 +259,19 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
     from .prompts import chat_prompts
     from .runtime import GenerationConfig
 
+    sizes = [int(b) for b in batch.split(",") if b.strip().isdigit()]
+    if len(sizes) != len(batch.split(",")) or min(sizes) < 1:
+        raise EagleExportError(f"--batch {batch!r} is not a list of batch sizes",
+                               "pass whole numbers of 1 or more, comma-separated, e.g. --batch 1,4,16")
+    if num_prompts < 1:
+        raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the bench
     opened = open_build(build_dir, backend=backend, threads=threads)
     prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)
     results = []
-    for size in [int(b) for b in batch.split(",")]:
+    for size in sizes:
         result = run_bench(opened.runtime, prompts, size, config)
         result["dataset"] = dataset
         results.append(result)

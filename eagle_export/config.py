@@ -6,6 +6,7 @@ state it, so a checkpoint that omits a key behaves as it does in transformers an
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +35,33 @@ def read_config_json(path: str | Path) -> dict:
         raise CheckpointError(f"{path} has no config.json",
                               "pass the checkpoint directory itself, the one holding config.json")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON ({e})", "restore the file from the checkpoint")
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{config_file} cannot be read ({e.strerror})",
+                              "make it readable to this user (check its permissions)") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{config_file} is not valid JSON ({e})", "restore the file from the checkpoint") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_file} holds a JSON {type(cfg).__name__}, not an object of keys",
+                              "restore the file from the checkpoint")
+    return cfg
+
+
+def _typed(from_hf):
+    """from_hf with a wrong-typed value in config.json ("hidden_size": "big", a list where a number
+    goes) reported as the checkpoint's problem, not as a ValueError from deep inside."""
+    @functools.wraps(from_hf)
+    def read(cls, cfg, *args, **kwargs):
+        where = kwargs.get("where", args[0] if args else cls.__name__)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{where}: config.json holds a JSON {type(cfg).__name__}, not an object of keys",
+                                  "restore the checkpoint's original config.json")
+        try:
+            return from_hf(cls, cfg, *args, **kwargs)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{where}: config.json holds a value of the wrong type ({e})",
+                                  "restore the checkpoint's original config.json") from None
+    return read
 
 
 @dataclass
@@ -148,6 +173,7 @@ class TargetConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
+    @_typed
     def from_hf(cls, cfg: dict, where: str = "target") -> "TargetConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
@@ -220,6 +246,7 @@ class DrafterConfig:
         return {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
     @classmethod
+    @_typed
     def from_hf(cls, cfg: dict, where: str = "drafter") -> "DrafterConfig":
         # The speculators format nests the layer's config (`transformer_layer_config`, earlier
         # `transformer_config`); the EAGLE/vLLM format is flat. Top-level keys win.

@@ -82,9 +82,14 @@ def read_manifest(build_dir: str | Path) -> dict:
         raise EagleExportError(f"{build_dir} has no {MANIFEST}: it is not a build directory",
                                "pass a directory made by `eagle-export build`")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise EagleExportError(f"{path} cannot be read ({e.strerror})", "make it readable to this user") from None
+    except ValueError as e:  # not JSON, or not UTF-8
         raise EagleExportError(f"{path} is corrupt ({e})", "rebuild with `eagle-export build --force`") from None
+    if not isinstance(manifest, dict):
+        raise EagleExportError(f"{path} holds a JSON {type(manifest).__name__}, not a manifest",
+                               "rebuild with `eagle-export build --force`")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise EagleExportError(f"{path} has manifest format {manifest.get('format')}, this tool reads "
                                f"{MANIFEST_FORMAT}", "rebuild with this version of eagle-export")
@@ -191,8 +196,8 @@ class Manifest:
                 tuple(data["passes"]["skipped_by_recipe"]),
                 tuple(tuple(p) for p in quantization.get("evaluation", {}).get("prompt_ids", ())),
                 data["artifacts"], data.get("source_files", {}))
-        except (KeyError, TypeError) as e:
-            raise EagleExportError(f"{where} is incomplete (no {e} where a build records it)",
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
                                    "rebuild with `eagle-export build --force`") from None
 
     @property

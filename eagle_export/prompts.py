@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -148,8 +149,12 @@ class ChatTemplate:
         if not config_file.is_file() or not tokenizer_file.is_file():
             raise EagleExportError(f"{model_dir} lacks tokenizer_config.json or tokenizer.json",
                                    "pass the target checkpoint directory with its tokenizer files")
-        config = json.loads(config_file.read_text())
-        template = config.get("chat_template")
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            template = config.get("chat_template")
+        except (OSError, ValueError, AttributeError) as e:
+            raise EagleExportError(f"{config_file} cannot be read as a JSON object ({e})",
+                                   "restore the file from the checkpoint") from None
         if not template:
             raise EagleExportError(f"{config_file} has no chat_template", "use a chat (instruct) checkpoint")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -160,7 +165,11 @@ class ChatTemplate:
                                    "with at most one system turn first)")
 
         env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(template)
+        try:
+            self.template = env.from_string(template)
+        except jinja2.TemplateError as e:
+            raise EagleExportError(f"{config_file}: the chat template does not parse ({e})",
+                                   "restore the checkpoint's chat_template") from None
         self.special_tokens = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
 
@@ -171,8 +180,15 @@ class ChatTemplate:
         the assistant's turn, renders as the text it is, without an empty assistant turn after it."""
         if add_generation_prompt is None:
             add_generation_prompt = bool(messages) and messages[-1]["role"] == "user"
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **{k: v or "" for k, v in self.special_tokens.items()})
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{k: v or "" for k, v in self.special_tokens.items()})
+        except jinja2.exceptions.SecurityError as e:  # the sandbox blocked what the template tried
+            raise EagleExportError(f"the chat template tried something the sandbox blocks ({e})",
+                                   "use the checkpoint's original chat_template; templates run sandboxed") from None
+        except jinja2.TemplateError as e:
+            raise EagleExportError(f"the chat template failed on these messages ({e})",
+                                   "use the checkpoint's original chat_template") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -230,7 +246,12 @@ def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
     elif name == "sharegpt":
         source = sharegpt_conversations()
     elif Path(name).is_file():
-        source = user_turns([line for line in Path(name).read_text().splitlines() if line.strip()])
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise EagleExportError(f"prompt file {name} cannot be read as UTF-8 text ({e})",
+                                   "save it as UTF-8 text, one prompt a line, readable to this user") from None
+        source = user_turns([line for line in text.splitlines() if line.strip()])
     else:
         raise EagleExportError(f"prompt set {name!r} is neither {', '.join(PROMPT_SETS)} nor a file",
                                f"pass one of {', '.join(PROMPT_SETS)}, or a text file with one prompt a line")

@@ -57,7 +57,8 @@ SCHEMA = {
         "max_new_tokens": (int, 32, lambda v: v >= 1 or "must be at least 1"),
         "tau": (bool, True, None),
     },
-    "passes": {"skip": (list, [], None)},
+    "passes": {"skip": (list, [], lambda v: all(isinstance(name, str) for name in v)
+                        or "must list pass names (see `eagle-export passes`)")},
     "engine": {"workspace_gib": (int, 8, lambda v: v >= 1 or "must be at least 1")},
 }
 REQUIRED = ("target", "drafter")
@@ -185,8 +186,10 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
 
 def _set_dotted(data: dict, dotted: str, value) -> None:
     keys = dotted.split(".")
-    for key in keys[:-1]:
+    for i, key in enumerate(keys[:-1]):
         data = data.setdefault(key, {})
+        if not isinstance(data, dict):
+            raise RecipeError("--set", [f"{dotted}: {'.'.join(keys[:i + 1])} is a value, not a section of keys"])
     data[keys[-1]] = value
 
 
@@ -197,13 +200,20 @@ def shipped_recipes() -> list[str]:
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
     """A recipe file, or the name of a shipped recipe (`qwen3-8b-eagle3.1`); the sample when None."""
     path = Path(path) if path else SAMPLE_RECIPE
+    if path.is_dir():
+        raise EagleExportError(f"recipe {path} is a directory", "pass the recipe's YAML file itself")
     if not path.is_file() and str(path) in shipped_recipes():
         path = RECIPES_DIR / f"{path}.yaml"
     if not path.is_file():
         raise EagleExportError(f"recipe {path} does not exist",
                                "pass the path of a YAML recipe, or the name of a shipped one: "
                                + ", ".join(shipped_recipes()))
-    return parse_recipe(path.read_text(), str(path), path.parent, overrides)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EagleExportError(f"recipe {path} cannot be read as UTF-8 text ({e})",
+                               "save the recipe as UTF-8 YAML, readable to this user") from None
+    return parse_recipe(text, str(path), path.parent, overrides)
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -211,4 +221,9 @@ def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise EagleExportError(f"override {text!r} lacks '='", "write --set key.path=value, e.g. --set depth=6")
     key, _, value = text.partition("=")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as e:  # a tag such as !!python/object is refused here too
+        raise EagleExportError(f"override {text!r}: the value is not a plain YAML scalar "
+                               f"({getattr(e, 'problem', None) or e})",
+                               "write a plain value, e.g. --set precision.target=fp8") from None

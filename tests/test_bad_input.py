@@ -238,3 +238,124 @@ def test_qwen_sliding_windows_follow_max_window_layers():
     qwen3 = {**tiny_target_config("qwen2"), "architectures": ["Qwen3ForCausalLM"], "layer_types": None}
     assert TargetConfig.from_hf({**qwen3, "use_sliding_window": True, "sliding_window": 8,
                                  "max_window_layers": 0}).sliding_window == 8  # was ignored for Qwen3
+
+
+# ---------------------------------------------------------------- no traceback: each bad input caught where it enters
+
+def test_config_json_of_the_wrong_shape_or_type(tmp_path, tiny_target_dir):
+    cfg = json.loads((tiny_target_dir / "config.json").read_text())
+    for name, text, problem in (("list", "[1, 2]", "holds a JSON list"),
+                                ("typed", json.dumps({**cfg, "hidden_size": "big"}), "value of the wrong type"),
+                                ("nested", json.dumps({**cfg, "rope_scaling": [1]}), "value of the wrong type")):
+        path = copy_with(tiny_target_dir, tmp_path / name)
+        (path / "config.json").write_text(text)
+        result = CliRunner().invoke(main, ["inspect", str(path)])
+        assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, name
+    path = copy_with(tiny_target_dir, tmp_path / "bytes")
+    (path / "config.json").write_bytes(b'{"architectures": ["\xff\xfe"]}')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_target(path)
+
+
+def test_unreadable_weights_are_not_called_missing(tmp_path, tiny_target_dir, monkeypatch):
+    import eagle_export.checkpoint as checkpoint
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint, "safe_open", denied)  # chmod does not stop root, which runs CI here
+    with pytest.raises(CheckpointError, match="cannot be read \\(Permission denied\\)") as e:
+        load_target(tiny_target_dir)
+    assert "permissions" in e.value.fix and "re-download" not in e.value.fix
+
+
+def test_nan_weights_name_the_checkpoint_and_the_tensor(tmp_path, tiny_target_dir):
+    state = load_file(tiny_target_dir / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="weight model.layers.1.mlp.up_proj.weight holds NaN") as e:
+        load_target(copy_with(tiny_target_dir, tmp_path / "nan", state=state))
+    assert "report" not in e.value.fix
+
+
+def test_an_object_array_vocab_map_is_refused(tmp_path, tiny_target_dir):
+    import numpy as np
+
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1", draft_vocab=64)
+    weights = load_file(drafter / "model.safetensors")
+    weights.pop("d2t")
+    save_file(weights, str(drafter / "model.safetensors"))
+    np.save(drafter / "d2t.npy", np.array([object()] * 64), allow_pickle=True)
+    with pytest.raises(CheckpointError, match="d2t.npy is not a plain integer array"):
+        load_drafter(drafter, target=load_target(tiny_target_dir))
+
+
+def test_bad_recipes_and_overrides_through_the_cli(tmp_path, tiny_target_dir):
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny_target_dir}\ndrafter: {drafter}\n")
+    cases = [
+        (["--set", "depth=!!python/object/apply:os.system ['true']"], "not a plain YAML scalar"),
+        (["--set", "target.x=3"], "target is a value, not a section"),
+        (["--set", "passes.skip=[1, {a: b}]"], "must list pass names"),
+        (["-o", "out\udcff"], "--out is not valid UTF-8"),
+    ]
+    for args, problem in cases:
+        result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), *args])
+        assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, args
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"target: \xff\xfe\n")
+    for path, problem in ((bad, "cannot be read as UTF-8"), (tmp_path, "is a directory")):
+        result = CliRunner().invoke(main, ["build", "--recipe", str(path)])
+        assert result.exit_code == 2 and problem in result.output, result.output
+    assert not (tmp_path / "out\udcff").exists()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--batch", "abc"], "--batch 'abc' is not a list"), (["--batch", "0"], "--batch '0' is not a list"),
+    (["--batch", "1,,2"], "is not a list"), (["--num-prompts", "0"], "--num-prompts 0 leaves nothing"),
+])
+def test_bench_arguments(tmp_path, args, problem):
+    result = CliRunner().invoke(main, ["bench", str(tmp_path), *args])
+    assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output
+
+
+def test_a_manifest_of_the_wrong_shape(tmp_path):
+    (tmp_path / "manifest.json").write_text("[1, 2, 3]")
+    result = CliRunner().invoke(main, ["validate", str(tmp_path)])
+    assert result.exit_code == 2 and "holds a JSON list, not a manifest" in result.output
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "depth": "deep", "models": [1]}))
+    result = CliRunner().invoke(main, ["validate", str(tmp_path)])
+    assert result.exit_code == 2 and "wrong shape" in result.output and "Traceback" not in result.output
+
+
+def test_a_template_the_sandbox_blocks_and_a_non_utf8_prompt_file(tmp_path, tiny_target_dir):
+    from eagle_export.errors import EagleExportError
+    from eagle_export.prompts import ChatTemplate, conversations
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes((tiny_target_dir / "tokenizer.json").read_bytes())
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages.append(1) }}"}))
+    with pytest.raises(EagleExportError, match="sandbox blocks"):
+        ChatTemplate(model).encode_chat([{"role": "user", "content": "hi"}])
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(EagleExportError, match="does not parse"):
+        ChatTemplate(model)
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"caf\xe9\n")
+    with pytest.raises(EagleExportError, match="cannot be read as UTF-8"):
+        list(conversations(str(prompts)))
+
+
+def test_an_unexpected_exception_prints_error_and_a_log_not_a_traceback(monkeypatch):
+    import eagle_export.doctor as doctor
+
+    def broken():
+        raise RuntimeError("something internal")
+
+    monkeypatch.setattr(doctor, "doctor_report", broken)
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 3 and "error: internal error (RuntimeError: something internal)" in result.output
+    log = result.output.split("traceback in ")[1].split()[0]
+    assert "Traceback" not in result.output and "RuntimeError" in open(log).read()
+    os.unlink(log)
