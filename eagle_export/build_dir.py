@@ -15,7 +15,7 @@ from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
-from .manifest import Manifest, verify_artifacts, verify_sources
+from .manifest import MANIFEST, Manifest, read_manifest, verify_artifacts, verify_sources
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
@@ -107,12 +107,13 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     `depth_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
     the build directory per backend and machine) or "fixed" (always all K)."""
     path = Path(path)
-    manifest = Manifest.read(path)
-    if verify:
-        problems = verify_artifacts(path, manifest.data)
+    data = read_manifest(path)
+    if verify:  # before any field is read: an edited manifest is not trusted
+        problems = verify_artifacts(path, data)
         if problems:
             raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
                                    "rebuild it with `eagle-export build --force`")
+    manifest = Manifest.from_json(data, path / MANIFEST)
     chosen = make_backend(path, manifest, backend, threads)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(np.load(path / "draft_to_target.npy"))

@@ -30,6 +30,10 @@ from .errors import EagleExportError
 from .recipe import QUANTIZED
 
 MANIFEST = "manifest.json"
+MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its fields are covered too
+# Not artifacts: the manifest, its hash, and the runtime's per-machine cost cache (timings only: it
+# steers the depth policy's speed, never which tokens come out).
+UNHASHED = (MANIFEST, MANIFEST_HASH, COSTS_FILE)
 MANIFEST_FORMAT = 1
 
 
@@ -52,10 +56,10 @@ def source_hashes(checkpoint_dir: str | Path) -> dict[str, str]:
 
 
 def artifact_hashes(build_dir: Path) -> dict[str, dict]:
-    """sha256 and size of every file in the build except the manifest itself and the runtime's cost
+    """sha256 and size of every file in the build except the manifest, its hash, and the runtime's cost
     cache (written when the build is used, per machine)."""
     out = {}
-    for path in sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, COSTS_FILE)):
+    for path in sorted(p for p in build_dir.rglob("*") if p.is_file() and p.name not in UNHASHED):
         out[path.relative_to(build_dir).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return out
 
@@ -70,9 +74,16 @@ def library_versions() -> dict[str, str | None]:
 def write_manifest(build_dir: Path, content: dict) -> dict:
     manifest = {"format": MANIFEST_FORMAT, "tool": "eagle-export", "version": __version__,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "libraries": library_versions(), **content, "artifacts": artifact_hashes(build_dir)}
+                "libraries": library_versions(), **content, "artifacts": artifact_hashes(build_dir),
+                "manifest_hash": MANIFEST_HASH}
     (build_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest_hash(build_dir)
     return manifest
+
+
+def write_manifest_hash(build_dir: Path) -> None:
+    """Record manifest.json's sha256 beside it (write_manifest does; so must anyone who edits it on purpose)."""
+    (build_dir / MANIFEST_HASH).write_text(sha256_file(build_dir / MANIFEST) + "\n")
 
 
 def read_manifest(build_dir: str | Path) -> dict:
@@ -214,13 +225,44 @@ class Manifest:
         return eos if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
 
 
+def _inside(build_dir: Path, name) -> bool:
+    """A plain relative name that stays inside the build (no absolute path, no .., no link out)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return False
+    return (build_dir / name).resolve().is_relative_to(build_dir.resolve())
+
+
 def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
-    """Problems with the build's files: missing, resized, or with another hash. Empty when intact."""
+    """Problems with the build's files: missing, resized, with another hash, unlisted (every file the
+    runtime may read must be listed), named outside the build, and a manifest edited since it was
+    written (its own sha256 beside it). Empty when intact."""
     build_dir = Path(build_dir)
     problems = []
-    for name, meta in manifest.get("artifacts", {}).items():
+    if manifest.get("manifest_hash") or (build_dir / MANIFEST_HASH).exists():  # recorded since 0.2
+        recorded = (build_dir / MANIFEST_HASH).read_text().strip() if (build_dir / MANIFEST_HASH).is_file() else None
+        if recorded != sha256_file(build_dir / MANIFEST):
+            problems.append(f"{MANIFEST}: its sha256 is not the one in {MANIFEST_HASH} (edited after the build, "
+                            "or the hash file removed)")
+    artifacts = manifest.get("artifacts")
+    if not isinstance(artifacts, dict):
+        return problems + [f"{MANIFEST}: no artifacts map"]
+    outside = [name for name in artifacts if not _inside(build_dir, name)]
+    problems += [f"{name!r}: names a file outside the build" for name in outside]
+    referenced = [g.get("file") for g in (manifest.get("graphs") or {}).values() if isinstance(g, dict)]
+    engines = manifest.get("engines")
+    referenced += [e.get("file") for e in engines if isinstance(e, dict)] if isinstance(engines, list) else []
+    problems += [f"{name!r}: the manifest runs it but does not list it as an artifact"
+                 for name in referenced if name not in artifacts]
+    on_disk = sorted(p.relative_to(build_dir).as_posix() for p in build_dir.rglob("*") if p.is_file())
+    problems += [f"{name}: not listed in the manifest (added after the build)" for name in on_disk
+                 if name not in artifacts and name not in UNHASHED]
+    for name, meta in artifacts.items():
+        if name in outside:
+            continue  # never stat'ed or hashed: its size would leak
         path = build_dir / name
-        if not path.is_file():
+        if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int):
+            problems.append(f"{name}: its manifest entry is not {{sha256, bytes}}")
+        elif not path.is_file():
             problems.append(f"{name}: missing")
         elif path.stat().st_size != meta["bytes"]:
             problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated "

@@ -25,7 +25,7 @@ from . import contract as C
 from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
-from .manifest import Agreement, Manifest, verify_artifacts, verify_sources
+from .manifest import MANIFEST, Agreement, Manifest, read_manifest, verify_artifacts, verify_sources
 from .progress import track
 from .quantize import drafter_calibration_batches
 from .reference import draft_chain
@@ -186,13 +186,14 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     """Run every check; `reference` = the unquantized (target, drafter) torch modules the build was
     made from, when the caller has them (else they are rebuilt from the recorded sources)."""
     build_dir = Path(build_dir)
-    manifest = Manifest.read(build_dir)
+    data = read_manifest(build_dir)
     checks = []
-    problems = verify_artifacts(build_dir, manifest.data)
+    problems = verify_artifacts(build_dir, data)  # before any field is read: an edited manifest is not trusted
     checks.append(("artifact hashes", not problems, "; ".join(problems) or
-                   f"{len(manifest.artifacts)} files match the manifest"))
+                   f"{len(data['artifacts'])} files and the manifest match"))
     if problems:  # nothing else is trustworthy
         return _summary(checks)
+    manifest = Manifest.from_json(data, build_dir / MANIFEST)
     quantized = manifest.quantized_roles
     if reference is None:
         changed, unavailable = verify_sources(manifest)

@@ -325,6 +325,9 @@ def test_a_manifest_of_the_wrong_shape(tmp_path):
     assert result.exit_code == 2 and "holds a JSON list, not a manifest" in result.output
     (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "depth": "deep", "models": [1]}))
     result = CliRunner().invoke(main, ["validate", str(tmp_path)])
+    assert result.exit_code == 1 and "no artifacts map" in result.output  # a failed check, reported
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "depth": "deep", "models": [1], "artifacts": {}}))
+    result = CliRunner().invoke(main, ["validate", str(tmp_path)])
     assert result.exit_code == 2 and "wrong shape" in result.output and "Traceback" not in result.output
 
 

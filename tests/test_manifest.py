@@ -12,7 +12,7 @@ import pytest
 
 from eagle_export.errors import EagleExportError
 from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, atomic_build_dir, read_manifest, sweep_leftovers,
-                                   verify_artifacts, write_manifest)
+                                   verify_artifacts, write_manifest, write_manifest_hash)
 
 # The sample build's manifest.json as eagle-export 0.1.0 wrote it before the typed view (its two
 # checkpoint paths anonymized): an existing build must still open.
@@ -105,6 +105,52 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert proc.returncode != 0 and os.listdir(tmp_path) == []
+
+
+def edit_manifest(build, change, rehash=True):
+    manifest = read_manifest(build)
+    change(manifest)
+    (build / "manifest.json").write_text(json.dumps(manifest))
+    if rehash:
+        write_manifest_hash(build)
+    return read_manifest(build)
+
+
+def test_every_file_is_listed_and_every_listed_name_stays_inside(tmp_path):
+    build = make_build(tmp_path)
+    (tmp_path / "outside.onnx").write_bytes(b"o" * 4321)
+    (build / "tokenizer.json").write_text("{}")  # dropped in after the build
+    assert verify_artifacts(build, read_manifest(build)) == ["tokenizer.json: not listed in the manifest (added "
+                                                             "after the build)"]
+    (build / "tokenizer.json").unlink()
+    listed = read_manifest(build)["artifacts"]
+    emptied = edit_manifest(build, lambda m: m.update(artifacts={}))  # verification must not turn off
+    assert sorted(verify_artifacts(build, emptied)) == ["drafter.onnx: not listed in the manifest (added after the "
+                                                        "build)", "target.onnx: not listed in the manifest (added "
+                                                        "after the build)"]
+    edit_manifest(build, lambda m: m.update(artifacts=listed))
+    for name in ("../outside.onnx", str(tmp_path / "outside.onnx")):
+        moved = edit_manifest(build, lambda m: m.update(graphs={"target": {"file": name}}, artifacts={
+            **listed, name: {"sha256": "0" * 64, "bytes": 4321}}))
+        problems = verify_artifacts(build, moved)
+        assert problems == [f"{name!r}: names a file outside the build"] and "4321" not in " ".join(problems)
+    unlisted = edit_manifest(build, lambda m: m.update(artifacts=listed, graphs={"target": {"file": "../outside.onnx"}}))
+    assert verify_artifacts(build, unlisted) == ["'../outside.onnx': the manifest runs it but does not list it as an "
+                                                 "artifact"]
+
+
+def test_an_edited_manifest_is_caught_by_its_hash(tmp_path):
+    build = make_build(tmp_path)
+    assert (build / "manifest.sha256").is_file() and read_manifest(build)["manifest_hash"] == "manifest.sha256"
+    edited = edit_manifest(build, lambda m: m["recipe"].update(depth=7), rehash=False)
+    assert verify_artifacts(build, edited) == ["manifest.json: its sha256 is not the one in manifest.sha256 (edited "
+                                               "after the build, or the hash file removed)"]
+    (build / "manifest.sha256").unlink()
+    assert len(verify_artifacts(build, edited)) == 1
+    from eagle_export.validate import validate_build_dir
+
+    report = validate_build_dir(build)  # no traceback: one failed check, nothing else trusted
+    assert not report["ok"] and [c["name"] for c in report["checks"]] == ["artifact hashes"]
 
 
 def test_force_replaces_only_a_build_of_ours(tmp_path):
