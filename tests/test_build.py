@@ -460,6 +460,7 @@ def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_pat
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["artifacts"] = artifact_hashes(copy)  # a consistent build with a wrong graph in it
     (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest_hash(copy)
     result = CliRunner().invoke(main, ["validate", str(copy)])
     assert result.exit_code == 1, result.output
     assert f"FAIL  {GRAPH_CHECKS[0]}: greedy agreement" in result.output
