@@ -68,7 +68,7 @@ class GenerationConfig:
             raise EagleExportError(f"eos_ids {self.eos_ids!r} are not token ids", "pass a tuple of ids of 0 or more")
         if isinstance(self.stop_strings, (str, bytes)):
             raise EagleExportError(f"stop_strings is the single string {self.stop_strings!r}, read as its characters",
-                                   f"pass a tuple of strings, e.g. ({self.stop_strings!r},)")
+                                   "pass a tuple of strings, e.g. stop_strings=(\"###\",)")
         if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
             raise EagleExportError(f"stop_strings {self.stop_strings!r} holds an empty string or a non-string "
                                    "(an empty string is found at once)", "pass non-empty strings only")

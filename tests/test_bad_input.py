@@ -180,6 +180,8 @@ def test_no_fix_line_repeats_what_its_problem_names():
     assert sites > 60  # the walk found the error sites
     unexplained = {where: value for (file, value), where in repeats.items() if (file, value) not in REPEATS_ALLOWED}
     assert not unexplained, f"fix lines repeating their problem's value: {unexplained}"
+
+
 # ---------------------------------------------------------------- build outputs: nothing a user owns is lost
 
 def test_build_force_refuses_what_is_not_a_build_and_the_builds_own_inputs(tmp_path, tiny_target_dir, monkeypatch):
