@@ -32,7 +32,9 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
     ranges = {BATCH: (batch["min"], batch["opt"], batch["max"])}
     if phase == "prefill":
         ranges[TOKENS] = (1, min(ctx["opt"], ctx["max"]), ctx["max"])
-        ranges[PAST] = (MIN_PAST, MIN_PAST, max(MIN_PAST, ctx["max"] - 1))
+        # The runtime's caches grow to at most context.max slots (cache_step rounding is capped
+        # there), and the prefill call may already get that many: every profile reaches it.
+        ranges[PAST] = (MIN_PAST, MIN_PAST, ctx["max"])
     elif phase == "decode":
         ranges[TOKENS] = (1, k + 1, k + 1)
         ranges[PAST] = (MIN_PAST, ctx["opt"], ctx["max"])

@@ -5,9 +5,11 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_export import contract as C
-from eagle_export.backends import TorchBackend
+from eagle_export.backends import TensorRTBackend, TorchBackend
 from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.engine import engine_profiles
 from eagle_export.errors import EagleExportError
+from eagle_export.recipe import parse_recipe
 from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
@@ -129,6 +131,48 @@ def test_context_limit_reached_mid_round(target, drafter, max_context):
     [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=20))
     assert result.tokens == full[len(prompt):max_context]
     assert result.finish_reason == "context"
+
+
+class ProfileChecked(TorchBackend):
+    """Checks every graph call's dynamic input shapes against the TensorRT profile a TensorRTBackend
+    would pick for it: what the runtime feeds must fit the engines the build computes."""
+
+    def __init__(self, *graphs, recipe):
+        super().__init__(*graphs)
+        self.profiles = {"target": engine_profiles(self.target_graph[1], recipe, "target"),
+                         "drafter": engine_profiles(self.drafter_graphs[False][1], recipe, "drafter")}
+        self.past_slots = {0: set(), 1: set()}  # profile -> cache sizes fed
+
+    def _check(self, graph, feeds):
+        index = TensorRTBackend._profile(self, feeds)
+        self.past_slots[index].add(feeds[C.PAST_KEY].shape[3])
+        for name, (lo, _, hi) in self.profiles[graph][index].items():
+            shape = tuple(feeds[name].shape)
+            assert all(a <= s <= b for a, s, b in zip(lo, shape, hi)), \
+                f"{graph} profile {index}: {name} {shape} outside {lo}..{hi}"
+
+    def target(self, feeds, need_logits=False):
+        self._check("target", feeds)
+        return super().target(feeds, need_logits)
+
+    def drafter(self, feeds, sampling=False):
+        self._check("drafter", feeds)
+        return super().drafter(feeds, sampling)
+
+
+@pytest.mark.parametrize("max_context", [40, 64, 100])
+def test_every_call_fits_the_engine_profiles_up_to_the_context_limit(target, drafter, max_context):
+    """Prompts up to max_context - 1 tokens: caches grow in cache_step slots up to max_context, and
+    every shape, prefill and decode, lies inside the profiles built from profiles.context.max."""
+    depth = 4
+    recipe = parse_recipe(f"target: t\ndrafter: d\ndepth: {depth}\nprofiles:\n  batch: {{min: 1, opt: 1, max: 2}}\n"
+                          f"  context: {{min: 1, opt: 16, max: {max_context}}}\n").data
+    runtime = make_runtime(target, drafter, depth, max_context=max_context, backend_cls=ProfileChecked,
+                           recipe=recipe, depth_policy="fixed")
+    longest = [(7 * i) % 90 + 1 for i in range(max_context - 1)]
+    results = runtime.generate([longest, PROMPTS[1]], GenerationConfig(max_new_tokens=max_context))
+    assert results[0].finish_reason == "context" and results[1].finish_reason == "context"
+    assert max_context in runtime.backend.past_slots[0]  # the prefill profile saw a full cache
 
 
 def test_empty_prompt_and_prompt_past_the_context_are_clear_errors(target, drafter):
