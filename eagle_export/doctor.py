@@ -52,6 +52,19 @@ def buildable_precisions(compute_capability: str | None, has_tensorrt: bool) -> 
     return out
 
 
+ORT_FIX = "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu"
+
+
+def package_conflicts() -> list[str]:
+    """Installed packages that break each other, each with the command that mends it."""
+    conflicts = []
+    cpu, gpu = package_version("onnxruntime"), package_version("onnxruntime-gpu")
+    if cpu and gpu:  # one folder, two packages: whichever installed last wins, often without CUDA
+        conflicts.append(f"onnxruntime {cpu} and onnxruntime-gpu {gpu} are both installed; they share one folder "
+                         f"and the CUDA provider can silently vanish. Fix: {ORT_FIX}")
+    return conflicts
+
+
 def doctor_report() -> dict:
     gpu = gpu_info()
     trt = tensorrt_version()
@@ -70,14 +83,14 @@ def doctor_report() -> dict:
         "onnxruntime_providers": ort_providers, "modelopt": package_version("nvidia-modelopt"),
         "can_build": buildable_precisions(gpu["compute_capability"] if gpu else None, trt is not None),
     }
-    advice = []
+    advice = package_conflicts()
     if trt is None:
         advice.append("TensorRT engines: pip install 'eagle-export[gpu]' on a machine with an NVIDIA GPU "
-                      "(installs tensorrt and onnxruntime-gpu)")
+                      "(installs TensorRT for CUDA 12; see the README for CUDA 13)")
     if gpu is None:
         advice.append("no CUDA GPU: builds stop after the ONNX stage and run on ONNX Runtime (CPU); "
                       "NVFP4 calibration through ModelOpt needs CUDA (weights can still be packed on CPU)")
     if "CUDAExecutionProvider" not in ort_providers and gpu is not None:
-        advice.append("ONNX Runtime has no CUDA provider: pip install onnxruntime-gpu")
+        advice.append(f"ONNX Runtime has no CUDA provider: {ORT_FIX}")
     report["advice"] = advice
     return report

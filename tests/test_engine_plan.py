@@ -127,3 +127,18 @@ def test_example_args_follow_the_spec_by_name():
         assert 0 < random[C.INPUT_IDS].max() < spec.vocab_size == 320
     assert zeros[C.NUM_VALID].tolist() == [5, 1, 5] and zeros[C.UNIFORM_NOISE].eq(0.5).all()
     assert ((0.5 <= random[C.TEMPERATURE]) & (random[C.TEMPERATURE] < 1.5)).all()
+
+
+@pytest.mark.parametrize("installed, conflict", [
+    ({"onnxruntime": "1.22.0", "onnxruntime-gpu": "1.22.0"}, True),
+    ({"onnxruntime-gpu": "1.22.0"}, False), ({"onnxruntime": "1.22.0"}, False)])
+def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_and_the_fix(monkeypatch, installed, conflict):
+    import eagle_export.doctor as doctor
+
+    monkeypatch.setattr(doctor, "package_version", installed.get)
+    found = doctor.package_conflicts()
+    assert bool(found) == conflict
+    if conflict:
+        assert "onnxruntime 1.22.0 and onnxruntime-gpu 1.22.0" in found[0]
+        assert found[0].endswith("Fix: pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
+        assert found[0] in doctor.doctor_report()["advice"]
