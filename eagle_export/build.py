@@ -20,7 +20,7 @@ import torch
 from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .conformance import check_checkpoint
-from .doctor import gpu_info, tensorrt_version
+from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import export_drafter, export_target
@@ -165,8 +165,23 @@ def tensorrt_available() -> tuple[bool, str]:
     return True, ""
 
 
+def check_engine_precisions(precision: dict, gpu: dict) -> None:
+    """Engines need the GPU's hardware for their precision (FP8 8.9+, NVFP4 10.0+): refuse before
+    loading anything. Builds without engines are not gated: ONNX Runtime runs FP8 Q/DQ on CPU."""
+    verdicts = buildable_precisions(gpu["compute_capability"], True)
+    for role in ("target", "drafter"):
+        verdict = verdicts[precision[role]]
+        if verdict != "yes":
+            raise EagleExportError(f"precision.{role} is {precision[role]}, which TensorRT cannot build on this "
+                                   f"{gpu['name']}: {verdict}",
+                                   f"set a precision this GPU supports (--set precision.{role}=fp16), "
+                                   "or build on a newer GPU")
+
+
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     has_trt, no_trt_reason = tensorrt_available()
+    if has_trt:
+        check_engine_precisions(recipe["precision"], gpu_info())
     log = StageLog(echo, total=8)
     precision = recipe["precision"]
     depth, sampling = recipe["depth"], recipe["sampling"]

@@ -142,3 +142,24 @@ def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_and_the_fix(monkeypatch
         assert "onnxruntime 1.22.0 and onnxruntime-gpu 1.22.0" in found[0]
         assert found[0].endswith("Fix: pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu")
         assert found[0] in doctor.doctor_report()["advice"]
+
+
+@pytest.mark.parametrize("cc, precision, refused", [
+    ("8.0", "fp8", "precision.target is fp8, which TensorRT cannot build on this A100: no (needs compute capability "
+                   "8.9+, this GPU has 8.0)"),
+    ("9.0", "nvfp4", "precision.target is nvfp4, which TensorRT cannot build on this A100: no (needs compute "
+                     "capability 10.0+, this GPU has 9.0)"),
+    ("9.0", "fp8", None), ("10.0", "nvfp4", None)])
+def test_build_refuses_engine_precisions_the_gpu_lacks_before_loading(monkeypatch, tmp_path, cc, precision, refused):
+    import eagle_export.build as build
+
+    recipe = parse_recipe(f"target: t\ndrafter: d\nprecision: {{target: {precision}}}\n")
+    monkeypatch.setattr(build, "tensorrt_available", lambda: (True, ""))
+    monkeypatch.setattr(build, "gpu_info", lambda: {"name": "A100", "compute_capability": cc, "memory_gib": 80})
+    monkeypatch.setattr(build, "resolve_sources", lambda r: (_ for _ in ()).throw(RuntimeError("loading")))
+    with pytest.raises(EagleExportError if refused else RuntimeError) as e:
+        build.build(recipe, tmp_path / "out")
+    assert (e.value.problem if refused else str(e.value)) == (refused or "loading")
+    assert not (tmp_path / "out").exists()
+    if refused:
+        assert "--set precision.target=fp16" in e.value.fix

@@ -160,7 +160,7 @@ class ProfileChecked(TorchBackend):
         return super().drafter(feeds, sampling)
 
 
-@pytest.mark.parametrize("max_context", [40, 64, 100])
+@pytest.mark.parametrize("max_context", [40, 70])  # below and above one cache_step (64)
 def test_every_call_fits_the_engine_profiles_up_to_the_context_limit(target, drafter, max_context):
     """Prompts up to max_context - 1 tokens: caches grow in cache_step slots up to max_context, and
     every shape, prefill and decode, lies inside the profiles built from profiles.context.max."""
