@@ -39,6 +39,11 @@ from .errors import EagleExportError
 from .reference import acceptance_by_depth, mean_accepted_length
 
 
+def _is_int(value) -> bool:
+    """A whole number as Python or numpy holds it; bool is refused although it subclasses int."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
@@ -51,20 +56,17 @@ class GenerationConfig:
     def __post_init__(self):
         """Refuse nonsense here, where the CLI and the Python API both pass: NaN or a negative
         temperature would decode greedily, an empty stop string would stop after one token."""
-        def integer(value) -> bool:
-            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
         def number(value) -> bool:
             return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
 
-        if not integer(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise EagleExportError(f"max_new_tokens is {self.max_new_tokens!r}", "pass a whole number of 1 or more")
         if not number(self.temperature) or self.temperature < 0:
             raise EagleExportError(f"temperature is {self.temperature!r}",
                                    "pass 0 for greedy decoding or a finite positive number to sample")
         if not number(self.top_p) or not 0 < self.top_p <= 1:
             raise EagleExportError(f"top_p is {self.top_p!r}, outside (0, 1]", "pass a top_p above 0 and at most 1")
-        if isinstance(self.eos_ids, (str, bytes)) or not all(integer(i) and i >= 0 for i in self.eos_ids):
+        if isinstance(self.eos_ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in self.eos_ids):
             raise EagleExportError(f"eos_ids {self.eos_ids!r} are not token ids", "pass a tuple of ids of 0 or more")
         if isinstance(self.stop_strings, (str, bytes)):
             raise EagleExportError(f"stop_strings is the single string {self.stop_strings!r}, read as its characters",
@@ -72,7 +74,7 @@ class GenerationConfig:
         if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
             raise EagleExportError(f"stop_strings {self.stop_strings!r} holds an empty string or a non-string "
                                    "(an empty string is found at once)", "pass non-empty strings only")
-        if not integer(self.seed):
+        if not _is_int(self.seed):
             raise EagleExportError(f"seed is {self.seed!r}", "pass a whole number")
 
 
@@ -253,8 +255,7 @@ class SpeculativeRuntime:
 
     def _check_ids(self, i: int, prompt) -> None:
         """Token ids are whole numbers in [0, vocab): Gather would wrap a negative id silently."""
-        if isinstance(prompt, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                       for t in prompt):
+        if isinstance(prompt, (str, bytes)) or not all(_is_int(t) for t in prompt):
             raise EagleExportError(f"prompt {i} is not a list of token ids ({str(prompt)[:60]!r})",
                                    "pass each prompt as a list of ints (the tokenizer's ids)")
         vocab = self.vocab_size
