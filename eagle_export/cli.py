@@ -238,7 +238,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
 @main.command()
 @click.argument("build_dir", type=click.Path())
 @click.option("--dataset", default="mt-bench", show_default=True, callback=utf8,
-              help="mt-bench, humaneval, sharegpt, or a text file (one prompt a line).")
+              help="mt-bench, humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of conversation), "
+                   "or a text file (one prompt a line).")
 @click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
@@ -289,6 +290,40 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
         plot(results, plot_file)
+
+
+@main.command()
+@click.argument("sources", nargs=-1, required=True, type=click.Path())
+@click.option("--target", type=click.Path(), help="The target directory, for SOURCES that are drafter directories.")
+@click.option("--dataset", multiple=True, callback=utf8,
+              help="mt-bench, humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of conversation), or a "
+                   "text file (one prompt a line); repeatable.  [default: mt-bench]")
+@click.option("--num-prompts", default=8, show_default=True, type=int, help="How many prompts of each dataset.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Greedy answer tokens per prompt.")
+@click.option("--depth", default=6, show_default=True, type=int, help="Chain depth K to diagnose.")
+@click.option("--json", "json_file", type=click.Path(), help="Write the figures as JSON.")
+@click.option("--plot", "plot_file", type=click.Path(),
+              help="Write hidden-state RMS, sink mass and acceptance against depth as a PNG (needs eagle-export[plot]).")
+def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, json_file, plot_file):
+    """Why acceptance falls with depth: per draft depth, teacher-forced and live acceptance, the RMS of the
+    fed-back state, attention mass on the sink, the prefix and the chain's own keys, entropy and calibration.
+
+    SOURCES are builds or drafter directories (with --target), run side by side in fp32 on the target's
+    greedy answers to the same prompts."""
+    from pathlib import Path
+
+    from .bench import pyplot
+    from .diagnose import diagnose_sources, plot, table
+
+    if plot_file:
+        pyplot()  # a missing matplotlib fails now, not after the run
+    report = diagnose_sources(sources, target, dataset or ("mt-bench",), num_prompts, depth, max_new_tokens,
+                              echo=click.echo)
+    click.echo(table(report))
+    if json_file:
+        Path(json_file).write_text(json.dumps(report, indent=2) + "\n")
+    if plot_file:
+        plot(report, plot_file)
 
 
 # Commands of later stages are added below this line, one function each.

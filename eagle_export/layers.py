@@ -110,6 +110,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_proj = None  # q/k/v as one Linear once passes.fuse_qkv has run
+        # A tap on the attention weights [B,Hkv,G,T,keys] (fp32): forward hooks read them here (diagnose).
+        self.weights_tap = nn.Identity()
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
     def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None):
@@ -140,7 +142,7 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         # Cast before the softmax, not via its dtype argument: the ONNX exporter turns that into a
         # half-precision Softmax followed by a Cast.
-        probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = self.weights_tap(F.softmax(scores.float(), dim=-1)).to(q.dtype)
         past_len = k_cache.shape[2]
         out = (torch.matmul(probs[..., :past_len], v_cache.to(v.dtype).unsqueeze(2))
                + torch.matmul(probs[..., past_len:], values.unsqueeze(2)))  # [B,Hkv,G,T,D]

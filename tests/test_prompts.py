@@ -83,6 +83,11 @@ def test_prompt_sets_render_with_the_chat_template(sample_target):
     lengths = [len(template.encode_chat(m)) for m in long]
     assert all(1500 <= n <= 3300 for n in lengths), lengths
     assert [m[-1]["content"] for m in long] == prompts.mtbench_prompts()[:2]
+    # `long` as a dataset name (bench, diagnose): the histories start after the training conversations
+    [held_out] = prompts.chat_prompts(template, "long", 1)
+    assert 1500 <= len(held_out) <= 3300 and held_out != template.encode_chat(long[0])
+    assert template.tokenizer.decode(held_out).rstrip().endswith("assistant")
+    assert prompts.mtbench_prompts()[0][:40] in template.tokenizer.decode(held_out)
 
 
 def test_one_selector_renders_every_prompt_set_by_one_rule(tmp_path):
