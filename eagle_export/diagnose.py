@@ -30,6 +30,7 @@ from .checkpoint_export import resolve_source
 from .conformance import capture
 from .drafter import Drafter
 from .errors import EagleExportError
+from .progress import track
 from .prompts import ChatTemplate, chat_prompts
 from .reference import acceptance_by_depth, mean_accepted_length, replay_greedy
 from .target import Target
@@ -161,7 +162,7 @@ def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str
                  for name in drafters for s in prompt_sets}
     lengths = {s: [len(p) for p in prompts] for s, prompts in prompt_sets.items()}
     for set_name, prompts in prompt_sets.items():
-        for prompt in prompts:
+        for prompt in track(prompts, f"diagnose {set_name}"):
             sequence = list(prompt) + target.generate_greedy(prompt, max_new_tokens + depth)
             states, _ = capture(target, [sequence[:-1]])[0]
             for name, drafter in drafters.items():
