@@ -31,10 +31,22 @@ def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
                              block_sizes={-1: NVFP4_BLOCK}).to(x.dtype)
 
 
+# torch's scalar type names -> ONNX element types, for the Cast back to the graph's float type.
+_ONNX_FLOAT = {"Float": 1, "Half": 10, "BFloat16": 16}  # onnx.TensorProto.FLOAT, FLOAT16, BFLOAT16
+
+
+def onnx_float_type(value) -> int:
+    """The ONNX element type of a traced value (a torch._C.Value) of a float dtype."""
+    return _ONNX_FLOAT[value.type().scalarType()]
+
+
 class _NVFP4Activation(torch.autograd.Function):
     """Export only: TensorRT's TRT_FP4DynamicQuantize followed by the double DequantizeLinear
-    (FP8 block scales times the fp32 global scale). While tracing only the shape of the forward
-    matters, and running NVFP4QTensor inside a traced Function breaks the TorchScript tracer."""
+    (FP8 block scales times the fp32 global scale), whose output is fp32 (the scale's type), then
+    a Cast back to x's type, as ModelOpt's NVFP4 exporter does: a strongly typed fp16/bf16 network
+    must not mix it with the graph's own float type. The Cast is exact for what NVFP4QTensor's torch
+    path does too (dequantize in fp32, then `.to(x.dtype)`). While tracing only the shape of the
+    forward matters, and running NVFP4QTensor inside a traced Function breaks the TorchScript tracer."""
 
     @staticmethod
     def forward(ctx, x, global_scale: float):
@@ -46,13 +58,15 @@ class _NVFP4Activation(torch.autograd.Function):
         x_f4, block_f8 = g.op("trt::TRT_FP4DynamicQuantize", x, scale, axis_i=-1, block_size_i=NVFP4_BLOCK,
                               scale_type_i=17, outputs=2)  # 17: onnx.TensorProto.FLOAT8E4M3FN
         block_scale = g.op("DequantizeLinear", block_f8, scale)
-        return g.op("DequantizeLinear", x_f4, block_scale, axis_i=-1, block_size_i=NVFP4_BLOCK).setType(x.type())
+        x_f32 = g.op("DequantizeLinear", x_f4, block_scale, axis_i=-1, block_size_i=NVFP4_BLOCK)
+        return g.op("Cast", x_f32, to_i=onnx_float_type(x)).setType(x.type())
 
 
 class _NVFP4Weight(torch.autograd.Function):
     """The dequantized NVFP4 weight in torch; in ONNX a placeholder node carrying the packed codes
     and scales as attributes, which `qdq` replaces with FP4 and FP8 initializers and two
-    DequantizeLinear nodes (ONNX's TorchScript exporter cannot write FLOAT4E2M1 tensors itself)."""
+    DequantizeLinear nodes and a Cast to the weight's own type `dtype` (ONNX's TorchScript exporter
+    cannot write FLOAT4E2M1 tensors itself)."""
 
     @staticmethod
     def forward(ctx, weight, linear: "NVFP4Linear"):
@@ -62,7 +76,8 @@ class _NVFP4Weight(torch.autograd.Function):
     def symbolic(g, weight, linear: "NVFP4Linear"):
         return g.op("eagle::NVFP4Weight", weight, codes_t=linear.weight_codes,
                     block_scales_t=linear.weight_block_scales.view(torch.uint8),
-                    global_scale_f=float(linear.weight_global_scale), block_size_i=NVFP4_BLOCK).setType(weight.type())
+                    global_scale_f=float(linear.weight_global_scale), block_size_i=NVFP4_BLOCK,
+                    dtype_i=onnx_float_type(weight)).setType(weight.type())
 
 
 class NVFP4Linear(nn.Module):

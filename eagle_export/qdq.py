@@ -9,6 +9,8 @@ a weight is stored once, in FP8, behind a DequantizeLinear.
 NVFP4 (`nvfp4.NVFP4Linear`): activations are `trt::TRT_FP4DynamicQuantize` -> DequantizeLinear
 (FP8 block scales x fp32 global scale) -> DequantizeLinear (FLOAT4E2M1, block_size 16, axis -1);
 weights are FLOAT4E2M1 and FLOAT8E4M3FN initializers behind the same double DequantizeLinear.
+The second DequantizeLinear's output is fp32 (the global scale stays fp32, as TensorRT reads it),
+so in fp16/bf16 graphs a Cast to the graph's float type follows it, as in ModelOpt's exporter.
 FLOAT4E2M1 in DequantizeLinear needs opset 23, so NVFP4 graphs declare it (as ModelOpt does).
 
 The torch export runs at opset 20 (`EXPORT_OPSET`, the TorchScript exporter's highest; FP8 Q/DQ
@@ -121,7 +123,8 @@ def fp8_to_native_qdq(model: onnx.ModelProto, weight_codes: dict[str, np.ndarray
 
 def nvfp4_weights_to_double_dq(model: onnx.ModelProto) -> int:
     """Placeholder `eagle::NVFP4Weight` nodes -> FP4 codes + FP8 block scales + fp32 global scale
-    initializers and two DequantizeLinear nodes (TensorRT's NVFP4 weight form)."""
+    initializers and two DequantizeLinear nodes (TensorRT's NVFP4 weight form), whose fp32 output
+    is cast to the weight's own type (the placeholder's `dtype`) when that is not fp32."""
     graph = model.graph
     new_nodes, count = [], 0
     done: dict[str, str] = {}     # weight initializer -> its dequantized output
@@ -147,8 +150,12 @@ def nvfp4_weights_to_double_dq(model: onnx.ModelProto) -> int:
         graph.initializer.extend([w_f4, s_f8, g])
         new_nodes.append(helper.make_node("DequantizeLinear", [s_f8.name, g.name], [base + "_block_scale"],
                                           name=base + "_DequantizeLinear"))
-        new_nodes.append(helper.make_node("DequantizeLinear", [w_f4.name, base + "_block_scale"], list(node.output),
+        dtype = attrs["dtype"].i if "dtype" in attrs else TensorProto.FLOAT
+        dequantized = node.output[0] if dtype == TensorProto.FLOAT else base + "_dequantized"
+        new_nodes.append(helper.make_node("DequantizeLinear", [w_f4.name, base + "_block_scale"], [dequantized],
                                           name=base + "_DequantizeLinear_1", axis=-1, block_size=block_size))
+        if dequantized != node.output[0]:
+            new_nodes.append(helper.make_node("Cast", [dequantized], list(node.output), name=base + "_Cast", to=dtype))
         count += 1
     for node in new_nodes:
         for i, name in enumerate(node.input):

@@ -247,3 +247,46 @@ def test_quantize_models_takes_a_bf16_drafter_beside_an_fp32_target(tmp_path):
         save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
     report, _, _ = Q.quantize_models(target_dir, drafter_dir, "fp8", calib_prompts=2, eval_prompts=2)
     assert 0.0 <= report["drafter"]["kl"] and report["drafter"]["positions"] > 0
+
+
+@pytest.fixture(scope="module")
+def fp16_models(tmp_path_factory):
+    """The tiny pair at fp16, the base dtype quantized builds get where TensorRT builds the engines."""
+    root = tmp_path_factory.mktemp("q16")
+    target = load_target(write_tiny_target(root / "t", "llama", num_hidden_layers=3), aux_layer_ids=(0, 1, 2),
+                         dtype="fp16")
+    drafter = load_drafter(write_tiny_drafter(root / "d", "3.1", aux=(0, 1, 2)), target=target, dtype="fp16")
+    return target.eval(), drafter.eval(), Q.random_prompts(320, count=2, length=16)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_fp16_quantized_graphs_pass_the_trt_lint_and_keep_fp32_global_scales(tmp_path, fp16_models, precision):
+    """NVFP4's double DequantizeLinear yields fp32 (its global scale's type): inside an fp16 graph a
+    Cast back to fp16 must follow it, or a strongly typed TensorRT network mixes fp32 and fp16
+    (before the fix: 34 mixed_precision findings, and the export refused)."""
+    qtarget, qdrafter = quantized_pair(fp16_models, precision)
+    reports = {"target": export_target(qtarget, tmp_path / "t.onnx", True, quantized=True),
+               "drafter": export_drafter(qdrafter, DEPTH, False, tmp_path / "d.onnx", quantized=True)}
+    for role, report in reports.items():
+        assert report["lint_findings"] == [], role
+        model = onnx.load(tmp_path / f"{role[0]}.onnx")
+        fp4_dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"
+                  and any(a.name == "block_size" for a in n.attribute)]
+        assert len(fp4_dq) == (0 if precision == "fp8" else report["nvfp4_weights"] + ops(model)[
+            ("trt", "TRT_FP4DynamicQuantize")])
+        consumers = {i: n for n in model.graph.node for i in n.input}
+        assert all(consumers[n.output[0]].op_type == "Cast" and consumers[n.output[0]].attribute[0].i
+                   == onnx.TensorProto.FLOAT16 for n in fp4_dq)
+        global_scales = [t for t in model.graph.initializer if t.name.endswith("_f32_scale")]
+        assert len(global_scales) == report.get("nvfp4_weights", 0)
+        assert all(t.data_type == onnx.TensorProto.FLOAT for t in global_scales)
+    if precision == "nvfp4":  # the fp16 graph computes what the packed fp16 torch model does
+        spec = C.target_graph(qtarget.config, 3, True)
+        args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: 5}, torch.Generator().manual_seed(0), torch.float16)
+        expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
+        got = run_graph(tmp_path / "t.onnx", spec.feeds(args))
+        assert got["aux_hidden"].dtype == torch.float16
+        agree = (got["greedy_ids"] == expected["greedy_ids"]).float().mean().item()
+        err = ((got["logits"].float() - expected["logits"].float()).abs().max() / expected["logits"].float().abs().max())
+        print(f"fp16 NVFP4 graph vs packed torch: greedy agreement {agree:.4f}, logits rel. error {err:.2e}")
+        assert agree >= 0.995 and err < 2e-2, (agree, err)  # validate.TOLERANCE["fp16"]
