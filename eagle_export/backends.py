@@ -92,8 +92,11 @@ class Backend:
     name = "?"
     device = "cpu"
 
-    def __init__(self, depth: int, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool):
-        self.depth, self.model_dtype = depth, model_dtype
+    def __init__(self, depth: int, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool,
+                 drafter_dtype: torch.dtype | None = None):
+        """model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype:
+        the drafter graph's (its caches and aux input), when it differs."""
+        self.depth, self.model_dtype, self.drafter_dtype = depth, model_dtype, drafter_dtype or model_dtype
         self.has_logits, self.has_sampling = has_logits, has_sampling
 
     def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False) -> dict[str, torch.Tensor]:
@@ -109,7 +112,7 @@ class TorchBackend(Backend):
     def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu"):
         target = target_graph.target
         super().__init__(drafter_graph.depth, target.embed_tokens.weight.dtype, target_graph.return_logits,
-                         drafter_sampling_graph is not None)
+                         drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
         self.target_graph = (target_graph,
@@ -152,12 +155,14 @@ class OnnxRuntimeBackend(Backend):
         self.target_session, self.drafter_session = session(target_onnx), session(drafter_onnx)
         self.drafter_sampling_session = session(drafter_sampling_onnx) if drafter_sampling_onnx else None
         target_outputs = [o.name for o in self.target_session.get_outputs()]
-        past = next(i for i in self.target_session.get_inputs() if i.name == C.PAST_KEY)
-        if past.type == "tensor(bfloat16)":
+        past, drafter_past = (next(i for i in s.get_inputs() if i.name == C.PAST_KEY)
+                              for s in (self.target_session, self.drafter_session))
+        if "tensor(bfloat16)" in (past.type, drafter_past.type):
             raise EagleExportError("ONNX Runtime's CPU provider cannot feed bfloat16 graphs from numpy",
                                    "build with precision fp32 or fp16 for ONNX Runtime, or use --backend torch")
         super().__init__(int(self.drafter_session.get_outputs()[0].shape[1]), _ORT_TO_TORCH[past.type],
-                         C.LOGITS in target_outputs, self.drafter_sampling_session is not None)
+                         C.LOGITS in target_outputs, self.drafter_sampling_session is not None,
+                         _ORT_TO_TORCH[drafter_past.type])
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
 
     def target(self, feeds, need_logits=False):
@@ -174,10 +179,11 @@ class TensorRTBackend(Backend):
     name = "tensorrt"
     device = "cuda"
 
-    def __init__(self, target_engine: Path, drafter_engine: Path, depth: int, model_dtype: torch.dtype,
-                 has_logits: bool):
-        super().__init__(depth, model_dtype, has_logits, has_sampling=False)
+    def __init__(self, target_engine: Path, drafter_engine: Path, depth: int, has_logits: bool):
         self.target_session, self.drafter_session = TensorRTSession(target_engine), TensorRTSession(drafter_engine)
+        # The caches are allocated in the dtypes the engines take (checked again at every call).
+        super().__init__(depth, self.target_session.dtypes[C.PAST_KEY], has_logits, has_sampling=False,
+                         drafter_dtype=self.drafter_session.dtypes[C.PAST_KEY])
 
     def _profile(self, feeds):
         return 1 if feeds[C.INPUT_IDS].shape[1] <= self.depth + 1 else 0

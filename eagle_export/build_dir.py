@@ -78,7 +78,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
                 raise
         else:
             return TensorRTBackend(path / chosen["target"].file, path / chosen["drafter"].file, manifest.depth,
-                                   resolve_dtype(manifest.target.dtype), manifest.target_graph.return_logits)
+                                   manifest.target_graph.return_logits)
     if backend == "tensorrt":
         raise EagleExportError(f"{path} has no TensorRT engines ({manifest.engines_skipped or ''})",
                                "use --backend onnxruntime, or rebuild on a machine with TensorRT and a GPU")

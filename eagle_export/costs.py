@@ -142,7 +142,7 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
     layers, heads, dim = runtime.target_cache_shape
     target_k = torch.zeros(layers, batch, heads, capacity, dim, dtype=dtype, device=device)
     layers, heads, dim = runtime.drafter_cache_shape
-    draft_k = torch.zeros(layers, batch, heads, capacity, dim, dtype=dtype, device=device)
+    draft_k = torch.zeros(layers, batch, heads, capacity, dim, dtype=runtime.backend.drafter_dtype, device=device)
     lens = torch.full((batch,), past, dtype=torch.int64, device=device)
 
     def target_feeds(t):
@@ -152,7 +152,8 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
 
     def draft_feeds(w):
         return {C.INPUT_IDS: torch.ones(batch, w, dtype=torch.int64, device=device),
-                C.AUX_HIDDEN: torch.zeros(batch, w, runtime.aux_width, dtype=dtype, device=device),
+                C.AUX_HIDDEN: torch.zeros(batch, w, runtime.aux_width, dtype=runtime.backend.drafter_dtype,
+                                          device=device),
                 C.NUM_VALID: torch.full((batch,), w, dtype=torch.int64, device=device),
                 C.PAST_KEY: draft_k, C.PAST_VALUE: draft_k, C.CACHE_LENS: lens}
 

@@ -341,7 +341,10 @@ class SpeculativeRuntime:
         """The drafter over every pending row of the live sequences -> (K drafts, their
         probabilities, their distributions when sampling)."""
         ids, aux, num_valid = state.pending.take(live)
-        feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux, C.NUM_VALID: num_valid.to(self.device),
+        # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
+        # on an fp16 base beside an fp32 drafter).
+        feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux.to(self.backend.drafter_dtype),
+                 C.NUM_VALID: num_valid.to(self.device),
                  C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: state.draft_lens.to(self.device)}
         if state.sampling:
@@ -422,13 +425,13 @@ class _State:
         k = runtime.depth
         longest = max(len(p) for p in prompts)
         self.capacity = min(runtime.max_context, longest + config.max_new_tokens + k + 1)  # slots ever needed
-        dtype, device = runtime.backend.model_dtype, runtime.device
+        device = runtime.device
         slots = self._slots(longest + k + 1)
         layers, heads, dim = runtime.target_cache_shape
-        self.target_k = torch.zeros(layers, b, heads, slots, dim, dtype=dtype, device=device)
+        self.target_k = torch.zeros(layers, b, heads, slots, dim, dtype=runtime.backend.model_dtype, device=device)
         self.target_v = torch.zeros_like(self.target_k)
         layers, heads, dim = runtime.drafter_cache_shape
-        self.draft_k = torch.zeros(layers, b, heads, slots, dim, dtype=dtype, device=device)
+        self.draft_k = torch.zeros(layers, b, heads, slots, dim, dtype=runtime.backend.drafter_dtype, device=device)
         self.draft_v = torch.zeros_like(self.draft_k)
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None

@@ -163,3 +163,128 @@ def test_build_refuses_engine_precisions_the_gpu_lacks_before_loading(monkeypatc
     assert not (tmp_path / "out").exists()
     if refused:
         assert "--set precision.target=fp16" in e.value.fix
+
+
+# ---------------------------------------------------------------- TensorRTSession on a fake TensorRT
+
+DEPTH = 4
+
+
+def fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dtype="HALF", location=None):
+    """Engine files for the tiny specs behind a fake `tensorrt` module; torch's current stream faked."""
+    import sys
+    import types
+
+    import torch
+
+    import fake_tensorrt as fake
+
+    engines = {}
+    for graph, spec, dtype in (("target", specs[0], target_dtype), ("drafter", specs[1], drafter_dtype)):
+        engines[graph.encode()] = fake.FakeEngine(spec, engine_profiles(spec, RECIPE, graph), dtype, DEPTH,
+                                                  location or fake.TensorLocation.HOST)
+        (tmp_path / f"{graph}.engine").write_bytes(graph.encode())
+    monkeypatch.setitem(sys.modules, "tensorrt", fake.module(engines))
+    stream = types.SimpleNamespace(cuda_stream=0xC0FFEE)  # no synchronize(): the session must not wait
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    return engines
+
+
+def target_feeds(tokens, past, batch=2, dtype=None):
+    import torch
+
+    from eagle_export import contract as C
+
+    dtype = dtype or torch.float16
+    cache = torch.zeros(6, batch, 2, past, 16, dtype=dtype)
+    return {C.INPUT_IDS: torch.ones(batch, tokens, dtype=torch.int64), C.POSITIONS: torch.zeros(batch, tokens,
+            dtype=torch.int64), C.PAST_KEY: cache, C.PAST_VALUE: cache.clone(),
+            C.CACHE_LENS: torch.zeros(batch, dtype=torch.int64)}
+
+
+def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch, tmp_path, specs):
+    """The runtime writes the caches on torch's current stream: the engine must run on it (before:
+    on a stream of its own, unordered with those writes), and switch profiles there too."""
+    from eagle_export.engine import TensorRTSession
+
+    engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
+    session = TensorRTSession(tmp_path / "target.engine")
+    context = engine.contexts[0]
+    for tokens, profile in ((7, 0), (5, 1), (9, 0)):  # prefill -> decode -> prefill on one context
+        feeds = target_feeds(tokens, past=64)
+        out = session.run(feeds, profile)
+        assert context.profile == profile
+        assert out["greedy_ids"].shape == (2, tokens) and out["new_key"].dtype.itemsize == 2
+        assert out["aux_hidden"].shape == (2, tokens, specs[0]["aux_hidden"].shape[2])
+        assert all(context.addresses[n] == t.data_ptr() for n, t in {**feeds, **out}.items())
+    streams = {c[-1] for c in context.calls if c[0] in ("set_optimization_profile_async", "execute_async_v3")}
+    assert streams == {0xC0FFEE}
+    assert [c[1] for c in context.calls if c[0] == "set_optimization_profile_async"] == [0, 1, 0]
+
+
+def test_out_of_profile_shapes_name_the_tensor_and_the_profile_range(monkeypatch, tmp_path, specs):
+    from eagle_export.engine import TensorRTSession
+
+    fake_sessions(monkeypatch, tmp_path, specs)
+    session = TensorRTSession(tmp_path / "target.engine")
+    with pytest.raises(EagleExportError) as e:
+        session.run(target_feeds(5, past=1025), profile=1)  # context.max is 1024
+    assert e.value.problem == ("target.engine: input past_key has shape (6, 2, 2, 1025, 16), outside optimization "
+                               "profile 1 (min (6, 1, 2, 1, 16), max (6, 8, 2, 1024, 16))")
+    assert "profiles.context.max" in e.value.fix
+    with pytest.raises(EagleExportError, match=r"input input_ids has shape \(9, 5\), outside optimization profile 1 "
+                                               r"\(min \(1, 1\), max \(8, 5\)\)"):
+        session.run(target_feeds(5, past=8, batch=9), profile=1)
+
+
+def test_bound_tensors_must_have_the_engines_dtype_and_device(monkeypatch, tmp_path, specs):
+    import torch
+
+    import fake_tensorrt as fake
+    from eagle_export.engine import TensorRTSession
+
+    fake_sessions(monkeypatch, tmp_path, specs)
+    with pytest.raises(EagleExportError) as e:
+        TensorRTSession(tmp_path / "target.engine").run(target_feeds(5, 8, dtype=torch.float32), 1)
+    assert e.value.problem == "target.engine: input past_key is torch.float32 on cpu, the engine takes torch.float16 on cpu"
+    fake_sessions(monkeypatch, tmp_path, specs, location=fake.TensorLocation.DEVICE)
+    with pytest.raises(EagleExportError, match="input input_ids is torch.int64 on cpu, the engine takes torch.int64 "
+                                               "on cuda"):
+        TensorRTSession(tmp_path / "target.engine").run(target_feeds(5, 8), 1)
+
+
+def test_a_refused_address_or_missing_input_is_an_error_not_a_silent_run(monkeypatch, tmp_path, specs):
+    from eagle_export.engine import TensorRTSession
+
+    engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
+    session = TensorRTSession(tmp_path / "target.engine")
+    engine.contexts[0].refuse_address.add("new_key")
+    with pytest.raises(EagleExportError, match=r"TensorRT refused the address of target.engine's new_key \(\(6, 2, 2, "
+                                               r"5, 16\) torch.float16 on cpu\)"):
+        session.run(target_feeds(5, 8), 1)
+    assert not any(c[0] == "execute_async_v3" for c in engine.contexts[0].calls)
+    feeds = target_feeds(5, 8)
+    del feeds["cache_lens"]
+    with pytest.raises(EagleExportError, match="takes an input 'cache_lens' that was not given"):
+        session.run(feeds, 1)
+    with pytest.raises(EagleExportError, match="TensorRT cannot load other.engine"):
+        (tmp_path / "other.engine").write_bytes(b"patched TensorRT")
+        TensorRTSession(tmp_path / "other.engine")
+
+
+def test_tensorrt_backend_allocates_each_cache_in_its_engines_dtype(monkeypatch, tmp_path, specs):
+    """A fp16 target engine beside an fp32 drafter engine: the drafter's caches are fp32 (before:
+    the target's dtype, which the drafter engine would have read as garbage)."""
+    import torch
+
+    from eagle_export.backends import TensorRTBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime, _State
+
+    fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dtype="FLOAT")
+    backend = TensorRTBackend(tmp_path / "target.engine", tmp_path / "drafter.engine", DEPTH, has_logits=False)
+    assert (backend.model_dtype, backend.drafter_dtype) == (torch.float16, torch.float32)
+    monkeypatch.setattr(TensorRTBackend, "device", "cpu")
+    runtime = SpeculativeRuntime(backend, 6, 2, 16, 2, 16, 192, max_context=64)
+    state = _State(runtime, [[1, 2, 3]], GenerationConfig(max_new_tokens=4))
+    assert state.target_k.dtype == state.target_v.dtype == torch.float16
+    assert state.draft_k.dtype == state.draft_v.dtype == torch.float32

@@ -305,3 +305,19 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
     buggy = sample_pairs(AcceptEverything, target, drafter, prompt, n, temperature)
     f_bug = torch.cat([buggy[keep], buggy[~keep].sum()[None]]).numpy()
     assert chisquare(f_bug, f_exp).pvalue < 0.01  # the test can fail: a sampler that accepts all drafts does
+
+
+def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path, target):
+    """fp32 target, fp16 drafter (a quantized target's base and its drafter differ alike): the
+    drafter's caches are allocated, and the target's aux rows fed, in the drafter's dtype."""
+    drafter16 = load_drafter(write_tiny_drafter(tmp_path / "d16", "3.1"), target=target, dtype="fp16")
+    runtime = make_runtime(target, drafter16, 3, depth_policy="fixed")
+    assert (runtime.backend.model_dtype, runtime.backend.drafter_dtype) == (torch.float32, torch.float16)
+    seen = []
+    drafter_call = runtime.backend.drafter
+    runtime.backend.drafter = lambda feeds, sampling=False: seen.append(
+        {n: feeds[n].dtype for n in (C.AUX_HIDDEN, C.PAST_KEY, C.PAST_VALUE)}) or drafter_call(feeds, sampling)
+    config = GenerationConfig(max_new_tokens=12)
+    results = runtime.generate(PROMPTS[:2], config)
+    assert seen and all(set(s.values()) == {torch.float16} for s in seen)
+    assert [r.tokens for r in results] == [target.generate_greedy(p, 12) for p in PROMPTS[:2]]
