@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
-from .checkpoint import load_drafter, load_target, resolve_dtype
+from .checkpoint import load_drafter, load_target
 from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
@@ -73,12 +74,13 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         try:
             chosen = {g: pick_engine([e for e in manifest.engines if e.graph == g], cc, trt)
                       for g in ("target", "drafter")}
-        except EagleExportError:
-            if backend == "tensorrt":
-                raise
-        else:
             return TensorRTBackend(path / chosen["target"].file, path / chosen["drafter"].file, manifest.depth,
                                    manifest.target_graph.return_logits)
+        except EagleExportError as e:
+            if backend == "tensorrt":
+                raise
+            # One line on why (a TensorRT patch upgrade, another GPU, no GPU), then the ONNX graphs.
+            print(f"note: running on ONNX Runtime, not TensorRT: {e.problem}", file=sys.stderr)
     if backend == "tensorrt":
         raise EagleExportError(f"{path} has no TensorRT engines ({manifest.engines_skipped or ''})",
                                "use --backend onnxruntime, or rebuild on a machine with TensorRT and a GPU")

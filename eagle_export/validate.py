@@ -8,7 +8,8 @@
    on the held-out prompts the build recorded: its greedy (draft) ids must agree with it about as
    often as the torch fake-quantized model's did at build time;
 3. the lossless loop: speculative decoding through the build's graphs equals target-only greedy
-   decoding through the same target graph, and (unquantized builds) the torch target's own.
+   decoding through the same target graph, and (unquantized builds) the torch target's own; on
+   ONNX Runtime, and on TensorRT too when the build has engines (skipped where they cannot load).
 
 A check is (name, ok, detail) with ok True, False or None; None is a check that could not run
 here, the reason in detail: it is reported as skipped, never counted as passed.
@@ -156,9 +157,15 @@ def _quantized_graphs(build_dir: Path, manifest: Manifest, target, drafter, role
     return checks
 
 
-def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int):
+def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int,
+              backend: str = "onnxruntime"):
     # The fixed policy verifies every draft, so every round exercises accept and rollback.
-    opened = open_build(build_dir, backend="onnxruntime", verify=False, depth_policy="fixed")
+    try:
+        opened = open_build(build_dir, backend=backend, verify=False, depth_policy="fixed")
+    except EagleExportError as e:
+        if backend != "tensorrt":
+            raise
+        return [("lossless loop (tensorrt)", None, f"not run: the engines do not load here: {e.problem}")]
     if opened.tokenizer is not None:
         prompts = [opened.encode(p) for p in CHECK_PROMPTS[:prompts_count]]
     else:
@@ -173,11 +180,11 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
         first = [next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), None)
                  for s, a in zip(spec, ar)]
         detail += "; first differing token per prompt: " + ", ".join("-" if i is None else str(i) for i in first)
-    checks = [("lossless: speculative == autoregressive (onnxruntime)", same, detail)]
+    checks = [(f"lossless: speculative == autoregressive ({backend})", same, detail)]
     if target is not None:
         torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens)
                            for s, p in track(zip(spec, prompts), "torch greedy", len(prompts)))
-        checks.append(("lossless: speculative (onnxruntime) == torch target greedy", torch_greedy,
+        checks.append((f"lossless: speculative ({backend}) == torch target greedy", torch_greedy,
                        f"{len(prompts)} prompts x {new_tokens} tokens"))
     return checks
 
@@ -207,11 +214,14 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
         checks += _numerics(build_dir, manifest, *reference, skip=quantized)
         if quantized:
             checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
+    target = None if quantized or reference is None else reference[0]
+    size = (2, 16) if quick else (3, 32)
     if "nvfp4" in {m.precision for m in manifest.models.values()}:
         checks.append(("lossless loop", None, "not run: ONNX Runtime, which runs the loop here, has no FP4 kernels"))
     else:
-        target = None if quantized or reference is None else reference[0]
-        checks += _lossless(build_dir, manifest, target, 2 if quick else 3, 16 if quick else 32)
+        checks += _lossless(build_dir, manifest, target, *size)
+    if manifest.engines:  # the engines the build made run the same loop (skipped where they cannot load)
+        checks += _lossless(build_dir, manifest, target, *size, backend="tensorrt")
     return _summary(checks)
 
 

@@ -390,6 +390,62 @@ def test_engines_for_another_gpu_are_refused(built, tmp_path):
     assert opened.runtime.backend.name == "onnxruntime"
 
 
+def with_engines_that_do_not_load(built, tmp_path, monkeypatch):
+    """A copy of the build with engines for this (faked) GPU and TensorRT, whose files TensorRT
+    cannot deserialize (as after a TensorRT patch upgrade); the manifest re-signed."""
+    import eagle_export.build_dir as build_dir
+    import fake_tensorrt
+    from eagle_export.manifest import sha256_file
+
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(built[0]), str(copy)], check=True)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["engines"] = [{"graph": g, "file": f"{g}.sm90.trt10.13.engine", "tensorrt": "10.13.2",
+                            "compute_capability": "9.0", "gpu": "H100"} for g in ("target", "drafter")]
+    for engine in manifest["engines"]:
+        (copy / engine["file"]).write_bytes(b"built by another TensorRT")
+        manifest["artifacts"][engine["file"]] = {"sha256": sha256_file(copy / engine["file"]), "bytes": 25}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest_hash(copy)
+    monkeypatch.setattr(build_dir, "gpu_info", lambda: {"name": "H100", "compute_capability": "9.0"})
+    monkeypatch.setattr(build_dir, "tensorrt_version", lambda: "10.13.3")
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.module({}))  # deserializes nothing
+    return copy
+
+
+def test_auto_falls_back_to_onnxruntime_with_one_line_when_an_engine_does_not_load(built, tmp_path, monkeypatch,
+                                                                                    capsys):
+    copy = with_engines_that_do_not_load(built, tmp_path, monkeypatch)
+    with pytest.raises(EagleExportError, match="TensorRT cannot load target.sm90.trt10.13.engine"):
+        open_build(copy, backend="tensorrt")
+    capsys.readouterr()
+    opened = open_build(copy, backend="auto")  # before: the load error aborted `auto`
+    assert opened.runtime.backend.name == "onnxruntime"
+    assert capsys.readouterr().err.splitlines() == [
+        "note: running on ONNX Runtime, not TensorRT: TensorRT cannot load target.sm90.trt10.13.engine (another "
+        "TensorRT version or GPU, or a corrupt file)"]
+
+
+def test_validate_runs_the_lossless_loop_on_the_engines_too(built, tmp_path, monkeypatch):
+    """A build with engines runs the lossless loop on TensorRT as well; here they cannot load, so that
+    check is skipped with the reason, never passed (on a GPU it runs: `eagle-export selftest --gpu`)."""
+    import eagle_export.validate as validate
+
+    copy = with_engines_that_do_not_load(built, tmp_path, monkeypatch)
+    backends = []
+    real_open_build = validate.open_build
+    monkeypatch.setattr(validate, "open_build", lambda path, backend, **kw: backends.append(backend)
+                        or real_open_build(path, backend=backend, **kw))
+    monkeypatch.setattr(validate, "verify_sources", lambda manifest: ([], ["sources not checked in this test"]))
+    report = validate.validate_build_dir(copy, quick=True)
+    assert backends == ["onnxruntime", "tensorrt"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["lossless: speculative == autoregressive (onnxruntime)"]["ok"] is True
+    assert checks["lossless loop (tensorrt)"]["status"] == "skipped"
+    assert checks["lossless loop (tensorrt)"]["detail"].startswith(
+        "not run: the engines do not load here: TensorRT cannot load target.sm90.trt10.13.engine")
+
+
 def quantized_build(sources, root, precision: str):
     """A tiny build with both models at `precision`, calibrated on 4 prompts."""
     recipe = write_recipe(root / "r.yaml", sources).read_text()
