@@ -24,6 +24,8 @@ from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16,
+              "tensor(int64)": torch.int64, "tensor(int32)": torch.int32, "tensor(bool)": torch.bool}
 
 
 def ort_session(path, providers=("CPUExecutionProvider",), threads: int | None = None, optimize: bool = True):
@@ -70,6 +72,58 @@ def run_onnx(session, feeds: dict[str, torch.Tensor], output_names: list[str] | 
             out[name] = torch.from_numpy(value.numpy().view(np.int16).copy()).view(torch.bfloat16)
         else:
             out[name] = torch.from_numpy(value.numpy())
+    return out
+
+
+_NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
+                torch.int32: np.int32, torch.bool: np.bool_}
+
+
+def output_shapes(session, feeds: dict[str, torch.Tensor], depth: int) -> dict[str, tuple[int, ...]]:
+    """Each output's shape for the given inputs, from the session's declared shapes: fixed dims as
+    declared, the contract's axes (batch, tokens, past; the drafter's new K/V rows tokens + K - 1)
+    sized from the inputs. A dim the exporter left named but static (new_key's head size comes out
+    as 'Concatnew_key_dim_4') is the cache input's at the same position: the new K/V rows have the
+    cache's layout."""
+    axes, cache = {}, None
+    for i in session.get_inputs():
+        shape = feeds[i.name].shape
+        axes.update({d: shape[j] for j, d in enumerate(i.shape) if isinstance(d, str)})
+        cache = shape if i.name == C.PAST_KEY else cache
+    if C.TOKENS in axes:
+        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + depth - 1
+    return {o.name: tuple(d if isinstance(d, int) else axes[d] if d in axes else cache[j] for j, d in enumerate(o.shape))
+            for o in session.get_outputs()}
+
+
+def run_bound(session, feeds: dict[str, torch.Tensor], output_names: list[str], depth: int,
+              device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Run an ONNX Runtime session with IO binding: inputs and outputs are torch tensors on `device`
+    bound by address (the provider reads and writes them in place, nothing is copied through numpy),
+    outputs allocated here in the graph's dtypes at `output_shapes`. The same path on CPU and CUDA."""
+    torch_device = torch.device(device)
+    binding = session.io_binding()
+    kept = []  # the inputs made contiguous stay alive until the run
+    for i in session.get_inputs():
+        tensor = feeds[i.name].contiguous()
+        dtype = _ORT_TYPES[i.type]
+        if tensor.dtype != dtype or tensor.device.type != torch_device.type:
+            raise EagleExportError(f"ONNX Runtime input {i.name} is {tensor.dtype} on {tensor.device.type}, the "
+                                   f"session takes {dtype} on {torch_device.type}",
+                                   "open the build with open_build(), which allocates what its graphs take")
+        kept.append(tensor)
+        binding.bind_input(i.name, torch_device.type, torch_device.index or 0, _NUMPY_TYPES[dtype],
+                           tuple(tensor.shape), tensor.data_ptr())
+    types = {o.name: _ORT_TYPES[o.type] for o in session.get_outputs()}
+    shapes = output_shapes(session, feeds, depth)
+    out = {}
+    for name in output_names:
+        out[name] = torch.empty(shapes[name], dtype=types[name], device=torch_device)
+        binding.bind_output(name, torch_device.type, torch_device.index or 0, _NUMPY_TYPES[types[name]],
+                            shapes[name], out[name].data_ptr())
+    if torch_device.type == "cuda":  # the runtime wrote the caches on torch's stream; ORT runs on its own
+        torch.cuda.current_stream().synchronize()
+    session.run_with_iobinding(binding)
     return out
 
 
@@ -134,8 +188,6 @@ class TorchBackend(Backend):
         return self._run(*self.drafter_graphs[sampling], feeds)
 
 
-_ORT_TO_TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
-                 "tensor(bfloat16)": torch.bfloat16}
 
 
 class OnnxRuntimeBackend(Backend):
@@ -147,7 +199,6 @@ class OnnxRuntimeBackend(Backend):
 
         available = ort.get_available_providers()
         providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        self.providers = providers
 
         def session(path):  # ORT fuses DequantizeLinear+MatMul into kernels that reject float8 inputs
             return ort_session(path, providers, threads, optimize)
@@ -160,17 +211,30 @@ class OnnxRuntimeBackend(Backend):
         if "tensor(bfloat16)" in (past.type, drafter_past.type):
             raise EagleExportError("ONNX Runtime's CPU provider cannot feed bfloat16 graphs from numpy",
                                    "build with precision fp32 or fp16 for ONNX Runtime, or use --backend torch")
-        super().__init__(int(self.drafter_session.get_outputs()[0].shape[1]), _ORT_TO_TORCH[past.type],
+        super().__init__(int(self.drafter_session.get_outputs()[0].shape[1]), _ORT_TYPES[past.type],
                          C.LOGITS in target_outputs, self.drafter_sampling_session is not None,
-                         _ORT_TO_TORCH[drafter_past.type])
-        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+                         _ORT_TYPES[drafter_past.type])
+        # The providers the sessions got, not those asked for: ORT drops the CUDA provider, with only
+        # a warning, when its CUDA libraries do not load, and runs on the CPU.
+        self.providers = self.target_session.get_providers()
+        self.device = provider_device(self.providers)
+        if provider_device(self.drafter_session.get_providers()) != self.device:
+            raise EagleExportError(f"ONNX Runtime put the target graph on {self.device} and the drafter graph "
+                                   f"elsewhere ({self.drafter_session.get_providers()})",
+                                   "pass providers=['CPUExecutionProvider'] to run both on the CPU")
 
     def target(self, feeds, need_logits=False):
         names = [o.name for o in self.target_session.get_outputs() if need_logits or o.name != C.LOGITS]
-        return run_onnx(self.target_session, feeds, names)
+        return run_bound(self.target_session, feeds, names, self.depth, self.device)
 
     def drafter(self, feeds, sampling=False):
-        return run_onnx(self.drafter_sampling_session if sampling else self.drafter_session, feeds)
+        session = self.drafter_sampling_session if sampling else self.drafter_session
+        return run_bound(session, feeds, [o.name for o in session.get_outputs()], self.depth, self.device)
+
+
+def provider_device(providers: list[str]) -> str:
+    """Where a session's tensors live, from the providers it runs with (session.get_providers())."""
+    return "cuda" if providers and providers[0] == "CUDAExecutionProvider" else "cpu"
 
 
 class TensorRTBackend(Backend):

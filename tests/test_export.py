@@ -365,3 +365,50 @@ def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, dep
     args = drafter_inputs(drafter, depth, [depth + 1, 2], [7, 0], 9, True)
     compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec.feeds(args)),
             UnrolledDrafter(drafter, depth, True)(*args), 1e-4, relative=True)  # probabilities: absolute
+
+
+def test_onnxruntime_backend_takes_its_device_from_the_session_and_binds_io(tmp_path, dirs):
+    """CUDA asked for where ORT has none: the session runs on the CPU provider, so the backend's
+    device (where the runtime allocates the caches) must be the CPU (before: 'cuda' from the
+    request, and the first call crashed). The loop runs through IO binding, the path the CUDA
+    provider takes, with inputs and outputs bound by torch tensor address, and stays lossless."""
+    from eagle_export.backends import OnnxRuntimeBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+
+    target, drafter = load_pair(dirs, "3.1")
+    export_target(target, tmp_path / "target.onnx", return_logits=True)
+    export_drafter(drafter, 3, False, tmp_path / "drafter.onnx")
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
+        backend = OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx",
+                                     providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert backend.providers == ["CPUExecutionProvider"] and backend.device == "cpu"
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+    prompts = [[100, 200, 100, 200, 100], [7, 8, 9]]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=20))
+    assert [r.tokens for r in results] == [target.generate_greedy(p, 20) for p in prompts]
+    cfg = target.config
+    cache = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 3, cfg.head_dim)
+    feeds = {C.INPUT_IDS: torch.tensor([[5, 6]]), C.POSITIONS: torch.tensor([[3, 4]]), C.PAST_KEY: cache,
+             C.PAST_VALUE: cache, C.CACHE_LENS: torch.full((1,), 3)}
+    out = backend.target(feeds, need_logits=True)
+    assert out[C.LOGITS].shape == (1, 2, cfg.vocab_size)
+    assert out[C.NEW_KEY].shape == (cfg.num_layers, 1, cfg.num_kv_heads, 2, cfg.head_dim)
+    with pytest.raises(EagleExportError, match="input past_key is torch.float16 on cpu, the session takes "
+                                               "torch.float32 on cpu"):
+        backend.target({**feeds, C.PAST_KEY: cache.half()})
+
+
+def test_output_shapes_follow_the_contract_axes_and_the_cache_layout():
+    from types import SimpleNamespace as NS
+
+    from eagle_export.backends import output_shapes, provider_device
+
+    session = NS(get_inputs=lambda: [NS(name="input_ids", shape=["batch", "tokens"]),
+                                     NS(name="past_key", shape=[1, "batch", 3, "past", 64])],
+                 get_outputs=lambda: [NS(name="draft_ids", shape=["batch", 4]),
+                                      NS(name="new_key", shape=[1, "batch", 3, "tokens_plus_depth_minus_1",
+                                                                "Unsqueezenew_key_dim_4"])])
+    feeds = {"input_ids": torch.zeros(2, 5), "past_key": torch.zeros(1, 2, 3, 64, 64)}
+    assert output_shapes(session, feeds, depth=4) == {"draft_ids": (2, 4), "new_key": (1, 2, 3, 8, 64)}
+    assert provider_device(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "cuda"
+    assert provider_device(["CPUExecutionProvider"]) == "cpu"
