@@ -326,6 +326,26 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, json_
         plot(report, plot_file)
 
 
+@main.command()
+@click.option("--gpu", is_flag=True, help="Test what only a GPU can settle (the only suite so far).")
+@click.option("--build", "build_dir", type=click.Path(), callback=utf8,
+              help="A build made on this machine, with engines (default: build the sample here first).")
+@click.option("--report", "report_path", default="selftest-gpu.json", show_default=True, type=click.Path(),
+              callback=utf8, help="Where to write the JSON report.")
+def selftest(gpu, build_dir, report_path):
+    """The first command to run on a GPU machine: environment, engines built and bound as computed,
+    TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
+    Runtime CUDA, and a batch 1/4 bench on each backend; each step one line, all in one JSON report.
+    Exit 1 when a step fails; exit 0 with one line on a machine without a GPU."""
+    from .selftest import selftest as run_selftest
+
+    if not gpu:
+        raise EagleExportError("selftest needs a suite to run", "pass --gpu")
+    report = run_selftest(build_dir, report_path, echo=click.echo)
+    if report is not None and not report["ok"]:
+        sys.exit(1)
+
+
 # Commands of later stages are added below this line, one function each.
 
 

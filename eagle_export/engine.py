@@ -118,6 +118,8 @@ def build_engine(onnx_path: Path, engine_path: Path, profiles: list[dict[str, tu
                                "run `eagle-export export` and check its trt_lint report for these nodes")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    # Layer details (precisions, tactics) for the engine inspector (`selftest --gpu` reads FP8 layers there).
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     cache_bytes = timing_cache_path.read_bytes() if timing_cache_path and timing_cache_path.is_file() else b""
     timing_cache = config.create_timing_cache(cache_bytes)
     config.set_timing_cache(timing_cache, ignore_mismatch=False)

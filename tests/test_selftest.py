@@ -1,0 +1,56 @@
+"""`eagle-export selftest --gpu` where there is no GPU: one line, exit 0; its step runner and the
+steps a fake can stand in for."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eagle_export import selftest
+from eagle_export.cli import main
+from eagle_export.errors import EagleExportError
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(main, ["selftest", "--gpu", "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 0
+    assert result.output.splitlines() == [
+        "selftest --gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to test"]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_every_step_is_one_line_and_one_entry_of_the_report_and_a_failure_exits_1(tmp_path, monkeypatch):
+    def refused(state):
+        raise EagleExportError("target.engine: input past_key has shape (1,), outside optimization profile 1", "x")
+
+    steps = [("environment", lambda s: (True, "torch 2.x")), ("build", lambda s: (True, "engines")),
+             ("out-of-profile input", refused), ("FP8 tactics", lambda s: (None, "not an FP8 build"))]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selftest, "STEPS", steps)
+    result = CliRunner().invoke(main, ["selftest", "--gpu", "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        "ok   environment: torch 2.x", "ok   build: engines",
+        "FAIL out-of-profile input: EagleExportError: target.engine: input past_key has shape (1,), outside "
+        "optimization profile 1", "-    FP8 tactics: not an FP8 build", f"report: {tmp_path / 'r.json'}"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] is False and [s["ok"] for s in report["steps"]] == [True, True, False, None]
+
+
+def test_a_failed_build_step_stops_the_steps_that_need_engines(tmp_path, monkeypatch):
+    later = []
+    steps = [("build", lambda s: (False, "no engines")), ("engine I/O", lambda s: later.append(1) or (True, ""))]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selftest, "STEPS", steps)
+    report = selftest.selftest(None, tmp_path / "r.json", echo=lambda line: None)
+    assert not later and report["ok"] is False and len(report["steps"]) == 1
+
+
+@pytest.mark.parametrize("cc, ok", [("9.0", True), ("8.6", True), ("10.0", None)])
+def test_nvfp4_gating_step_below_and_at_compute_capability_10(monkeypatch, cc, ok):
+    monkeypatch.setattr(selftest, "gpu_info", lambda: {"name": "GPU", "compute_capability": cc})
+    got, fact = selftest.nvfp4_refused({})
+    assert got is ok
+    assert ("needs compute capability 10.0+" in fact) if ok else "builds NVFP4" in fact
