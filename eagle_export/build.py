@@ -19,6 +19,7 @@ import torch
 
 from . import contract as C
 from .checkpoint import load_drafter, load_target
+from .build_dir import open_build
 from .conformance import check_checkpoint
 from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
@@ -32,7 +33,8 @@ from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe
 from .sample import sample_target_dir
-from .validate import validate_build_dir
+from .teacher_forced import measure_eps
+from .validate import lossless_backend, validate_build_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -149,12 +151,24 @@ def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
         report = export_drafter(drafter, depth, sample, build_dir / file, quantized["drafter"])
         return {"file": file, "sampling": sample, **report}
 
-    target_report = export_target(target, build_dir / "target.onnx", sampling, quantized["target"])
-    graphs = {"target": {"file": "target.onnx", "return_logits": sampling, **target_report},
+    # A quantized target also returns its logits: its lossless check reads each call's margins.
+    logits = sampling or quantized["target"]
+    target_report = export_target(target, build_dir / "target.onnx", logits, quantized["target"])
+    graphs = {"target": {"file": "target.onnx", "return_logits": logits, **target_report},
               "drafter": drafter_graph("drafter.onnx", False)}
     if sampling:
         graphs["drafter_sampling"] = drafter_graph("drafter_sampling.onnx", True)
     return graphs
+
+
+def eps_stage(recipe: Recipe, build_dir: Path, target_dir: Path) -> dict:
+    """A quantized target's teacher-forced tolerance, measured on the built graph through the backend
+    its lossless check runs on, at call widths 1 and K+1 over the calibration prompts."""
+    opened = open_build(build_dir, backend=lossless_backend(recipe["precision"].values()), verify=False,
+                        depth_policy="fixed")
+    t = opened.manifest.target
+    return measure_eps(opened.runtime.backend, (t.num_layers, t.num_kv_heads, t.head_dim),
+                       calibration_prompts(recipe, ChatTemplate(target_dir)), recipe["depth"])
 
 
 def tensorrt_available() -> tuple[bool, str]:
@@ -242,10 +256,14 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             "quantization": quant_report, "engines": engines, "conformance": conformance,
             "backends": (["tensorrt"] if has_trt else []) + (
                 [] if "nvfp4" in model_precisions else ["onnxruntime"]) + (
-                [] if model_precisions & set(QUANTIZED) else ["torch"]),
+                [] if "fp8" in model_precisions else ["torch"]),
         }
         with log("validate"):
             write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
+            if precision["target"] in QUANTIZED:
+                content["quantization"]["eps"] = eps_stage(recipe, tmp, target_dir)
+                echo(f"  eps {content['quantization']['eps']['eps']:.3g} (teacher-forced tolerance, measured)")
+                write_manifest(tmp, {**content, "stage_seconds": log.seconds})
             content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
             if not content["validation"]["ok"]:
                 raise EagleExportError("the build failed its own validation: "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 from tokenizers import Tokenizer
 
@@ -17,6 +18,7 @@ from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
 from .manifest import MANIFEST, Manifest, read_manifest, verify_artifacts, verify_sources
+from .nvfp4 import use_graph_weights
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
@@ -48,10 +50,11 @@ class OpenBuild:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def torch_models(manifest: Manifest):
+def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
     """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
-    even for a quantized build (validation compares its graphs with them). Refused unless every
-    source file still has the sha256 the build recorded: other weights would run silently."""
+    even for a quantized build (validation compares its graphs with them), unless `nvfp4_from` names
+    the build directory: then its NVFP4 models run the NVFP4 weights of its own graphs. Refused
+    unless every source file still has the sha256 the build recorded: other weights would run silently."""
     changed, unavailable = verify_sources(manifest)
     if changed or unavailable:
         raise EagleExportError("the torch backend rebuilds the models from the checkpoints the build was made "
@@ -62,6 +65,10 @@ def torch_models(manifest: Manifest):
                          aux_layer_ids=manifest.target.aux_layer_ids)
     drafter = load_drafter(manifest.drafter.source, target=target, dtype=manifest.drafter.dtype)
     PassManager([p for p in model_passes() if p.name not in manifest.skipped_passes])(EagleModels(target, drafter))
+    if nvfp4_from is not None:
+        for role, module, graph in (("target", target, manifest.target_graph), ("drafter", drafter, manifest.drafter_graph)):
+            if manifest.models[role].precision == "nvfp4":
+                use_graph_weights(module, onnx.load(str(nvfp4_from / graph.file)), role)
     return target, drafter
 
 
@@ -84,19 +91,21 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
     if backend == "tensorrt":
         raise EagleExportError(f"{path} has no TensorRT engines ({manifest.engines_skipped or ''})",
                                "use --backend onnxruntime, or rebuild on a machine with TensorRT and a GPU")
+    precisions = {m.precision for m in manifest.models.values()}
     if backend == "torch":
-        if manifest.quantized_roles:
-            raise EagleExportError("the torch backend runs unquantized builds only",
+        if "fp8" in precisions:
+            raise EagleExportError("the torch backend runs unquantized and NVFP4 builds only",
                                    "use --backend onnxruntime (FP8) or tensorrt for this build")
-        target, drafter = torch_models(manifest)
+        target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
         device = "cuda" if torch.cuda.is_available() else "cpu"
         target, drafter = target.to(device), drafter.to(device)
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, manifest.depth, False),
                             UnrolledDrafter(drafter, manifest.depth, True), device=device)
-    precisions = {m.precision for m in manifest.models.values()}
     if "nvfp4" in precisions:
-        raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT only",
-                               "run it where TensorRT and a compute capability 10.0+ GPU exist")
+        raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
+                               "torch over its graphs' NVFP4 weights (slowly, on CPU)",
+                               "use --backend torch, or run it where TensorRT and a compute capability 10.0+ "
+                               "GPU exist")
     sampling = manifest.drafter_sampling_graph
     return OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file,
                               path / sampling.file if sampling else None, threads=threads,

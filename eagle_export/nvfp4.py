@@ -162,3 +162,64 @@ def pack_nvfp4(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model
+
+
+
+def linears_from_graph(model) -> dict[str, NVFP4Linear]:
+    """The NVFP4 Linears of an exported graph (an onnx.ModelProto), rebuilt from its own FP4 codes,
+    FP8 block scales and global scales (never re-quantized), by the name of the weight each one
+    replaces (`target.layers.0.mlp.down_proj.weight`); each one's input scale is the one of the
+    TRT_FP4DynamicQuantize feeding its MatMul (none: weight-only). They carry no bias (the caller
+    keeps its module's). This runs a build's own NVFP4 weights on CPU, where ONNX Runtime cannot."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def constant(name: str) -> float:
+        tensor = initializers[name] if name in initializers else producer[name].attribute[0].t
+        return float(numpy_helper.to_array(tensor))
+
+    def input_scale(weight: str) -> float | None:
+        """weight -> (Transpose) -> MatMul <- DequantizeLinear <- DequantizeLinear <- TRT_FP4DynamicQuantize."""
+        use = consumers[weight][0]
+        if use.op_type == "Transpose":
+            weight, use = use.output[0], consumers[use.output[0]][0]
+        source = producer.get(next(i for i in use.input if i != weight))
+        while source is not None and source.op_type == "DequantizeLinear":
+            source = producer.get(source.input[0])
+        return constant(source.input[1]) if source is not None and source.op_type == "TRT_FP4DynamicQuantize" else None
+
+    linears = {}
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear" or not node.input[0].endswith("_f4") or node.input[0] not in initializers:
+            continue
+        base = node.input[0][:-len("_f4")]
+        f4, f8 = initializers[base + "_f4"], initializers[base + "_f8_scale"]
+        rows, cols = f4.dims
+        codes = torch.from_numpy(np.frombuffer(f4.raw_data, np.uint8).reshape(rows, cols // 2).copy())
+        block_scales = torch.from_numpy(np.frombuffer(f8.raw_data, np.uint8).reshape(tuple(f8.dims)).copy())
+        scale = input_scale(node.output[0])
+        linears[base] = NVFP4Linear.from_packed(
+            codes, block_scales.view(torch.float8_e4m3fn), torch.tensor(constant(base + "_f32_scale")),
+            None if scale is None else torch.tensor(scale), None)
+    return linears
+
+
+def use_graph_weights(module: nn.Module, graph, prefix: str) -> int:
+    """Replace each Linear of `module` that the exported graph holds in NVFP4 with one over the
+    graph's own weights (`linears_from_graph`; `prefix` is the module's name in the graph:
+    `target`, `drafter`), keeping its bias. Returns how many were replaced."""
+    linears = linears_from_graph(graph)
+    for name, linear in linears.items():
+        path = name.removeprefix(prefix + ".").removesuffix(".weight")
+        parent, _, child = path.rpartition(".")
+        linear.bias = module.get_submodule(path).bias
+        setattr(module.get_submodule(parent) if parent else module, child, linear)
+    return len(linears)

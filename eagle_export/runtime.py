@@ -305,7 +305,7 @@ class SpeculativeRuntime:
             accepted, next_token = self._rejection_sample(state, out, drafts, draft_probs)
         else:
             greedy = out[C.GREEDY_IDS]
-            accepted = (drafts == greedy[:, :k]).int().cumprod(dim=1).sum(dim=1)
+            accepted = greedy_accepted(drafts, greedy)
             next_token = greedy.gather(1, accepted[:, None])[:, 0]
         state.write_target(out, accepted + 1, live)
         emitted = []
@@ -529,6 +529,12 @@ class _PendingRows:
         rows = (self.ids[:, :width].contiguous(), self.aux[:, :width].contiguous(), self.count.clamp(1, width))
         self.count = torch.where(live, 0, self.count)
         return rows
+
+
+def greedy_accepted(drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance: per sequence, the length of the longest prefix of drafts [B,k] equal to the
+    target's argmax at the same rows of greedy [B,k+1]."""
+    return (drafts == greedy[:, :drafts.shape[1]]).int().cumprod(dim=1).sum(dim=1)
 
 
 def _write_rows(keys, values, out, starts, counts, live):

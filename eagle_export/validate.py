@@ -7,9 +7,13 @@
    a quantized graph, whose quantized torch module is gone, against the unquantized torch model
    on the held-out prompts the build recorded: its greedy (draft) ids must agree with it about as
    often as the torch fake-quantized model's did at build time;
-3. the lossless loop: speculative decoding through the build's graphs equals target-only greedy
-   decoding through the same target graph, and (unquantized builds) the torch target's own; on
-   ONNX Runtime, and on TensorRT too when the build has engines (skipped where they cannot load).
+3. the lossless loop, speculative against plain decoding through the same target: an unquantized
+   target's tokens are identical (and, unquantized builds, equal to the torch target's greedy ones);
+   a quantized target's are each within the build's eps of the argmax of the target run one token at
+   a time over their own prefix (`teacher_forced.py`), and eps is small beside the target's top-2
+   margins. It runs in ONNX Runtime, or for NVFP4 (no FP4 kernels there) on torch over the graphs'
+   own NVFP4 weights; the check's name says which. A build with engines runs the same loop on
+   TensorRT too (skipped where they cannot load).
 
 A check is (name, ok, detail) with ok True, False or None; None is a check that could not run
 here, the reason in detail: it is reported as skipped, never counted as passed.
@@ -31,6 +35,7 @@ from .progress import track
 from .quantize import drafter_calibration_batches
 from .reference import draft_chain
 from .runtime import GenerationConfig
+from .teacher_forced import MARGIN_PERCENTILE, agreement, margin_percentile, teacher_forced
 from .unrolled import TargetGraph, UnrolledDrafter
 
 # max |onnx - torch| / max |torch| allowed for logits and draft probabilities, by export dtype
@@ -157,15 +162,27 @@ def _quantized_graphs(build_dir: Path, manifest: Manifest, target, drafter, role
     return checks
 
 
+def lossless_backend(precisions) -> str:
+    """The backend the lossless loop runs on, on any machine: ONNX Runtime over the build's graphs;
+    for NVFP4, which ONNX Runtime has no kernels for, torch over the graphs' own NVFP4 weights."""
+    return "torch" if "nvfp4" in precisions else "onnxruntime"
+
+
 def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int,
-              backend: str = "onnxruntime"):
+              backend: str | None = None):
+    """Speculative decoding through the build's graphs against plain decoding through the same target
+    graph, batch `prompts_count`: equal token for token (unquantized targets, also equal to the torch
+    target's greedy decoding when `target` is given), or, for a quantized target, every token within
+    the teacher-forced contract (`teacher_forced.py`). `backend` None: `lossless_backend`. Returns
+    (checks, record for the manifest)."""
     # The fixed policy verifies every draft, so every round exercises accept and rollback.
+    backend = backend or lossless_backend({m.precision for m in manifest.models.values()})
     try:
         opened = open_build(build_dir, backend=backend, verify=False, depth_policy="fixed")
     except EagleExportError as e:
         if backend != "tensorrt":
             raise
-        return [("lossless loop (tensorrt)", None, f"not run: the engines do not load here: {e.problem}")]
+        return [("lossless loop (tensorrt)", None, f"not run: the engines do not load here: {e.problem}")], None
     if opened.tokenizer is not None:
         prompts = [opened.encode(p) for p in CHECK_PROMPTS[:prompts_count]]
     else:
@@ -173,20 +190,64 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     config = GenerationConfig(max_new_tokens=new_tokens)
     spec = opened.runtime.generate(prompts, config, speculative=True)
     ar = opened.runtime.generate(prompts, config, speculative=False)
-    same = all(s.tokens == a.tokens for s, a in zip(spec, ar))
+    backend = opened.runtime.backend.name
+    records = [{"tokens": len(s.tokens), "tau": round(s.stats.tau, 4), **agreement(s.tokens, a.tokens)}
+               for s, a in zip(spec, ar)]
     tau = sum(r.stats.tau for r in spec) / len(spec)
     detail = f"{len(prompts)} prompts x {new_tokens} tokens, batch {len(prompts)}, tau {tau:.2f}"
+    if manifest.target.quantized:
+        return _teacher_forced_checks(opened, manifest, prompts, spec, records, detail)
+    same = all(s.tokens == a.tokens for s, a in zip(spec, ar))
     if not same:  # where each prompt first parts ways tells a numerics flip from a broken loop
-        first = [next((i for i, (x, y) in enumerate(zip(s.tokens, a.tokens)) if x != y), None)
-                 for s, a in zip(spec, ar)]
-        detail += "; first differing token per prompt: " + ", ".join("-" if i is None else str(i) for i in first)
+        detail += "; first differing token per prompt: " + ", ".join(
+            "-" if r["first_divergence"] is None else str(r["first_divergence"]) for r in records)
     checks = [(f"lossless: speculative == autoregressive ({backend})", same, detail)]
     if target is not None:
         torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens)
                            for s, p in track(zip(spec, prompts), "torch greedy", len(prompts)))
         checks.append((f"lossless: speculative ({backend}) == torch target greedy", torch_greedy,
                        f"{len(prompts)} prompts x {new_tokens} tokens"))
-    return checks
+    return checks, {"contract": "token-identical", "backend": backend, "tau": round(tau, 4), "prompts": records}
+
+
+def _teacher_forced_checks(opened, manifest: Manifest, prompts, spec, records, detail):
+    """A quantized target's lossless checks: every speculative token within eps of the width-1
+    target's argmax over its own prefix, and eps small beside the target's top-2 margins."""
+    backend = opened.runtime.backend
+    name = f"lossless: teacher-forced within eps ({backend.name})"
+    eps = manifest.eps
+    if eps is None:
+        return [(name, False, "the build recorded no eps (made by an older eagle-export): rebuild it")], None
+    shape = (manifest.target.num_layers, manifest.target.num_kv_heads, manifest.target.head_dim)
+    margins, outside = [], 0
+    for record, prompt, result in track(list(zip(records, prompts, spec)), "teacher forcing", len(prompts)):
+        forced = teacher_forced(backend, shape, prompt, result.tokens, eps)
+        margins += forced["margins"]
+        outside += len(forced["violations"])
+        record.update(exceptions=forced["exceptions"], violations=forced["violations"])
+    p10 = margin_percentile(margins)
+    per_prompt = "; ".join(
+        f"prompt {i}: match {r['match_fraction']:.2f}, first divergence "
+        f"{'-' if r['first_divergence'] is None else r['first_divergence']}, "
+        f"{len(r['exceptions'])} near-tie(s)" + "".join(f" [{e['index']}: margin {e['margin']:.3g}]"
+                                                        for e in r["exceptions"])
+        + (f", {len(r['violations'])} OUTSIDE" + "".join(f" [{v['index']}: margin {v['margin']:.3g}]"
+                                                        for v in r["violations"]) if r["violations"] else "")
+        for i, r in enumerate(records))
+    exceptions = sum(len(r["exceptions"]) for r in records)
+    checks = [
+        (name, outside == 0, f"{detail}; eps {eps:.3g}; {outside} token(s) outside, {exceptions} near-tie "
+                             f"exception(s); exact agreement with autoregressive: {per_prompt}"),
+        (f"lossless: eps below the target's top-2 margins ({backend.name})", eps <= p10,
+         (f"eps {eps:.3g} <= {p10:.3g}" if eps <= p10 else
+          f"too noisy to verify: eps {eps:.3g} exceeds {p10:.3g}")
+         + f", the {MARGIN_PERCENTILE}th percentile of the target's top-2 logit margins at the {len(margins)} "
+           "teacher-forced positions"),
+    ]
+    record = {"contract": "teacher-forced", "backend": backend.name, "eps": eps,
+              "margin_p10": round(p10, 6), "positions": len(margins),
+              "tau": round(sum(r.stats.tau for r in spec) / len(spec), 4), "prompts": records}
+    return checks, record
 
 
 def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
@@ -216,13 +277,13 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
             checks += _quantized_graphs(build_dir, manifest, *reference, quantized, quick)
     target = None if quantized or reference is None else reference[0]
     size = (2, 16) if quick else (3, 32)
-    if "nvfp4" in {m.precision for m in manifest.models.values()}:
-        checks.append(("lossless loop", None, "not run: ONNX Runtime, which runs the loop here, has no FP4 kernels"))
-    else:
-        checks += _lossless(build_dir, manifest, target, *size)
+    try:
+        lossless, record = _lossless(build_dir, manifest, target, *size)
+    except EagleExportError as e:  # the torch backend of an NVFP4 build needs its unchanged sources
+        lossless, record = [("lossless loop", False, f"could not run: {e.problem}")], None
     if manifest.engines:  # the engines the build made run the same loop (skipped where they cannot load)
-        checks += _lossless(build_dir, manifest, target, *size, backend="tensorrt")
-    return _summary(checks)
+        lossless += _lossless(build_dir, manifest, target, *size, backend="tensorrt")[0]
+    return {**_summary(checks + lossless), "lossless": record}
 
 
 def _summary(checks) -> dict:

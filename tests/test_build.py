@@ -493,6 +493,84 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(fp8_built):
     assert manifest["validation"]["skipped"] == [] and all(c["ok"] is True for c in checks.values())
 
 
+TEACHER_FORCED = "lossless: teacher-forced within eps (onnxruntime)"
+NOISE = "lossless: eps below the target's top-2 margins (onnxruntime)"
+
+
+def test_fp8_build_measures_eps_and_records_the_teacher_forced_check(fp8_built):
+    out, log = fp8_built
+    manifest = json.loads((out / "manifest.json").read_text())
+    eps = manifest["quantization"]["eps"]
+    # Measured on the built graph at call widths 1 and K+1 over the calibration prompts (depth 3).
+    assert eps["widths"] == [1, 4] and eps["prompts"] == 4 and eps["positions"] > 0
+    assert eps["eps"] == eps["safety_factor"] * eps["max_logit_difference"] and eps["safety_factor"] == 4.0
+    assert f"eps {eps['eps']:.3g}" in log
+    assert manifest["graphs"]["target"]["return_logits"]  # the check reads each call's margins
+    lossless = manifest["validation"]["lossless"]
+    assert lossless["contract"] == "teacher-forced" and lossless["eps"] == eps["eps"]
+    assert lossless["eps"] <= lossless["margin_p10"] and lossless["positions"] == 2 * 16
+    for record in lossless["prompts"]:  # exact agreement with plain decoding, and the exceptions
+        assert set(record) >= {"first_divergence", "match_fraction", "exceptions", "violations", "tau"}
+        assert record["violations"] == [] and all(e["margin"] <= eps["eps"] for e in record["exceptions"])
+        assert 0 <= record["match_fraction"] <= 1
+    checks = {c["name"]: c for c in manifest["validation"]["checks"]}
+    assert checks[TEACHER_FORCED]["status"] == "passed" and checks[NOISE]["status"] == "passed"
+    assert "exact agreement with autoregressive: prompt 0: match" in checks[TEACHER_FORCED]["detail"]
+
+
+def _copy_build(out, tmp_path, edit=None):
+    """A copy of a build; `edit(manifest)` changes its manifest, re-hashed as a consistent build's."""
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(out), str(copy)], check=True)
+    if edit is not None:
+        manifest = json.loads((copy / "manifest.json").read_text())
+        edit(manifest)
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        write_manifest_hash(copy)
+    return copy
+
+
+def _off_by_one_accept(original):
+    """Accept one draft more than the target's argmax agreed with."""
+    return lambda drafts, greedy: (original(drafts, greedy) + 1).clamp(max=drafts.shape[1])
+
+
+def _cache_row_one_early(original):
+    """Write each call's new K/V rows one slot before the sequence's length."""
+    return lambda keys, values, out, starts, counts, live: original(keys, values, out, (starts - 1).clamp(min=0),
+                                                                    counts, live)
+
+
+@pytest.mark.parametrize("name, mutation", [("greedy_accepted", _off_by_one_accept),
+                                            ("_write_rows", _cache_row_one_early)])
+def test_planted_runtime_bugs_fail_the_teacher_forced_check(fp8_built, monkeypatch, name, mutation):
+    """The mutation test: the quantized build's lossless check must catch a broken loop."""
+    import eagle_export.runtime as runtime
+    from eagle_export.validate import validate_build_dir
+
+    out, _ = fp8_built
+    monkeypatch.setattr(runtime, name, mutation(getattr(runtime, name)))
+    report = validate_build_dir(out, quick=True)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert not report["ok"] and checks[TEACHER_FORCED]["status"] == "failed", checks[TEACHER_FORCED]
+    assert re.search(r"[1-9]\d* token\(s\) outside", checks[TEACHER_FORCED]["detail"])
+    assert any(r["violations"] for r in report["lossless"]["prompts"])
+    # The build's graphs themselves are sound: only the loop is at fault.
+    assert all(c["ok"] for n, c in checks.items() if not n.startswith("lossless"))
+
+
+def test_an_eps_above_the_target_margins_is_too_noisy_to_verify(fp8_built, tmp_path):
+    out, _ = fp8_built
+
+    def noisy(manifest):
+        manifest["quantization"]["eps"]["eps"] = 1e6
+
+    result = CliRunner().invoke(main, ["validate", str(_copy_build(out, tmp_path, noisy))])
+    assert result.exit_code == 1, result.output
+    assert f"FAIL  {NOISE}: too noisy to verify: eps 1e+06 exceeds" in result.output
+    assert f"ok    {TEACHER_FORCED}" in result.output  # every token is within so large an eps
+
+
 def scale_first_fp8_weight(path, factor: float) -> None:
     """Multiply the scale of the first FP8 weight's DequantizeLinear (a Constant node) by `factor`."""
     import onnx
@@ -522,7 +600,7 @@ def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_pat
     assert f"FAIL  {GRAPH_CHECKS[0]}: greedy agreement" in result.output
     assert f"ok    {GRAPH_CHECKS[1]}" in result.output
     # The lossless loop runs this same graph on both sides, so it cannot see the fault.
-    assert "ok    lossless: speculative == autoregressive" in result.output
+    assert f"ok    {TEACHER_FORCED}" in result.output
 
 
 def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_built, tmp_path):
@@ -542,19 +620,23 @@ def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_b
     assert all(c["ok"] is None and "recorded no evaluation prompt ids" in c["detail"] for c in skipped.values())
 
 
-def test_nvfp4_build_runs_its_graphs_and_skips_the_lossless_loop(sources, tmp_path):
+def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sources, tmp_path):
+    """ONNX Runtime has no FP4 kernels: the loop runs on the torch backend over the NVFP4 weights read
+    from the build's own graphs, and says so; nothing is skipped."""
     out, log = quantized_build(sources, tmp_path, "nvfp4")
-    assert "validation 3/4 checks passed, 1 skipped" in log
+    assert "validation 5/5 checks passed" in log
     manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backends"] == ["torch"] and manifest["quantization"]["eps"]["backend"] == "torch"
     checks = {c["name"]: c for c in manifest["validation"]["checks"]}
     assert all(checks[name]["status"] == "passed" for name in GRAPH_CHECKS)
-    assert checks["lossless loop"]["ok"] is None and checks["lossless loop"]["status"] == "skipped"
-    assert manifest["validation"]["skipped"] == ["lossless loop: " + checks["lossless loop"]["detail"]]
+    assert checks["lossless: teacher-forced within eps (torch)"]["status"] == "passed"
+    assert manifest["validation"]["skipped"] == [] and manifest["validation"]["lossless"]["backend"] == "torch"
     result = CliRunner().invoke(main, ["validate", str(out)])  # every recorded prompt, in onnx.reference
     assert result.exit_code == 0, result.output
-    assert "SKIP  lossless loop: not run: ONNX Runtime" in result.output and "no FP4 kernels" in result.output
+    assert "SKIP" not in result.output and "ok    lossless: teacher-forced within eps (torch)" in result.output
     assert f"ok    {GRAPH_CHECKS[0]}: greedy agreement" in result.output and "4/4 prompts" in result.output
-    assert f"ok    {GRAPH_CHECKS[1]}" in result.output
+    with pytest.raises(EagleExportError, match="no FP4 kernels"):
+        open_build(out, backend="onnxruntime")
 
 
 def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):

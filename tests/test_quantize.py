@@ -19,7 +19,7 @@ from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
 from eagle_export.backends import ort_session, run_graph, run_onnx
 from eagle_export.export import EXAMPLE_SIZES, export_drafter, export_target
-from eagle_export.nvfp4 import NVFP4Linear
+from eagle_export.nvfp4 import NVFP4Linear, use_graph_weights
 from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
@@ -170,6 +170,21 @@ def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
     for name in ("draft_token_probs", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_nvfp4_weights_read_back_from_the_graph_run_as_the_packed_model(tmp_path, models, nvfp4):
+    """use_graph_weights: the torch model over an NVFP4 graph's own codes and scales computes what the
+    packed model it was exported from does, bit for bit (the torch backend of an NVFP4 build)."""
+    target, _, _ = models
+    qtarget, _ = nvfp4
+    export_target(qtarget, tmp_path / "t.onnx", True, quantized=True)
+    rebuilt = copy.deepcopy(target)
+    assert use_graph_weights(rebuilt, onnx.load(tmp_path / "t.onnx"), "target") == 3 * 7
+    assert isinstance(rebuilt.layers[2].mlp.down_proj, NVFP4Linear)
+    spec = C.target_graph(qtarget.config, 3, True)
+    args = random_args(spec, 5)
+    expected, got = TargetGraph(qtarget, True)(*args), TargetGraph(rebuilt, True)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
 @pytest.mark.parametrize("precision", ["fp8_weight_only", "nvfp4_weight_only"])
