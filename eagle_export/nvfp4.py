@@ -187,12 +187,13 @@ def linears_from_graph(model) -> dict[str, NVFP4Linear]:
         return float(numpy_helper.to_array(tensor))
 
     def input_scale(weight: str) -> float | None:
-        """weight -> (Transpose) -> MatMul <- DequantizeLinear <- DequantizeLinear <- TRT_FP4DynamicQuantize."""
+        """weight -> (Cast) -> (Transpose) -> MatMul <- (Cast) <- DequantizeLinear <- DequantizeLinear <-
+        TRT_FP4DynamicQuantize; the Casts are those of fp16/bf16 graphs."""
         use = consumers[weight][0]
-        if use.op_type == "Transpose":
+        while use.op_type in ("Cast", "Transpose"):
             weight, use = use.output[0], consumers[use.output[0]][0]
         source = producer.get(next(i for i in use.input if i != weight))
-        while source is not None and source.op_type == "DequantizeLinear":
+        while source is not None and source.op_type in ("DequantizeLinear", "Cast"):
             source = producer.get(source.input[0])
         return constant(source.input[1]) if source is not None and source.op_type == "TRT_FP4DynamicQuantize" else None
 
@@ -220,6 +221,7 @@ def use_graph_weights(module: nn.Module, graph, prefix: str) -> int:
     for name, linear in linears.items():
         path = name.removeprefix(prefix + ".").removesuffix(".weight")
         parent, _, child = path.rpartition(".")
-        linear.bias = module.get_submodule(path).bias
+        old = module.get_submodule(path)
+        linear.bias, linear.weight = old.bias, linear.weight.to(old.weight.dtype)  # the graph's Cast to its type
         setattr(module.get_submodule(parent) if parent else module, child, linear)
     return len(linears)
