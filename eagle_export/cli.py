@@ -301,10 +301,15 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
 @click.option("--num-prompts", default=8, show_default=True, type=int, help="How many prompts of each dataset.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Greedy answer tokens per prompt.")
 @click.option("--depth", default=6, show_default=True, type=int, help="Chain depth K to diagnose.")
+@click.option("--quantize", multiple=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]),
+              help="Also diagnose each drafter quantized with ModelOpt to this precision, beside itself (repeatable).")
+@click.option("--calib-prompts", default=16, show_default=True, type=int,
+              help="With --quantize: ShareGPT conversations to calibrate on.")
 @click.option("--json", "json_file", type=click.Path(), help="Write the figures as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write hidden-state RMS, sink mass and acceptance against depth as a PNG (needs eagle-export[plot]).")
-def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, json_file, plot_file):
+def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quantize, calib_prompts, json_file,
+             plot_file):
     """Why acceptance falls with depth: per draft depth, teacher-forced and live acceptance, the RMS of the
     fed-back state, attention mass on the sink, the prefix and the chain's own keys, entropy and calibration.
 
@@ -318,7 +323,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, json_
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the run
     report = diagnose_sources(sources, target, dataset or ("mt-bench",), num_prompts, depth, max_new_tokens,
-                              echo=click.echo)
+                              quantize, calib_prompts, echo=click.echo)
     click.echo(table(report))
     if json_file:
         Path(json_file).write_text(json.dumps(report, indent=2) + "\n")

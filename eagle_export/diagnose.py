@@ -21,6 +21,7 @@ with forward hooks on the drafter's own modules (`Probe`), never a copy of it. F
 from __future__ import annotations
 
 import math
+from copy import deepcopy
 from pathlib import Path
 
 import torch
@@ -192,13 +193,33 @@ def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str
     return report
 
 
+def quantized_copies(target: Target, drafters: dict[str, Drafter], precisions, template: ChatTemplate,
+                     calib_prompts: int) -> dict[str, Drafter]:
+    """Each drafter quantized with ModelOpt to each precision (lm_head and fc kept, as builds keep
+    them), calibrated on the target's aux states for `calib_prompts` ShareGPT conversations (up to 512
+    tokens each), as `export-checkpoint` calibrates: named "NAME (PRECISION)"."""
+    from . import quantize as Q
+
+    prompts = list(chat_prompts(template, "sharegpt", calib_prompts, max_tokens=512))
+    out = {}
+    for name, drafter in drafters.items():
+        target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
+        batches = Q.drafter_calibration_batches(target, prompts)
+        for precision in precisions:
+            copy = deepcopy(drafter)
+            copy.share_embeddings(drafter.embed_tokens)  # the target's table, not a copy of it
+            out[f"{name} ({precision})"] = Q.quantize(copy, precision, batches)
+    return out
+
+
 def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_prompts: int = 8, depth: int = 6,
-                     max_new_tokens: int = 64, echo=None) -> dict:
+                     max_new_tokens: int = 64, quantize=(), calib_prompts: int = 16, echo=None) -> dict:
     """`diagnose` on builds or drafter directories (with `target_dir`), in fp32 from their checkpoints
-    (a build's sources); drafters of the same target share its answers."""
-    if depth < 1 or num_prompts < 1 or max_new_tokens < 1:
-        raise EagleExportError(f"--depth {depth}, --num-prompts {num_prompts} and --max-new-tokens {max_new_tokens} "
-                               "must all be 1 or more", "pass positive whole numbers")
+    (a build's sources), and on each drafter quantized to each of `quantize` (`quantized_copies`);
+    drafters of the same target share its answers."""
+    if depth < 1 or num_prompts < 1 or max_new_tokens < 1 or calib_prompts < 1:
+        raise EagleExportError(f"--depth {depth}, --num-prompts {num_prompts}, --max-new-tokens {max_new_tokens} and "
+                               f"--calib-prompts {calib_prompts} must all be 1 or more", "pass positive whole numbers")
     by_target: dict[Path, list[tuple[str, Path]]] = {}
     for source in sources:
         resolved = resolve_source(source, target_dir)
@@ -213,6 +234,11 @@ def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_promp
                 name += "'"
             drafters[name] = load_drafter(ddir, target=target, dtype="float32")
         template = ChatTemplate(tdir)
+        if quantize:
+            if echo:
+                echo(f"diagnose: quantizing {', '.join(drafters)} to {', '.join(quantize)} "
+                     f"(calibrated on {calib_prompts} ShareGPT conversations)")
+            drafters.update(quantized_copies(target, drafters, quantize, template, calib_prompts))
         sets = {d: list(chat_prompts(template, d, num_prompts)) for d in datasets}
         for d, prompts in sets.items():
             if not prompts:

@@ -177,3 +177,22 @@ def test_diagnose_refuses_bad_input(models, tmp_path):
     assert result.exit_code == 2 and "pass --target" in result.output
     result = CliRunner().invoke(main, ["diagnose", str(drafter_dirs["3"]), "--target", str(target_dir), "--depth", "0"])
     assert result.exit_code == 2 and "--depth 0" in result.output and "fix:" in result.output
+
+
+def test_quantized_drafters_beside_their_sources(models, tmp_path):
+    """--quantize fp8: each drafter again, ModelOpt FP8 with lm_head and fc kept, on the same answers: fc's
+    output (depth 1's hidden RMS) is the source's exactly, the quantized layer's output is not, but close."""
+    _, _, target_dir, drafter_dirs = models
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w17 w3 w9\nw11 w7 w7 w19 w4\n")
+    out = tmp_path / "d.json"
+    result = CliRunner().invoke(main, ["diagnose", str(drafter_dirs["3.1"]), "--target", str(target_dir), "--dataset",
+                                       str(prompts), "--depth", "2", "--max-new-tokens", "6", "--quantize", "fp8",
+                                       "--calib-prompts", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())["drafters"]
+    assert list(report) == ["drafter3.1", "drafter3.1 (fp8)"]
+    source, fp8 = (report[n]["sets"][str(prompts)]["depths"][0] for n in report)
+    assert fp8["hidden_rms"] == source["hidden_rms"]
+    assert fp8["layer_out_rms"] != source["layer_out_rms"]
+    assert fp8["layer_out_rms"] == pytest.approx(source["layer_out_rms"], rel=0.1)
