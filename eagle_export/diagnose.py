@@ -37,6 +37,7 @@ from .reference import acceptance_by_depth, mean_accepted_length, replay_greedy
 from .target import Target
 
 BINS = 10
+MIN_PLOTTED_ROUNDS = 20  # live acceptance over fewer rounds is left out of the plot (still in the table)
 FIGURES = ("hidden_rms", "layer_out_rms", "sink_mass", "prefix_mass", "chain_mass", "entropy", "confidence")
 
 
@@ -140,7 +141,8 @@ def summarize(figures: dict[str, list[torch.Tensor]], correct: torch.Tensor, acc
     for k in range(depth):
         bins, ece = reliability(figures["confidence"][k], correct[k])
         row = {"depth": k + 1, "acceptance_teacher_forced": round(float(correct[k].float().mean()), 4),
-               "acceptance_live": None if math.isnan(live[k]) else round(live[k], 4)}
+               "acceptance_live": None if math.isnan(live[k]) else round(live[k], 4),
+               "live_rounds": sum(m >= k for m in accepted)}  # rounds that verified draft k after 1..k-1 accepted
         row.update({name: round(float(figures[name][k].mean()), 4) for name in FIGURES})
         row.update(ece=round(ece, 4), reliability=bins)
         rows.append(row)
@@ -254,7 +256,7 @@ def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_promp
 
 def table(report: dict) -> str:
     """The per-depth figures as text, one block per drafter and prompt set."""
-    head = f"{'k':>2} {'acc tf':>6} {'live':>5} {'h rms':>7} {'out rms':>7} {'sink':>5} {'prefix':>6} {'chain':>5} " \
+    head = f"{'k':>2} {'acc tf':>6} {'live':>5} {'rounds':>6} {'h rms':>7} {'out rms':>7} {'sink':>5} {'prefix':>6} {'chain':>5} " \
            f"{'entropy':>7} {'conf':>5} {'ece':>5}"
     lines = []
     for name, entry in report["drafters"].items():
@@ -264,7 +266,8 @@ def table(report: dict) -> str:
             lines.append(head)
             for r in s["depths"]:
                 live = "-" if r["acceptance_live"] is None else f"{r['acceptance_live']:.2f}"
-                lines.append(f"{r['depth']:>2} {r['acceptance_teacher_forced']:>6.2f} {live:>5} {r['hidden_rms']:>7.3f} "
+                lines.append(f"{r['depth']:>2} {r['acceptance_teacher_forced']:>6.2f} {live:>5} {r['live_rounds']:>6} "
+                             f"{r['hidden_rms']:>7.3f} "
                              f"{r['layer_out_rms']:>7.3f} {r['sink_mass']:>5.2f} {r['prefix_mass']:>6.2f} "
                              f"{r['chain_mass']:>5.2f} {r['entropy']:>7.2f} {r['confidence']:>5.2f} {r['ece']:>5.3f}")
     return "\n".join(lines)
@@ -278,16 +281,18 @@ def plot(report: dict, path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     panels = (("hidden_rms", "RMS of the state entering the step", None),
-              ("sink_mass", "attention mass on position 0 (sink)", (0, 1)),
+              ("sink_mass", "attention mass on position 0 (sink)", None),
               ("acceptance_teacher_forced", "acceptance, teacher-forced", (0, 1)),
-              ("acceptance_live", "acceptance, greedy loop (given 1..k-1)", (0, 1)))
+              ("acceptance_live", f"acceptance, greedy loop (given 1..k-1; {MIN_PLOTTED_ROUNDS}+ rounds)", (0, 1)))
     styles = ("-", "--", ":", "-.")
     depths = list(range(1, report["depth"] + 1))
     for i, (name, entry) in enumerate(report["drafters"].items()):
         color = f"C{i}"
         for j, (set_name, s) in enumerate(entry["sets"].items()):
             for ax, (key, _, _) in zip(axes.flat, panels):
-                values = [r[key] if r[key] is not None else float("nan") for r in s["depths"]]
+                values = [float("nan") if r[key] is None or (key == "acceptance_live" and
+                                                            r["live_rounds"] < MIN_PLOTTED_ROUNDS) else r[key]
+                          for r in s["depths"]]
                 ax.plot(depths, values, color=color, linestyle=styles[j % len(styles)], marker="o", markersize=3,
                         label=f"{name} ({entry['version']}), {set_name}")
     for ax, (_, title, ylim) in zip(axes.flat, panels):

@@ -150,6 +150,8 @@ def test_live_acceptance_is_the_loops(models):
     expected = acceptance_by_depth(accepted, DEPTH)
     assert max(accepted) >= 2  # the case is not vacuous
     assert live == [None if math.isnan(e) else round(e, 4) for e in expected]
+    rounds = [r["live_rounds"] for r in report["drafters"]["constant"]["sets"]["tiny"]["depths"]]
+    assert rounds == [sum(m >= k for m in accepted) for k in range(DEPTH)] and rounds[0] == len(accepted)
 
 
 def test_diagnose_command_on_a_tiny_pair(models, tmp_path):
