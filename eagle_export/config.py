@@ -206,6 +206,12 @@ class TargetConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
         )
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """eos_token_id (an id, a list of ids, or absent) as the tuple generation stops on."""
+        eos = self.eos_token_id
+        return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
     def default_aux_layer_ids(self) -> tuple[int, ...]:
         n = self.num_layers
         return (2, n // 2, n - 3)

@@ -212,6 +212,4 @@ def check_checkpoint(drafter_dir, target_dir, prompts: list[list[int]], new_toke
     """Load the pair in fp32 (whatever they are stored in) and run `conformance_check` on `prompts`."""
     target = load_target(target_dir, dtype="float32")
     drafter = load_drafter(drafter_dir, target=target, dtype="float32")
-    eos = target.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return conformance_check(target, drafter, prompts, new_tokens, eos_ids)
+    return conformance_check(target, drafter, prompts, new_tokens, target.config.eos_ids)

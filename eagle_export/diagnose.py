@@ -150,17 +150,12 @@ def summarize(figures: dict[str, list[torch.Tensor]], correct: torch.Tensor, acc
             "tau": round(mean_accepted_length(accepted, 0.0), 4), "depths": rows}
 
 
-def _eos_ids(target: Target) -> tuple[int, ...]:
-    eos = target.config.eos_token_id
-    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-
-
 @torch.no_grad()
 def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str, list[list[int]]], depth: int,
              max_new_tokens: int) -> dict:
     """Every drafter (all for `target`) on every prompt set: the per-depth figures of the module doc.
     The target answers each prompt once; its states feed every drafter."""
-    eos_ids = _eos_ids(target)
+    eos_ids = target.config.eos_ids
     collected = {(name, s): ({f: [[] for _ in range(depth)] for f in FIGURES}, [], [])
                  for name in drafters for s in prompt_sets}
     lengths = {s: [len(p) for p in prompts] for s, prompts in prompt_sets.items()}
