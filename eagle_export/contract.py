@@ -34,6 +34,7 @@ DRAFT_NEW_TOKENS = "tokens_plus_depth_minus_1"
 MODEL_DTYPE = "model"
 ONNX_OPSET = 17  # TensorRT 10.x parses opsets 9..20; every op used here exists at 17
 MAX_DEPTH = 8  # the deepest unrolled drafter graph (speculation depth K)
+MAX_TREE_NODES = 64  # the most draft nodes in one speculation tree (the verify call then feeds 65 tokens)
 
 INPUT_IDS, POSITIONS, AUX_HIDDEN, NUM_VALID = "input_ids", "positions", "aux_hidden", "num_valid"
 PAST_KEY, PAST_VALUE, CACHE_LENS = "past_key", "past_value", "cache_lens"

@@ -1,0 +1,158 @@
+"""Token trees: the shape of a speculation tree, and the rules that every tree-shaped path shares.
+
+A tree of N draft nodes hangs off the root, the last accepted token (the root is not a node). Nodes
+are numbered in topological order: a parent's index is below its children's. `parents[i]` is the
+index of node i's parent, or -1 when node i is a child of the root. A chain of K drafts is the tree
+with parents (-1, 0, 1, ..., K-2).
+
+A verify call feeds N+1 tokens: row 0 is the root, row i+1 is node i. Node i at depth d sits at
+position root + d, and attends to the prefix, the root and its own ancestors (`ancestor_mask`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import contract as C
+from .errors import EagleExportError
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree: the same parents for every sequence and round."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        parents = tuple(self.parents)
+        if not parents or any(not isinstance(p, int) or not -1 <= p < i for i, p in enumerate(parents)):
+            raise EagleExportError(f"tree parents {list(parents)} are not a tree in topological order",
+                                   "give each node's parent index (below its own index), -1 for children of the root")
+        object.__setattr__(self, "parents", parents)
+        if len(parents) > C.MAX_TREE_NODES or self.depth > C.MAX_DEPTH:
+            raise EagleExportError(f"a tree of {len(parents)} nodes and depth {self.depth} is too large",
+                                   f"use at most {C.MAX_TREE_NODES} nodes and depth {C.MAX_DEPTH}")
+
+    @classmethod
+    def chain(cls, depth: int) -> TreeShape:
+        return cls(tuple(range(-1, depth - 1)))
+
+    @classmethod
+    def from_branching(cls, branching: list[int]) -> TreeShape:
+        """Every node at depth d (and the root for d = 0) gets branching[d] children: its parent's
+        top-branching[d] drafts. [4, 2, 2, 1] has 4 + 8 + 16 + 16 nodes."""
+        if not branching or any(not isinstance(b, int) or b < 1 for b in branching):
+            raise EagleExportError(f"tree branching {branching!r} is not a list of positive widths",
+                                   "give the number of children per depth, e.g. [4, 2, 2, 1]")
+        parents, frontier = [], [-1]
+        for width in branching:
+            level = []
+            for parent in frontier:
+                for _ in range(width):
+                    level.append(len(parents))
+                    parents.append(parent)
+            frontier = level
+        return cls(tuple(parents))
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> TreeShape:
+        """EAGLE's choice lists: each path is the child ranks from the root, e.g. [[0], [1], [0, 0]]
+        (the top draft, the second draft, the top draft after the top draft). Every prefix of a path
+        must be a path too. Nodes come out breadth-first, siblings by rank."""
+        paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(paths)}
+        bad = [list(p) for p in paths
+               if not p or any(not isinstance(r, int) or r < 0 for r in p) or (len(p) > 1 and p[:-1] not in index)]
+        if bad:
+            raise EagleExportError(f"tree paths {bad} are not paths of child ranks whose prefixes are paths too",
+                                   "list every node as its ranks from the root, parents included: [[0], [0, 1]]")
+        return cls(tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Each node's depth: 1 for the children of the root."""
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Each node's rank among its siblings: which of its parent's top drafts it holds."""
+        seen: dict[int, int] = {}
+        ranks = []
+        for p in self.parents:
+            ranks.append(seen.get(p, 0))
+            seen[p] = ranks[-1] + 1
+        return tuple(ranks)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.num_nodes - 1))
+
+    def parent_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.parents, dtype=torch.int64)
+
+
+def _ancestry(parents: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [..., N, N] one-hot of each node's parent (none for children of the root)."""
+    n = parents.shape[-1]
+    return parents[..., :, None] == torch.arange(n, device=parents.device)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [..., N] -> bool [..., N, N]: mask[i, j] is true when node j is node i or one of its
+    ancestors. With P the parent one-hot (P[i, j] = parents[i] == j), P^h[i, j] says j is node i's
+    ancestor h hops up, so mask = I | P | P^2 | ... ; P^h vanishes past the tree's depth."""
+    step = _ancestry(parents).to(torch.int64)
+    n = parents.shape[-1]
+    mask = torch.eye(n, dtype=torch.int64, device=parents.device).expand_as(step).clone()
+    reach = mask
+    for _ in range(n - 1):
+        reach = reach @ step  # the ancestor one more hop up
+        if not reach.any():
+            break
+        mask = mask | reach
+    return mask.bool()
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [..., N]: 1 for the children of the root; the number of true entries on a node's
+    ancestor-mask row."""
+    return ancestor_mask(parents).sum(-1)
+
+
+def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over a tree: node_ids [B,N], parents [B,N], greedy [B,N+1] (the target's
+    argmax at the verify call's rows: row 0 the root, row i+1 node i) -> (accepted [B], path [B,D]).
+
+    Node i matches when its token equals the target's argmax at its parent's row; it is accepted when
+    it and all its ancestors match. The accepted path is the ancestry of the deepest accepted node
+    (siblings hold distinct tokens, so at most one node per depth is accepted); path[b, :accepted[b]]
+    are its node indices root-first, -1 after. For a chain this is the longest prefix of drafts that
+    equals the target's argmax at the same rows."""
+    batch, n = node_ids.shape
+    parent_rows = (parents + 1).clamp_min(0)
+    match = node_ids == greedy.gather(1, parent_rows)                       # [B,N]
+    ancestors = ancestor_mask(parents)                                      # [B,N,N]
+    accepted_node = (ancestors & ~match[:, None, :]).sum(-1) == 0           # no mismatching ancestor (self included)
+    depth = ancestors.sum(-1) * accepted_node                               # 0 where not accepted
+    accepted, deepest = depth.max(dim=1)
+    on_path = ancestors[torch.arange(batch), deepest] & (accepted > 0)[:, None]   # [B,N]
+    # Path entries root-first: an on-path node of depth d goes to column d-1.
+    max_depth = int(ancestors.sum(-1).max()) if n else 0
+    path = torch.full((batch, max_depth), -1, dtype=torch.int64)
+    rows, nodes = torch.nonzero(on_path, as_tuple=True)
+    path[rows, ancestors.sum(-1)[rows, nodes] - 1] = nodes
+    return accepted, path
