@@ -25,6 +25,7 @@ import torch
 
 from .drafter import Drafter
 from .target import Target
+from .tree import rejection_sample_path
 
 
 @dataclass
@@ -80,14 +81,11 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator=None) -> tuple[int, int]:
     """p [K+1,V] target probs at each verified position, q [K,V] draft probs (target vocabulary).
-    -> (accepted count m, the token that follows the accepted drafts)."""
-    for i, d in enumerate(drafts):
-        u = torch.rand((), generator=generator, dtype=torch.float64)
-        if u * q[i, d] <= p[i, d]:  # accept with probability min(1, p/q); q[i, d] > 0 as d was drawn from q
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    -> (accepted count m, the token that follows the accepted drafts). The chain case of the tree
+    rule: each row's one child is the next draft."""
+    q_rows = torch.cat([q, q.new_zeros(1, p.shape[-1])])  # the last draft's row has no child
+    path, token = rejection_sample_path(p, q_rows, list(drafts), list(range(-1, len(drafts) - 1)), generator)
+    return len(path), token
 
 
 @torch.no_grad()

@@ -156,3 +156,38 @@ def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: 
     rows, nodes = torch.nonzero(on_path, as_tuple=True)
     path[rows, ancestors.sum(-1)[rows, nodes] - 1] = nodes
     return accepted, path
+
+
+def rejection_sample_path(p: torch.Tensor, q: torch.Tensor, node_ids: list[int], parents: list[int],
+                          generator=None) -> tuple[list[int], int]:
+    """Multi-candidate rejection sampling over one sequence's tree (SpecInfer; Miao et al. 2024).
+
+    p [N+1,V]: the target's distribution at each verify row (row 0 the root, row i+1 node i);
+    q [N+1,V]: the draft distribution each row's children were drawn from, i.i.d. (target vocabulary).
+    -> (the accepted nodes, root first; the token that follows them).
+
+    From the root: try the row's children in order; child x is accepted with probability
+    min(1, p(x) / q(x)), and the walk moves to its row; a rejected child turns the row's target
+    into the residual p <- norm(max(p - q, 0)) before the next sibling is tried. When no child is
+    accepted (or the row has none), the next token is drawn from the row's (residual) p. Each step
+    emits a token with exactly p's probability, the chain case's argument applied sibling by
+    sibling, so the emitted text has the target's distribution for any tree and any q. A chain is
+    the tree whose rows each have one child: then this is Leviathan et al.'s rule, draw for draw."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent + 1, []).append(node)
+    path, row = [], 0
+    while True:
+        target = p[row]
+        for node in children.get(row, ()):
+            x = node_ids[node]
+            u = torch.rand((), generator=generator, dtype=torch.float64)
+            if u * q[row, x] <= target[x]:  # q[row, x] > 0: x was drawn from it
+                path.append(node)
+                row = node + 1
+                break
+            residual = (target - q[row]).clamp(min=0)
+            # an all-zero residual means target == q, and then no child is ever rejected
+            target = residual / residual.sum() if residual.sum() > 0 else target
+        else:
+            return path, int(torch.multinomial(target, 1, generator=generator))

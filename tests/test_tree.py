@@ -1,5 +1,7 @@
 """Tree shapes and greedy tree acceptance, against obvious per-node loops."""
 
+import functools
+
 import pytest
 import torch
 
@@ -105,3 +107,81 @@ def test_per_sequence_parents_for_dynamic_trees():
     accepted, path = greedy_accepted_path(ids, parents, greedy)
     assert accepted.tolist() == [2, 1]
     assert path[0].tolist()[:2] == [0, 1] and path[1].tolist()[0] == 2
+
+
+# ------------------------------------------------------------------ sampling over trees
+
+V = 4  # a small vocabulary, so every two-token outcome is counted often enough
+
+
+@functools.lru_cache(maxsize=None)
+def dist(context: tuple, salt: int) -> torch.Tensor:
+    """A fixed, context-dependent distribution over V tokens (salt 0: the target, 1: the drafter)."""
+    gen = torch.Generator().manual_seed(hash((context, salt)) % 2**31)
+    return torch.softmax(2 * torch.randn(V, generator=gen, dtype=torch.float64), -1)
+
+
+def sample_two_tokens(shape: TreeShape, gen: torch.Generator, sampler) -> tuple[int, int]:
+    """Speculate rounds over `shape` (children drawn i.i.d. from the drafter at their parent's
+    context) until two tokens are out; return them."""
+    out: list[int] = []
+    while len(out) < 2:
+        ids, contexts = [], []
+        for parent in shape.parents:
+            context = tuple(out) + (tuple(ids[i] for i in _path_to(shape.parents, parent)) if parent >= 0 else ())
+            ids.append(int(torch.multinomial(dist(context, 1), 1, generator=gen)))
+            contexts.append(context + (ids[-1],))
+        rows = [tuple(out)] + contexts
+        p = torch.stack([dist(c, 0) for c in rows])
+        q = torch.stack([dist(c, 1) for c in rows])
+        path, token = sampler(p, q, ids, list(shape.parents), gen)
+        out += [ids[n] for n in path] + [token]
+    return out[0], out[1]
+
+
+def _path_to(parents, node):
+    return ancestors_of(list(parents), node)
+
+
+def two_token_p_value(shape, sampler, trials=6000, seed=0):
+    from scipy.stats import chisquare
+
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V)
+    for _ in range(trials):
+        a, b = sample_two_tokens(shape, gen, sampler)
+        counts[a, b] += 1
+    first = dist((), 0)
+    expected = torch.stack([first[a] * dist((a,), 0) for a in range(V)]) * trials
+    keep = expected.flatten() >= 5
+    observed, expected = counts.flatten()[keep], expected.flatten()[keep]
+    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+
+
+def test_tree_rejection_sampling_preserves_the_target_distribution():
+    from eagle_export.tree import rejection_sample_path
+
+    tree = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    assert two_token_p_value(tree, rejection_sample_path) > 0.01
+    assert two_token_p_value(TreeShape.chain(2), rejection_sample_path, seed=1) > 0.01
+
+
+def test_planted_sibling_bug_fails_the_distribution_test():
+    """The same sampler without the residual update between siblings: the test must catch it."""
+
+    def no_residual(p, q, node_ids, parents, generator):
+        path, row = [], 0
+        while True:
+            kids = [n for n, par in enumerate(parents) if par + 1 == row]
+            for node in kids:
+                x = node_ids[node]
+                if torch.rand((), generator=generator, dtype=torch.float64) * q[row, x] <= p[row, x]:
+                    path.append(node)
+                    row = node + 1
+                    break
+            else:
+                residual = (p[row] - q[row]).clamp(min=0) if kids else p[row]
+                return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+    tree = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    assert two_token_p_value(tree, no_residual) < 0.01
