@@ -193,6 +193,11 @@ def check_engine_precisions(precision: dict, gpu: dict) -> None:
 
 
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
+    kind = recipe["speculation"]["kind"]
+    if kind != "chain":  # refused before anything is loaded or written, not built as a chain in disguise
+        raise EagleExportError(f"the recipe asks for a {kind}, and this version builds chain graphs only "
+                               "(tree recipes validate; their drafter and verify graphs are not built yet)",
+                               "speculate with a chain: `depth: K` (or speculation: {kind: chain, depth: K})")
     has_trt, no_trt_reason = tensorrt_available()
     if has_trt:
         check_engine_precisions(recipe["precision"], gpu_info())

@@ -1,6 +1,7 @@
 """Build recipes: YAML files validated against a schema, with errors that name the key and its line.
 
-A recipe says what to build: the target and drafter, the speculation depth, the precision of
+A recipe says what to build: the target and drafter, how to speculate (`depth: K` for a chain of K
+drafts, or a `speculation` block for a token tree), the precision of
 each model, the batch and context ranges (they become TensorRT optimization profiles), the
 calibration set, and the passes to skip. Every field has a default except target and drafter.
 """
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from .contract import MAX_DEPTH
+from .contract import MAX_DEPTH, MAX_TREE_NODES
 from .errors import EagleExportError
+from .tree import TreeShape
 
+SPECULATION_KINDS = ("chain", "static_tree", "dynamic_tree")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
 QUANTIZED = ("fp8", "nvfp4")  # the precisions that go through ModelOpt
 CALIBRATION_SETS = ("mt-bench", "sharegpt", "humaneval")
@@ -35,6 +38,16 @@ SCHEMA = {
     "drafter": (str, None, None),
     "depth": (int, 4, lambda v: 1 <= v <= MAX_DEPTH or f"must be between 1 and {MAX_DEPTH}"),
     "sampling": (bool, False, None),
+    # `depth: K` is the chain shorthand; this block also describes trees (see _speculation). Absent keys
+    # stay None so the kinds can tell what was given.
+    "speculation": {
+        "kind": (str, "chain", lambda v: v in SPECULATION_KINDS or f"must be one of {', '.join(SPECULATION_KINDS)}"),
+        "depth": (int, None, lambda v: 1 <= v <= MAX_DEPTH or f"must be between 1 and {MAX_DEPTH}"),
+        "branching": (list, None, None),
+        "paths": (list, None, None),
+        "top_k": (int, None, lambda v: v >= 1 or "must be at least 1"),
+        "nodes": (int, None, lambda v: 1 <= v <= MAX_TREE_NODES or f"must be between 1 and {MAX_TREE_NODES}"),
+    },
     "precision": {
         "target": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
         "drafter": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
@@ -150,9 +163,66 @@ def _check_ranges(data: dict, lines: dict, problems: list[str]) -> None:
             line = lines.get(("profiles", axis), "?")
             problems.append(f"line {line}: profiles.{axis}: needs 1 <= min <= opt <= max, found "
                             f"min={r['min']} opt={r['opt']} max={r['max']}")
-    if data["profiles"]["context"]["max"] <= data["depth"] + 1:
+    width = verify_width(data["speculation"])
+    if data["profiles"]["context"]["max"] <= width:
         problems.append(f"line {lines.get(('profiles', 'context'), '?')}: profiles.context.max must exceed "
-                        f"depth + 1 ({data['depth'] + 1}): a verify step alone needs that many positions")
+                        f"the verify width ({width}: the last token and every draft): a verify step alone "
+                        "needs that many positions")
+
+
+def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> None:
+    """Normalize how to speculate into data["speculation"], one of
+        {kind: chain, depth: K}
+        {kind: static_tree, parents: [...], depth: D, nodes: N}   (from branching or paths, tree.TreeShape)
+        {kind: dynamic_tree, top_k: k, depth: D, nodes: N}        (EAGLE-2: top-k per node, best N kept)
+    and set data["depth"] to the drafter graph's unroll depth, so chain builds read `depth` as before.
+    `given` is the recipe as written: a top-level `depth` is the chain shorthand, and a tree takes its
+    depth from its own block."""
+    block, raw = data["speculation"], given.get("speculation") or {}
+    kind = block["kind"]
+    where = f"line {lines.get(('speculation',), '?')}: speculation"
+    extra = {"chain": ("branching", "paths", "top_k", "nodes"), "static_tree": ("depth", "top_k", "nodes"),
+             "dynamic_tree": ("branching", "paths")}[kind]
+    for key in extra:
+        if key in raw:
+            problems.append(f"{where}.{key}: not a key of kind {kind}")
+    if kind == "chain":
+        depth = block["depth"] or data["depth"]
+        if "depth" in given and block["depth"] not in (None, given["depth"]):
+            problems.append(f"{where}.depth: {block['depth']} disagrees with depth: {given['depth']} (give one)")
+        data["speculation"], data["depth"] = {"kind": "chain", "depth": depth}, depth
+        return
+    if "depth" in given:
+        problems.append(f"line {lines.get(('depth',), '?')}: depth: is the chain shorthand; a {kind} takes its "
+                        "depth from the speculation block")
+    if kind == "static_tree":
+        if (block["branching"] is None) == (block["paths"] is None):
+            problems.append(f"{where}: a static_tree needs branching (e.g. [4, 2, 2, 1]) or paths "
+                            "(e.g. [[0], [1], [0, 0]]), one of them")
+            return
+        try:
+            shape = (TreeShape.from_branching(block["branching"]) if block["branching"] is not None
+                     else TreeShape.from_paths(block["paths"]))
+        except (EagleExportError, TypeError) as e:
+            problems.append(f"{where}: {getattr(e, 'problem', e)}")
+            return
+        data["speculation"] = {"kind": kind, "parents": list(shape.parents), "depth": shape.depth,
+                               "nodes": shape.num_nodes}
+    else:
+        missing = [key for key in ("top_k", "depth", "nodes") if block[key] is None]
+        if missing:
+            problems.append(f"{where}: a dynamic_tree needs top_k, depth and nodes (missing {', '.join(missing)})")
+            return
+        if block["nodes"] < block["depth"]:
+            problems.append(f"{where}.nodes: {block['nodes']} nodes cannot reach depth {block['depth']}")
+            return
+        data["speculation"] = {"kind": kind, "top_k": block["top_k"], "depth": block["depth"], "nodes": block["nodes"]}
+    data["depth"] = data["speculation"]["depth"]
+
+
+def verify_width(speculation: dict) -> int:
+    """Tokens in one verify call: the last accepted token and every draft (a chain's K, a tree's nodes)."""
+    return 1 + (speculation["depth"] if speculation["kind"] == "chain" else speculation["nodes"])
 
 
 def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None,
@@ -177,7 +247,9 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
     if problems:
         raise RecipeError(source, problems)
     full = _with_defaults(checked, SCHEMA)
-    _check_ranges(full, lines, problems)
+    _speculation(full, data, lines, problems)
+    if not problems:
+        _check_ranges(full, lines, problems)
     if problems:
         raise RecipeError(source, problems)
     full["name"] = full["name"] or Path(source).stem

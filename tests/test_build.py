@@ -333,6 +333,16 @@ def test_recipe_error_through_the_cli(sources, tmp_path):
     assert result.exit_code == 2 and "precision.target: 'int4' must be one of" in result.output
 
 
+def test_a_tree_recipe_is_refused_until_trees_are_built(sources, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("\n".join(line for line in write_recipe(recipe, sources).read_text().splitlines()
+                                if not line.startswith("depth:")))  # a tree's depth is its own
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "--set", "speculation.kind=static_tree",
+                                       "--set", "speculation.branching=[2, 1]", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "builds chain graphs only" in result.output and "depth: K" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_interrupted_build_leaves_nothing(sources, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", sources)
     out = tmp_path / "out"

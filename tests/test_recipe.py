@@ -56,7 +56,7 @@ BASE = "target: t\ndrafter: d\n"
     (BASE + "precision:\n  target: int3\n", "line 4: precision.target: 'int3' must be one of fp32, fp16, bf16, fp8, nvfp4"),
     (BASE + "precision: fp8\n", "line 3: precision: must be a mapping"),
     (BASE + "profiles:\n  batch: {min: 4, opt: 2, max: 1}\n", "profiles.batch: needs 1 <= min <= opt <= max"),
-    (BASE + "depth: 8\nprofiles:\n  context: {min: 1, opt: 4, max: 8}\n", "profiles.context.max must exceed depth + 1"),
+    (BASE + "depth: 8\nprofiles:\n  context: {min: 1, opt: 4, max: 8}\n", "profiles.context.max must exceed the verify width (9"),
     ("drafter: d\n", "target: required key is missing"),
     (BASE + "depth: [1\n", "not valid YAML"),
     ("- a\n- b\n", "a recipe is a YAML mapping"),
@@ -83,3 +83,56 @@ def test_missing_recipe_file(tmp_path):
 
     with pytest.raises(EagleExportError, match="does not exist"):
         load_recipe(tmp_path / "none.yaml")
+
+
+# ------------------------------------------------------------------ speculation: chains and trees
+
+def test_depth_is_the_chain_shorthand():
+    assert parse_recipe(BASE)["speculation"] == {"kind": "chain", "depth": 4}
+    recipe = parse_recipe(BASE + "depth: 6\n")
+    assert recipe["speculation"] == {"kind": "chain", "depth": 6} and recipe["depth"] == 6
+    recipe = parse_recipe(BASE + "speculation: {kind: chain, depth: 3}\n")
+    assert recipe["speculation"] == {"kind": "chain", "depth": 3} and recipe["depth"] == 3
+
+
+def test_static_trees_from_branching_or_paths():
+    recipe = parse_recipe(BASE + "speculation: {kind: static_tree, branching: [2, 2, 1]}\n")
+    assert recipe["speculation"] == {"kind": "static_tree", "parents": [-1, -1, 0, 0, 1, 1, 2, 3, 4, 5],
+                                     "depth": 3, "nodes": 10}
+    assert recipe["depth"] == 3  # the drafter graph unrolls the tree's depth
+    by_paths = parse_recipe(BASE + "speculation:\n  kind: static_tree\n  paths: [[0], [1], [0, 0]]\n")
+    assert by_paths["speculation"] == {"kind": "static_tree", "parents": [-1, -1, 0], "depth": 2, "nodes": 3}
+
+
+def test_dynamic_trees():
+    recipe = parse_recipe(BASE + "speculation: {kind: dynamic_tree, top_k: 4, depth: 5, nodes: 16}\n")
+    assert recipe["speculation"] == {"kind": "dynamic_tree", "top_k": 4, "depth": 5, "nodes": 16}
+    assert recipe["depth"] == 5
+
+
+@pytest.mark.parametrize("text, message", [
+    ("depth: 4\nspeculation: {kind: chain, depth: 5}\n", "speculation.depth: 5 disagrees with depth: 4"),
+    ("speculation: {kind: chain, depth: 4, nodes: 8}\n", "speculation.nodes: not a key of kind chain"),
+    ("speculation: {kind: beam}\n", "speculation.kind: 'beam' must be one of chain, static_tree, dynamic_tree"),
+    ("speculation: {kind: static_tree}\n", "needs branching (e.g. [4, 2, 2, 1]) or paths"),
+    ("speculation: {kind: static_tree, branching: [2], paths: [[0]]}\n", "one of them"),
+    ("speculation: {kind: static_tree, branching: [4, 4, 4]}\n", "a tree of 84 nodes and depth 3 is too large"),
+    ("speculation: {kind: static_tree, branching: [2, 0]}\n", "is not a list of positive widths"),
+    ("speculation: {kind: static_tree, paths: [[0], [1, 0]]}\n", "whose prefixes are paths too"),
+    ("speculation: {kind: static_tree, paths: [3]}\n", "speculation:"),
+    ("speculation: {kind: static_tree, branching: [2], depth: 1}\n", "speculation.depth: not a key of kind static_tree"),
+    ("depth: 3\nspeculation: {kind: static_tree, branching: [2]}\n", "depth: is the chain shorthand"),
+    ("speculation: {kind: dynamic_tree, top_k: 4}\n", "needs top_k, depth and nodes (missing depth, nodes)"),
+    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 3}\n", "3 nodes cannot reach depth 6"),
+    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 99}\n", "nodes: 99 must be between 1 and 64"),
+    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 40}\nprofiles:\n  context: {min: 1, opt: 8, max: 40}\n",
+     "profiles.context.max must exceed the verify width (41"),
+])
+def test_bad_speculation_blocks_name_the_key(text, message):
+    problems = errors_of(BASE + text)
+    assert any(message in p for p in problems), problems
+
+
+def test_a_tree_from_the_command_line():
+    recipe = parse_recipe(BASE, overrides={"speculation.kind": "static_tree", "speculation.branching": [3, 1]})
+    assert recipe["speculation"]["nodes"] == 6 and recipe["depth"] == 2
