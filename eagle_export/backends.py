@@ -19,6 +19,7 @@ import onnx
 import torch
 
 from . import contract as C
+from .cuda_graphs import CudaGraphCapture, ShapeGraphs
 from .engine import TensorRTSession
 from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
@@ -145,6 +146,7 @@ def run_graph(path, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Backend:
     name = "?"
     device = "cpu"
+    cuda_graphs = False  # calls replayed from CUDA graphs: the runtime must keep its caches static
 
     def __init__(self, depth: int, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool,
                  drafter_dtype: torch.dtype | None = None):
@@ -161,33 +163,50 @@ class Backend:
 
 
 class TorchBackend(Backend):
+    """The exported torch modules. `cuda_graphs`: replay each call of at most K+1 tokens (verify,
+    plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
+    cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
+    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph)."""
+
     name = "torch"
 
-    def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu"):
+    def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu",
+                 cuda_graphs: bool = False, capture=None):
         target = target_graph.target
         super().__init__(drafter_graph.depth, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
-        self.target_graph = (target_graph,
-                             C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))
-        self.drafter_graphs = {sampling: (graph, C.drafter_graph(graph.drafter.config, graph.depth, sampling))
-                               for sampling, graph in ((False, drafter_graph), (True, drafter_sampling_graph))
-                               if graph is not None}
+        self.graphs = {None: (target_graph,
+                              C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))}
+        self.graphs.update({sampling: (graph, C.drafter_graph(graph.drafter.config, graph.depth, sampling))
+                            for sampling, graph in ((False, drafter_graph), (True, drafter_sampling_graph))
+                            if graph is not None})
+        self.cuda_graphs = cuda_graphs
+        self.captured = {}  # graph key (None: target, False/True: drafter) -> ShapeGraphs
+        if cuda_graphs:
+            if capture is None and str(device) != "cuda":
+                raise EagleExportError(f"CUDA graphs need a CUDA device, the torch backend runs on {device}",
+                                       "run on a machine with a CUDA GPU, or without --cuda-graphs")
+            capture = capture or CudaGraphCapture()
+            self.captured = {key: ShapeGraphs(graph, spec.input_names, (C.PAST_KEY, C.PAST_VALUE), capture)
+                             for key, (graph, spec) in self.graphs.items()}
 
-    @staticmethod
-    def _run(graph, spec, feeds):
-        return dict(zip(spec.output_names, graph(*[feeds[name] for name in spec.input_names])))
+    def _run(self, key, feeds):
+        graph, spec = self.graphs[key]
+        if key in self.captured and feeds[C.INPUT_IDS].shape[1] <= self.depth + 1:
+            outputs = self.captured[key](feeds)
+        else:
+            outputs = graph(*[feeds[name] for name in spec.input_names])
+        return dict(zip(spec.output_names, outputs))
 
     @torch.inference_mode()
     def target(self, feeds, need_logits=False):
-        return self._run(*self.target_graph, feeds)
+        return self._run(None, feeds)
 
     @torch.inference_mode()
     def drafter(self, feeds, sampling=False):
-        return self._run(*self.drafter_graphs[sampling], feeds)
-
-
+        return self._run(sampling, feeds)
 
 
 class OnnxRuntimeBackend(Backend):

@@ -88,6 +88,7 @@ def bench(runtime: SpeculativeRuntime, prompts: list[list[int]], batch: int, con
     curves = runtime.costs
     result = {
         "backend": runtime.backend.name, "device": device_name(runtime), "batch": batch, "depth": runtime.depth,
+        "cuda_graphs": runtime.backend.cuda_graphs, "static_cache": runtime.static_cache,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar_tps, 2), "ar_step_ms": round(1000 * t_ar_step, 3),
         "costs": {"verify_ms": {t: round(1000 * s, 3) for t, s in curves.verify_s[batch].items()},

@@ -72,9 +72,15 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
     return target, drafter
 
 
-def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None):
+def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
+                 cuda_graphs: bool | None = None):
+    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists."""
     if backend not in BACKENDS:
         raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    if cuda_graphs and backend != "torch":
+        raise EagleExportError(f"CUDA graphs are the torch backend's fast path, not the {backend} backend's "
+                               "(TensorRT and ONNX Runtime launch their own kernels)",
+                               "pass --backend torch with --cuda-graphs")
     if backend in ("auto", "tensorrt") and manifest.engines:
         gpu = gpu_info()
         cc, trt = (gpu["compute_capability"] if gpu else None), tensorrt_version()
@@ -96,11 +102,15 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         if "fp8" in precisions:
             raise EagleExportError("the torch backend runs unquantized and NVFP4 builds only",
                                    "use --backend onnxruntime (FP8) or tensorrt for this build")
-        target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cuda_graphs and device != "cuda":
+            raise EagleExportError("--cuda-graphs needs a CUDA GPU, and torch sees none here",
+                                   "run without --cuda-graphs (the torch backend runs eagerly on the CPU)")
+        target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
         target, drafter = target.to(device), drafter.to(device)
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, manifest.depth, False),
-                            UnrolledDrafter(drafter, manifest.depth, True), device=device)
+                            UnrolledDrafter(drafter, manifest.depth, True), device=device,
+                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)
     if "nvfp4" in precisions:
         raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
                                "torch over its graphs' NVFP4 weights (slowly, on CPU)",
@@ -113,10 +123,13 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
-               verify: bool = True, depth_policy: str = "goodput") -> OpenBuild:
+               verify: bool = True, depth_policy: str = "goodput", cuda_graphs: bool | None = None,
+               static_cache: bool | None = None) -> OpenBuild:
     """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named).
     `depth_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
-    the build directory per backend and machine) or "fixed" (always all K)."""
+    the build directory per backend and machine) or "fixed" (always all K).
+    `cuda_graphs`: the torch backend's CUDA graphs (None: on whenever it runs on CUDA); `static_cache`:
+    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs)."""
     path = Path(path)
     data = read_manifest(path)
     if verify:  # before any field is read: an edited manifest is not trusted
@@ -125,13 +138,14 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
             raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
                                    "rebuild it with `eagle-export build --force`")
     manifest = Manifest.from_json(data, path / MANIFEST)
-    chosen = make_backend(path, manifest, backend, threads)
+    chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(np.load(path / "draft_to_target.npy"))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json")) if (path / "tokenizer.json").is_file() else None
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
-                                 cost_cache=CostCache(cache_path(path, manifest.data), cost_key(chosen, threads)),
-                                 vocab_size=t.vocab_size)
+                                 cost_cache=CostCache(cache_path(path, manifest.data),
+                                                      cost_key(chosen, threads, static_cache)),
+                                 vocab_size=t.vocab_size, static_cache=static_cache)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)

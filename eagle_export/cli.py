@@ -195,12 +195,15 @@ def validate(build_dir, as_json):
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
+                   "the drafter's K+1 rows), as vLLM and gpt-fast do. Default: on when torch runs on CUDA.")
 @click.option("--depth-policy", default="goodput", show_default=True, type=click.Choice(["goodput", "fixed"]),
               help="goodput: drafts per round (0..K, or no drafter call) chosen from the measured costs; "
                    "fixed: always K.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
-def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, depth_policy, as_json):
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, depth_policy, as_json):
     """Generate from a build, streaming the text, then one summary line (tau, tokens/s) per request.
 
     Requests run one after another, so each one's time split is its own."""
@@ -209,7 +212,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
 
     if bool(prompt) == bool(chat):
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
-    opened = open_build(build_dir, backend=backend, depth_policy=depth_policy)
+    opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
     if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
         opened.runtime.cost_curves(1)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
@@ -242,6 +245,9 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
                    "or a text file (one prompt a line).")
 @click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
+                   "the drafter's K+1 rows), as vLLM and gpt-fast do. Default: on when torch runs on CUDA.")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
@@ -249,7 +255,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, de
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(needs eagle-export[plot]).")
-def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threads, json_file, plot_file):
+def bench(build_dir, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, json_file, plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, cost curves, speedup, time split."""
     from pathlib import Path
@@ -268,7 +274,7 @@ def bench(build_dir, dataset, batch, backend, num_prompts, max_new_tokens, threa
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the bench
-    opened = open_build(build_dir, backend=backend, threads=threads)
+    opened = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
     prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)
     results = []

@@ -80,11 +80,12 @@ def machine_id(device: str) -> str:
     return f"{model}, {cores} cores"
 
 
-def cost_key(backend, threads: int | None) -> str:
-    """Costs hold for one backend, library version, thread setting and machine."""
+def cost_key(backend, threads: int | None, static_cache: bool | None = None) -> str:
+    """Costs hold for one backend, library version, thread setting, cache mode and machine."""
     version = {"onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
                "tensorrt": tensorrt_version(), "torch": torch.__version__}.get(backend.name)
-    return f"{backend.name} {version} on {machine_id(backend.device)}, threads {threads or 'default'}"
+    mode = " with CUDA graphs" if backend.cuda_graphs else " with static caches" if static_cache else ""
+    return f"{backend.name} {version}{mode} on {machine_id(backend.device)}, threads {threads or 'default'}"
 
 
 class CostCache:
@@ -138,24 +139,23 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
     k = runtime.depth
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
     capacity = past + 2 * (k + 1)
-    dtype, device = runtime.backend.model_dtype, runtime.device
-    layers, heads, dim = runtime.target_cache_shape
-    target_k = torch.zeros(layers, batch, heads, capacity, dim, dtype=dtype, device=device)
-    layers, heads, dim = runtime.drafter_cache_shape
-    draft_k = torch.zeros(layers, batch, heads, capacity, dim, dtype=runtime.backend.drafter_dtype, device=device)
+    device = runtime.device
+    # The runtime's own caches: in static mode those its calls (and CUDA graphs) will use, at the context limit.
+    target_k, target_v, draft_k, draft_v = runtime.caches(batch, capacity)
     lens = torch.full((batch,), past, dtype=torch.int64, device=device)
 
     def target_feeds(t):
         return {C.INPUT_IDS: torch.ones(batch, t, dtype=torch.int64, device=device),
                 C.POSITIONS: (lens[:, None] + torch.arange(t, device=device)).contiguous(),
-                C.PAST_KEY: target_k, C.PAST_VALUE: target_k, C.CACHE_LENS: lens}
+                C.PAST_KEY: target_k, C.PAST_VALUE: target_v, C.CACHE_LENS: lens}
 
     def draft_feeds(w):
-        return {C.INPUT_IDS: torch.ones(batch, w, dtype=torch.int64, device=device),
-                C.AUX_HIDDEN: torch.zeros(batch, w, runtime.aux_width, dtype=runtime.backend.drafter_dtype,
+        width = runtime.drafter_width(w)  # padded as the runtime pads it
+        return {C.INPUT_IDS: torch.ones(batch, width, dtype=torch.int64, device=device),
+                C.AUX_HIDDEN: torch.zeros(batch, width, runtime.aux_width, dtype=runtime.backend.drafter_dtype,
                                           device=device),
                 C.NUM_VALID: torch.full((batch,), w, dtype=torch.int64, device=device),
-                C.PAST_KEY: draft_k, C.PAST_VALUE: draft_k, C.CACHE_LENS: lens}
+                C.PAST_KEY: draft_k, C.PAST_VALUE: draft_v, C.CACHE_LENS: lens}
 
     def timed(call, feeds):
         if device == "cuda":

@@ -11,6 +11,11 @@ The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` co
 positions in cache; the last emitted token is not yet in it.
 Caches grow with the longest sequence, in steps of `cache_step` slots: every call reads the
 whole cache it is given, so one allocated at its final length would cost every early call more.
+Static mode (`static_cache`, which CUDA graphs need) trades that for fixed shapes, as vLLM and
+gpt-fast do: caches are allocated once per batch size at the context limit and reused by every
+generate call, and the drafter's input rows are padded to K+1 (with num_valid), so every decoding
+call has one of a few shapes: verify T = 1..K+1 tokens, drafter W = K+1 rows. A drafter call with
+more rows (its first, over the prompt; a catch-up after plain steps) keeps its own width.
 
 Depth per round: a depth policy (`depth_policy.py`) decides before each round whether to call the
 drafter at all, and after it how many of its K drafts to verify (k in 0..K; the verify call then
@@ -152,8 +157,15 @@ class SpeculativeRuntime:
     def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
                  drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,
                  draft_to_target: torch.Tensor | None = None, tokenizer=None, depth_policy="goodput",
-                 costs: CostCurves | None = None, cost_cache: CostCache | None = None, vocab_size: int | None = None):
+                 costs: CostCurves | None = None, cost_cache: CostCache | None = None, vocab_size: int | None = None,
+                 static_cache: bool | None = None):
         self.backend = backend
+        # None: static exactly when the backend replays CUDA graphs (they read the caches they were captured with).
+        self.static_cache = backend.cuda_graphs if static_cache is None else static_cache
+        if backend.cuda_graphs and not self.static_cache:
+            raise EagleExportError("CUDA graphs read the caches they were captured with, so they need static caches",
+                                   "leave static_cache unset (or True) with cuda_graphs")
+        self._static_caches: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> caches at max_context
         self.vocab_size = vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.depth_policy = depth_policy
         check_policy(depth_policy)  # an unknown name fails here, not mid-generation
@@ -184,6 +196,26 @@ class SpeculativeRuntime:
             if self.cost_cache is not None:
                 self.cost_cache.save(self.costs)
         return self.costs
+
+    def caches(self, batch: int, slots: int) -> tuple[torch.Tensor, ...]:
+        """Target K, V and drafter K, V caches [L,B,Hkv,slots,D], zeroed; static mode: this batch
+        size's, allocated once at max_context slots and shared by every call (stale rows past a
+        sequence's length are masked, never read)."""
+        if self.static_cache and batch in self._static_caches:
+            return self._static_caches[batch]
+        slots = self.max_context if self.static_cache else slots
+        caches = []
+        for shape, dtype in ((self.target_cache_shape, self.backend.model_dtype),
+                             (self.drafter_cache_shape, self.backend.drafter_dtype)):
+            layers, heads, dim = shape
+            caches += [torch.zeros(layers, batch, heads, slots, dim, dtype=dtype, device=self.device) for _ in "kv"]
+        if self.static_cache:
+            self._static_caches[batch] = tuple(caches)
+        return tuple(caches)
+
+    def drafter_width(self, rows: int) -> int:
+        """The drafter's input width for `rows` rows: padded to K+1 in static mode (one graph)."""
+        return self.depth + 1 if self.static_cache and rows <= self.depth + 1 else rows
 
     # ------------------------------------------------------------ public API
 
@@ -340,7 +372,7 @@ class SpeculativeRuntime:
     def _draft(self, state, live):
         """The drafter over every pending row of the live sequences -> (K drafts, their
         probabilities, their distributions when sampling)."""
-        ids, aux, num_valid = state.pending.take(live)
+        ids, aux, num_valid = state.pending.take(live, self.drafter_width)
         # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
         # on an fp16 base beside an fp32 drafter).
         feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux.to(self.backend.drafter_dtype),
@@ -425,14 +457,7 @@ class _State:
         k = runtime.depth
         longest = max(len(p) for p in prompts)
         self.capacity = min(runtime.max_context, longest + config.max_new_tokens + k + 1)  # slots ever needed
-        device = runtime.device
-        slots = self._slots(longest + k + 1)
-        layers, heads, dim = runtime.target_cache_shape
-        self.target_k = torch.zeros(layers, b, heads, slots, dim, dtype=runtime.backend.model_dtype, device=device)
-        self.target_v = torch.zeros_like(self.target_k)
-        layers, heads, dim = runtime.drafter_cache_shape
-        self.draft_k = torch.zeros(layers, b, heads, slots, dim, dtype=runtime.backend.drafter_dtype, device=device)
-        self.draft_v = torch.zeros_like(self.draft_k)
+        self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self._slots(longest + k + 1))
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None
         self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
@@ -511,21 +536,25 @@ class _PendingRows:
     def __init__(self, ids, aux, count):
         self.ids, self.aux, self.count = ids.clone(), aux.clone(), count.clone()  # ours to write into
 
-    def append(self, ids, aux, counts, live):
-        counts = torch.where(live, counts, 0)
-        width = int((self.count + counts).max())
+    def _fit(self, width):
         if width > self.ids.shape[1]:  # grow by doubling: plain steps add one row at a time
             grow = max(width, 2 * self.ids.shape[1]) - self.ids.shape[1]
             self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
             self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+
+    def append(self, ids, aux, counts, live):
+        counts = torch.where(live, counts, 0)
+        self._fit(int((self.count + counts).max()))
         for b in torch.nonzero(counts)[:, 0].tolist():
             n, c = int(self.count[b]), int(counts[b])
             self.ids[b, n:n + c] = ids[b, :c]
             self.aux[b, n:n + c] = aux[b, :c]
         self.count += counts
 
-    def take(self, live):
-        width = int(self.count[live].max())
+    def take(self, live, width_for=lambda rows: rows):
+        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid)."""
+        width = width_for(int(self.count[live].max()))
+        self._fit(width)
         rows = (self.ids[:, :width].contiguous(), self.aux[:, :width].contiguous(), self.count.clamp(1, width))
         self.count = torch.where(live, 0, self.count)
         return rows

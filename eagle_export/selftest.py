@@ -3,7 +3,8 @@ or one printed fact, written to one JSON report. The first command a user with a
 
 A step is a function of the shared state returning (ok, fact): ok True (held), False (failed) or
 None (a fact, or a check this machine or build cannot make, the reason in the fact). A step that
-raises fails with the error as its fact, and the later steps still run.
+raises fails with the error as its fact, and the later steps still run. Without TensorRT engines
+(TensorRT not installed) the steps that need none still run: the torch backend's CUDA graphs, the bench.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .checkpoint import resolve_dtype
 from .doctor import gpu_info, package_conflicts, package_version, tensorrt_version
 from .engine import axis_ranges, profile_shapes
 from .errors import EagleExportError
+from .manifest import MANIFEST
 
 LOOPS = 50              # lossless repetitions on TensorRT: a stream race shows up as a rare mismatch
 BENCH_BATCHES = (1, 4)
@@ -185,6 +187,36 @@ def onnxruntime_cuda(state) -> tuple:
         f"{'FP8 ' if fp8 else ''}graphs on {backend.providers}, outputs on {out[C.NEW_KEY].device}"
 
 
+def torch_cuda_graphs(state) -> tuple:
+    """The torch backend with static caches and CUDA graphs: speculative == autoregressive (both
+    replayed from graphs) at batch 1 and 4, and agreement with eager torch's autoregressive output."""
+    from .build_dir import open_build
+    from .prompts import chat_prompts
+    from .runtime import GenerationConfig
+
+    graphed = open_build(state["build_dir"], backend="torch", verify=False, cuda_graphs=True, depth_policy="fixed")
+    eager = open_build(state["build_dir"], backend="torch", verify=False, cuda_graphs=False)
+    prompts = list(chat_prompts(graphed.chat_template(), "mt-bench", 4))
+    config = GenerationConfig(max_new_tokens=48, eos_ids=graphed.eos_ids)
+    differ, eager_differ = 0, 0
+    for batch in (1, 4):
+        for chunk in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
+            spec = [r.tokens for r in graphed.runtime.generate(chunk, config)]
+            plain = [r.tokens for r in graphed.runtime.generate(chunk, config, speculative=False)]
+            reference = [r.tokens for r in eager.runtime.generate(chunk, config, speculative=False)]
+            differ += sum(a != b for a, b in zip(spec, plain))
+            eager_differ += sum(a != b for a, b in zip(plain, reference))
+    names = {None: "target", False: "drafter", True: "sampling drafter"}
+    captured = {names[k]: sorted(g.keys()) for k, g in graphed.runtime.backend.captured.items() if g.graphs}
+    return differ == 0, (f"{differ} of 8 speculative sequences (batch 1 and 4) differ from autoregressive on "
+                         f"CUDA graphs; {eager_differ} of 8 autoregressive ones differ from eager torch's; "
+                         f"graphs captured (batch, width): {captured}")
+
+
+BENCH_RUNS = (("tensorrt", "tensorrt", None), ("onnxruntime", "onnxruntime", None), ("torch", "torch", False),
+              ("torch+cuda-graphs", "torch", True))
+
+
 def bench_backends(state) -> tuple:
     from .bench import bench
     from .build_dir import open_build
@@ -192,17 +224,17 @@ def bench_backends(state) -> tuple:
     from .runtime import GenerationConfig
 
     figures = {}
-    for backend in ("tensorrt", "onnxruntime", "torch"):
+    for label, backend, cuda_graphs in BENCH_RUNS:
         try:
-            opened = open_build(state["build_dir"], backend=backend, verify=False)
+            opened = open_build(state["build_dir"], backend=backend, verify=False, cuda_graphs=cuda_graphs)
         except EagleExportError as e:
-            figures[backend] = f"not run: {e.problem}"
+            figures[label] = f"not run: {e.problem}"
             continue
         prompts = list(chat_prompts(opened.chat_template(), "mt-bench", 8))
         config = GenerationConfig(max_new_tokens=64, eos_ids=opened.eos_ids)
         for batch in BENCH_BATCHES:
             result = bench(opened.runtime, prompts, batch, config)
-            figures[f"{backend} batch {batch}"] = {
+            figures[f"{label} batch {batch}"] = {
                 "ar_tokens_per_s": round(result["ar_tokens_per_s"], 1),
                 **{name: {"tokens_per_s": round(p["spec_tokens_per_s"], 1), "speedup": round(p["speedup"], 3)}
                    for name, p in result["policies"].items()}}
@@ -213,7 +245,10 @@ def bench_backends(state) -> tuple:
 STEPS = [("environment", environment), ("build", build), ("engine I/O", engine_io),
          ("TensorRT vs ONNX Runtime CPU", against_onnxruntime), ("lossless loop x50", lossless_loop),
          ("out-of-profile input", out_of_profile), ("FP8 tactics", fp8_tactics), ("NVFP4 gating", nvfp4_refused),
-         ("ONNX Runtime CUDA", onnxruntime_cuda), ("bench", bench_backends)]
+         ("ONNX Runtime CUDA", onnxruntime_cuda), ("torch CUDA graphs lossless", torch_cuda_graphs),
+         ("bench", bench_backends)]
+# What still runs when the build has no TensorRT engines (TensorRT missing): the torch fast path and the bench.
+WITHOUT_ENGINES = ("environment", "NVFP4 gating", "torch CUDA graphs lossless", "bench")
 
 
 def selftest(build_dir, report_path, echo=print) -> dict | None:
@@ -222,16 +257,21 @@ def selftest(build_dir, report_path, echo=print) -> dict | None:
         echo("selftest --gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to test")
         return None
     state = {"build_dir": Path(build_dir) if build_dir else None}
-    steps = []
+    steps, engines = [], True
     for name, step in STEPS:
-        try:
-            ok, fact = step(state)
-        except Exception as e:  # a failed step is a finding: the report goes on
-            ok, fact = False, f"{type(e).__name__}: {getattr(e, 'problem', None) or e}"
+        if not engines and name not in WITHOUT_ENGINES:
+            ok, fact = None, "skipped: the build has no TensorRT engines"
+        else:
+            try:
+                ok, fact = step(state)
+            except Exception as e:  # a failed step is a finding: the report goes on
+                ok, fact = False, f"{type(e).__name__}: {getattr(e, 'problem', None) or e}"
         steps.append({"step": name, "ok": ok, "fact": fact})
         echo(f"{'ok  ' if ok else 'FAIL' if ok is False else '-   '} {name}: {fact}")
         if name == "build" and ok is not True:
-            break  # nothing after it has engines to test
+            if not (state["build_dir"] and (state["build_dir"] / MANIFEST).is_file()):
+                break  # no build at all: nothing after it can run
+            engines = False  # built without engines: the steps that need none still run
     report = {"ok": all(s["ok"] is not False for s in steps), "steps": steps, "bench": state.get("bench")}
     Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
     echo(f"report: {report_path}")

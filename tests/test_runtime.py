@@ -29,19 +29,20 @@ def drafter(request, tmp_path_factory, target):
     return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param), target=target)
 
 
-def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, depth_policy="goodput", **kw):
+def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, depth_policy="goodput",
+                 static_cache=None, **kw):
     backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, depth, False),
                           UnrolledDrafter(drafter, depth, True), **kw)
     return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context,
-                                         depth_policy=depth_policy)
+                                         depth_policy=depth_policy, static_cache=static_cache)
 
 
 class PlantedDrafts(TorchBackend):
     """Replaces the drafter's proposals with the target's true greedy continuation, corrupted at
     random: acceptance is high, so multi-token accepts, commits and rollbacks all get exercised."""
 
-    def __init__(self, *graphs, continuations, error_rate=0.25, seed=0):
-        super().__init__(*graphs)
+    def __init__(self, *graphs, continuations, error_rate=0.25, seed=0, **kw):
+        super().__init__(*graphs, **kw)
         self.continuations, self.error_rate = continuations, error_rate
         self.rng = torch.Generator().manual_seed(seed)
         self.cache_slots = set()  # the cache sizes the drafter was given
@@ -139,8 +140,8 @@ class ProfileChecked(TorchBackend):
 
     def __init__(self, *graphs, recipe):
         super().__init__(*graphs)
-        self.profiles = {"target": engine_profiles(self.target_graph[1], recipe, "target"),
-                         "drafter": engine_profiles(self.drafter_graphs[False][1], recipe, "drafter")}
+        self.profiles = {"target": engine_profiles(self.graphs[None][1], recipe, "target"),
+                         "drafter": engine_profiles(self.graphs[False][1], recipe, "drafter")}
         self.past_slots = {0: set(), 1: set()}  # profile -> cache sizes fed
 
     def _check(self, graph, feeds):

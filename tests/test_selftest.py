@@ -48,6 +48,21 @@ def test_a_failed_build_step_stops_the_steps_that_need_engines(tmp_path, monkeyp
     assert not later and report["ok"] is False and len(report["steps"]) == 1
 
 
+def test_a_build_without_engines_still_runs_the_steps_that_need_none(tmp_path, monkeypatch):
+    """No TensorRT: the build holds ONNX graphs only; the torch CUDA-graph check and the bench still run."""
+    (tmp_path / "manifest.json").write_text("{}")
+    ran = []
+    steps = [(name, lambda s, name=name: ran.append(name) or (True, "")) for name, _ in selftest.STEPS]
+    steps[1] = ("build", lambda s: (False, "EagleExportError: no TensorRT engines"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selftest, "STEPS", steps)
+    report = selftest.selftest(tmp_path, tmp_path / "r.json", echo=lambda line: None)
+    assert ran == ["environment", "NVFP4 gating", "torch CUDA graphs lossless", "bench"]
+    skipped = [s["step"] for s in report["steps"] if s["fact"] == "skipped: the build has no TensorRT engines"]
+    assert skipped == ["engine I/O", "TensorRT vs ONNX Runtime CPU", "lossless loop x50", "out-of-profile input",
+                       "FP8 tactics", "ONNX Runtime CUDA"]
+
+
 @pytest.mark.parametrize("cc, ok", [("9.0", True), ("8.6", True), ("10.0", None)])
 def test_nvfp4_gating_step_below_and_at_compute_capability_10(monkeypatch, cc, ok):
     monkeypatch.setattr(selftest, "gpu_info", lambda: {"name": "GPU", "compute_capability": cc})

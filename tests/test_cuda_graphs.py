@@ -1,0 +1,164 @@
+"""The torch backend's static-cache mode and CUDA graphs: lossless on CPU, the graph bookkeeping on
+CPU through a capture that replays eagerly into the same static buffers, the real capture on CUDA."""
+
+import pytest
+import torch
+
+from eagle_export import contract as C
+from eagle_export.backends import TorchBackend
+from eagle_export.cuda_graphs import ShapeGraphs
+from eagle_export.errors import EagleExportError
+from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from random_policy import RandomDepth
+from test_runtime import PROMPTS, PlantedDrafts, drafter, make_runtime, target  # noqa: F401 (fixtures)
+
+torch.set_grad_enabled(False)
+
+
+def replay_eagerly(fn, inputs):
+    """A stand-in for a CUDA graph on CPU: static inputs and outputs as captured, a replay that
+    recomputes from the static inputs and copies into the outputs the capture returned."""
+    outputs = tuple(fn(*inputs))
+
+    def replay():
+        for static, fresh in zip(outputs, fn(*inputs)):
+            static.copy_(fresh)
+    return replay, outputs
+
+
+def keys(backend):
+    return {name: backend.captured[graph].keys() for name, graph in (("target", None), ("drafter", False))}
+
+
+# ------------------------------------------------------------ the bookkeeping, on a toy function
+
+def test_inputs_are_copied_into_static_buffers_and_bound_ones_are_read_in_place():
+    captures = []
+
+    def capture(fn, inputs):
+        captures.append(inputs)
+        return replay_eagerly(fn, inputs)
+
+    graphs = ShapeGraphs(lambda x, cache: (x * 2 + cache.sum(),), ["x", "cache"], ("cache",), capture)
+    cache = torch.zeros(3)
+    first = graphs({"x": torch.ones(2), "cache": cache})[0]
+    assert first.tolist() == [2, 2]
+    cache += 1  # the runtime writes its cache between replays: the graph sees it without a copy
+    second = graphs({"x": torch.full((2,), 5.0), "cache": cache})[0]
+    assert second is first and second.tolist() == [13, 13]  # one static output, overwritten by the replay
+    assert len(captures) == 1 and captures[0][1] is cache and graphs.copied_bound == 0
+    graphs({"x": torch.ones(2), "cache": torch.full((3,), 2.0)})  # another cache tensor: copied in, still right
+    assert first.tolist() == [8, 8] and graphs.copied_bound == 1
+    graphs({"x": torch.ones(4), "cache": cache})  # a new shape: its own graph
+    assert len(captures) == 2 and graphs.keys() == {(2,), (4,)}
+
+
+def test_a_capture_that_fails_is_a_clear_error():
+    def capture(fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    graphs = ShapeGraphs(lambda x: (x,), ["x"], (), capture)
+    with pytest.raises(EagleExportError, match="CUDA graph capture failed .* not permitted") as e:
+        graphs({"x": torch.ones(2)})
+    assert "--no-cuda-graphs" in e.value.fix
+
+
+def test_cuda_graphs_need_a_cuda_device_and_static_caches(target, drafter):
+    with pytest.raises(EagleExportError, match="need a CUDA device") as e:
+        make_runtime(target, drafter, 2, cuda_graphs=True)
+    assert "--cuda-graphs" in e.value.fix
+    with pytest.raises(EagleExportError, match="need static caches"):
+        make_runtime(target, drafter, 2, cuda_graphs=True, capture=replay_eagerly, static_cache=False)
+
+
+# ------------------------------------------------------------ static caches and fixed widths, lossless
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["static", "static+graphs"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, drafter, batch, graphs):
+    depth, max_context = 3, 96
+    kw = {"cuda_graphs": True, "capture": replay_eagerly} if graphs else {}
+    runtime = make_runtime(target, drafter, depth, max_context=max_context, static_cache=True, **kw)
+    prompts = PROMPTS[:batch]
+    for round_ in range(2):  # the second call reuses the first's caches (stale rows masked)
+        results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
+        assert [r.tokens for r in results] == [target.generate_greedy(p, 24) for p in prompts]
+        autoregressive = runtime.generate(prompts, GenerationConfig(max_new_tokens=24), speculative=False)
+        assert [r.tokens for r in autoregressive] == [r.tokens for r in results]
+        caches = runtime._static_caches[batch]
+        assert all(c.shape[3] == max_context for c in caches)
+        assert round_ == 0 or all(a is b for a, b in zip(caches, first_caches))
+        first_caches = caches
+    if graphs:
+        # The goodput policy measured every width: one graph per verify width, one for the drafter's K+1 rows.
+        assert keys(runtime.backend) == {"target": {(batch, t) for t in range(1, depth + 2)},
+                                         "drafter": {(batch, depth + 1)}}
+        for graph in runtime.backend.captured.values():
+            for inputs, _, _ in graph.graphs.values():  # caches bound by reference, never copied
+                bound = [inputs[graph.input_names.index(name)] for name in (C.PAST_KEY, C.PAST_VALUE)]
+                assert {t.data_ptr() for t in bound} <= {c.data_ptr() for c in first_caches}
+            assert graph.copied_bound == 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphs_survive_any_depth_and_catch_up_calls(target, drafter, batch):
+    """A random policy (plain steps, so the drafter catches up on more than K+1 rows, which run
+    eagerly; every k) with drafts that are mostly right: every commit and rollback, against graphs."""
+    depth = 4
+    prompts = PROMPTS[:batch]
+    expected = [p + target.generate_greedy(p, 40) for p in prompts]
+    policy = RandomDepth(depth, seed=batch)
+    runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
+                           error_rate=0.3, seed=batch, depth_policy=policy, cuda_graphs=True, capture=replay_eagerly)
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
+    assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
+    got = keys(runtime.backend)
+    assert got["target"] <= {(batch, t) for t in range(1, depth + 2)} and len(got["target"]) >= 3
+    assert got["drafter"] == {(batch, depth + 1)}
+    assert runtime.backend.cache_slots == {256}  # static: every drafter call read the whole static cache
+
+
+def test_sampling_in_static_mode_draws_what_the_growing_caches_draw(target, drafter):
+    """Same seed, same random draws: rejection sampling over the graphs' static outputs (the draft
+    distributions are read after the target's replay) samples exactly what the default mode does."""
+    config = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=3)
+    default = make_runtime(target, drafter, 3, depth_policy="fixed").generate(PROMPTS[:2], config)
+    graphed = make_runtime(target, drafter, 3, depth_policy="fixed", cuda_graphs=True,
+                           capture=replay_eagerly).generate(PROMPTS[:2], config)
+    assert [r.tokens for r in graphed] == [r.tokens for r in default]
+    assert sum(r.stats.new_tokens for r in graphed) == 32
+
+
+# ------------------------------------------------------------ the real capture
+
+@pytest.mark.cuda
+def test_cuda_graphs_on_a_gpu_are_lossless(target, drafter):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    gpu_target, gpu_drafter = target.to("cuda"), drafter.to("cuda")
+    try:
+        depth = 3
+        backend = TorchBackend(TargetGraph(gpu_target, True), UnrolledDrafter(gpu_drafter, depth, False),
+                               UnrolledDrafter(gpu_drafter, depth, True), device="cuda", cuda_graphs=True)
+        runtime = SpeculativeRuntime.for_models(backend, gpu_target, gpu_drafter, max_context=128)
+        for batch in (1, 2):
+            results = runtime.generate(PROMPTS[:batch], GenerationConfig(max_new_tokens=24))
+            assert [r.tokens for r in results] == [gpu_target.generate_greedy(p, 24) for p in PROMPTS[:batch]]
+        assert keys(backend)["drafter"] == {(1, depth + 1), (2, depth + 1)}
+        assert all(g.copied_bound == 0 for g in backend.captured.values())
+    finally:
+        target.to("cpu"), drafter.to("cpu")
+
+
+@pytest.mark.parametrize("backend, problem", [("torch", "needs a CUDA GPU"), ("onnxruntime", "torch backend's fast path"),
+                                              ("auto", "torch backend's fast path")])
+def test_cuda_graphs_asked_for_where_they_cannot_run_are_refused_before_loading(monkeypatch, backend, problem):
+    from types import SimpleNamespace as NS
+
+    from eagle_export import build_dir
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(build_dir, "torch_models", lambda *a, **k: pytest.fail("loaded the models first"))
+    with pytest.raises(EagleExportError, match=problem):
+        build_dir.make_backend(None, NS(engines=[], models={}), backend, cuda_graphs=True)
