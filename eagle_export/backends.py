@@ -179,7 +179,7 @@ class TorchBackend(Backend):
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
         self.graphs = {None: (target_graph,
                               C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))}
-        self.graphs.update({sampling: (graph, C.drafter_graph(graph.drafter.config, graph.depth, sampling))
+        self.graphs.update({sampling: (graph, C.drafter_graph(graph.drafter.config, graph.tree, sampling))
                             for sampling, graph in ((False, drafter_graph), (True, drafter_sampling_graph))
                             if graph is not None})
         self.cuda_graphs = cuda_graphs

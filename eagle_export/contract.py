@@ -18,6 +18,12 @@ prefill and after plain decoding steps, whose rows it catches up on in one call)
     cache_lens [B] (+ temperature [B], uniform_noise [B,K] when sampling)
     -> draft_ids [B,K] (target vocabulary), draft_token_probs [B,K], draft_probs [B,K,Vd] (sampling),
        new_key/new_value [1,B,Hkv,W+K-1,D]
+Drafter graph proposing a tree of N nodes (tree.py: a static TreeShape or a DynamicTree; a chain is the
+tree TreeShape.chain(K) and keeps the outputs above): uniform_noise [B,N] (sampling, static trees), and
+    -> draft_ids [B,N] (node order: topological), draft_parents [B,N] (-1: a child of the root),
+       draft_token_probs [B,N] (each node's probability under its parent's distribution),
+       draft_joint_probs [B,N] (the product along its path), draft_probs [B,N,Vd] (sampling: the
+       distribution each node was drawn from), new_key/new_value [1,B,Hkv,W+R,D] (R step rows)
 The runtime owns the caches: it writes the first num_valid[b] rows of new_key at cache_lens[b] and
 rolls back by length alone. Cache slot j always holds position j.
 """
@@ -29,7 +35,8 @@ from dataclasses import dataclass
 from .config import DrafterConfig, TargetConfig
 
 BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the dynamic axes of the inputs
-# The drafter's new K/V axis, W+K-1: named so because ONNX has no arithmetic on axis names.
+# The drafter's new K/V axis, W + the step rows after step 0 (K-1 for a chain, the nodes with children
+# for a static tree, (depth-1)*top_k for a dynamic one): named so because ONNX has no arithmetic on axis names.
 DRAFT_NEW_TOKENS = "tokens_plus_depth_minus_1"
 MODEL_DTYPE = "model"
 ONNX_OPSET = 17  # TensorRT 10.x parses opsets 9..20; every op used here exists at 17
@@ -41,6 +48,7 @@ PAST_KEY, PAST_VALUE, CACHE_LENS = "past_key", "past_value", "cache_lens"
 TEMPERATURE, UNIFORM_NOISE = "temperature", "uniform_noise"
 GREEDY_IDS, LOGITS, NEW_KEY, NEW_VALUE = "greedy_ids", "logits", "new_key", "new_value"
 DRAFT_IDS, DRAFT_TOKEN_PROBS, DRAFT_PROBS = "draft_ids", "draft_token_probs", "draft_probs"
+DRAFT_PARENTS, DRAFT_JOINT_PROBS = "draft_parents", "draft_joint_probs"
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,10 @@ def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphS
     return GraphSpec(inputs, outputs, cfg.vocab_size)
 
 
-def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
+def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
+    """speculation: a chain depth K (or a chain TreeShape), a TreeShape or a DynamicTree (tree.py)."""
+    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
+    tree = not (isinstance(speculation, int) or getattr(speculation, "is_chain", False))
     cache = (1, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
     new_cache = (1, BATCH, cfg.num_kv_heads, DRAFT_NEW_TOKENS, cfg.head_dim)
     inputs = [TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),
@@ -106,12 +117,14 @@ def drafter_graph(cfg: DrafterConfig, depth: int, sampling: bool) -> GraphSpec:
               TensorSpec(PAST_KEY, cache, MODEL_DTYPE),
               TensorSpec(PAST_VALUE, cache, MODEL_DTYPE),
               TensorSpec(CACHE_LENS, (BATCH,), "int64")]
-    outputs = [TensorSpec(DRAFT_IDS, (BATCH, depth), "int64"),
-               TensorSpec(DRAFT_TOKEN_PROBS, (BATCH, depth), "float32")]
+    outputs = [TensorSpec(DRAFT_IDS, (BATCH, nodes), "int64"),
+               *((TensorSpec(DRAFT_PARENTS, (BATCH, nodes), "int64"),) if tree else ()),
+               TensorSpec(DRAFT_TOKEN_PROBS, (BATCH, nodes), "float32"),
+               *((TensorSpec(DRAFT_JOINT_PROBS, (BATCH, nodes), "float32"),) if tree else ())]
     if sampling:
         inputs += [TensorSpec(TEMPERATURE, (BATCH,), "float32"),
-                   TensorSpec(UNIFORM_NOISE, (BATCH, depth), "float32")]
-        outputs.append(TensorSpec(DRAFT_PROBS, (BATCH, depth, cfg.draft_vocab_size), "float32"))
+                   TensorSpec(UNIFORM_NOISE, (BATCH, nodes), "float32")]
+        outputs.append(TensorSpec(DRAFT_PROBS, (BATCH, nodes, cfg.draft_vocab_size), "float32"))
     outputs += [TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE), TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE)]
     return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
 

@@ -97,11 +97,50 @@ class TreeShape:
         return tuple(ranks)
 
     @property
+    def step_rows(self) -> int:
+        """Drafter step rows after step 0: the nodes with children (K-1 for a chain)."""
+        return len(set(self.parents) - {-1})
+
+    @property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, self.num_nodes - 1))
 
     def parent_tensor(self) -> torch.Tensor:
         return torch.tensor(self.parents, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """An EAGLE-2 dynamic tree, chosen in the drafter graph per sequence and round within fixed shapes:
+    the root's top_k drafts are level 1; each later level expands the top_k drafts of each of the
+    previous level's top_k nodes (by joint draft probability, the product along the path) and keeps
+    its top_k as the next frontier; after `depth` levels the best `nodes` of all those candidates
+    (top_k + (depth - 1) * top_k^2 of them) are the tree, parents re-mapped to node numbers."""
+
+    top_k: int
+    depth: int
+    nodes: int
+
+    def __post_init__(self):
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (self.top_k, self.depth, self.nodes))
+        if not ints or self.depth > C.MAX_DEPTH or self.nodes > min(C.MAX_TREE_NODES, self.candidates):
+            raise EagleExportError(
+                f"dynamic tree top_k={self.top_k!r}, depth={self.depth!r}, nodes={self.nodes!r} is out of range",
+                f"choose depth 1..{C.MAX_DEPTH}, top_k >= 1 and nodes from 1 to at most {C.MAX_TREE_NODES} and "
+                "the candidates it draws (top_k + (depth - 1) * top_k^2)")
+
+    @property
+    def candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def step_rows(self) -> int:
+        """Drafter step rows after step 0: top_k per level below the last."""
+        return (self.depth - 1) * self.top_k
 
 
 def _ancestry(parents: torch.Tensor) -> torch.Tensor:

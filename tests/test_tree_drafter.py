@@ -1,0 +1,126 @@
+"""A token tree from one drafter launch equals single drafter steps along each node's path.
+
+The oracle walks each node's path from the root with reference.draft_chain, choosing at every step
+the draft of the path node's rank (its parent's rank-r draft), over exactly the sequence's valid cache
+and rows; the graph batches each tree level into one drafter step with an ancestor mask."""
+
+import math
+
+import pytest
+import torch
+
+from eagle_export import contract as C
+from eagle_export import reference
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.errors import EagleExportError
+from eagle_export.export import export_graph
+from eagle_export.backends import run_graph
+from eagle_export.tree import DynamicTree, TreeShape
+from eagle_export.unrolled import UnrolledDrafter
+from test_unrolled import random_inputs
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+    return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1", seed=7), target=target)
+
+
+def walk(drafter, inputs, b, ranks):
+    """Drafts along one path of child ranks from the root, for sequence b: (target ids, the
+    probability of each under the distribution it was chosen from)."""
+    input_ids, aux, num_valid, past_key, past_value, cache_lens = inputs
+    n, c = int(num_valid[b]), int(cache_lens[b])
+    chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(ranks),
+                                  past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c],
+                                  lambda logits, k: logits[0].topk(ranks[k] + 1).indices[ranks[k]][None])
+    probs = torch.softmax(chain.logits[0].float(), -1).gather(-1, chain.indices[0, :, None])[:, 0]
+    return chain.drafts[0].tolist(), probs.tolist()
+
+
+def path_of(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+SHAPES = [TreeShape.from_branching([2, 2, 1]), TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+          TreeShape.chain(3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["branching-2-2-1", "paths", "chain"])
+@pytest.mark.parametrize("num_valid, cache_lens", [([3], [5]), ([4, 1, 2], [2, 6, 0])], ids=["batch1", "batch3"])
+def test_static_tree_equals_walks_along_each_path(drafter, shape, num_valid, cache_lens):
+    inputs = random_inputs(drafter, num_valid, cache_lens, shape.depth, seed=3)
+    out = dict(zip(C.drafter_graph(drafter.config, shape, False).output_names,
+                   UnrolledDrafter(drafter, shape, False)(*inputs)))
+    assert out[C.DRAFT_IDS].shape == (len(num_valid), shape.num_nodes)
+    if not shape.is_chain:
+        assert (out[C.DRAFT_PARENTS] == shape.parent_tensor()).all()
+    for b in range(len(num_valid)):
+        for node in range(shape.num_nodes):
+            path = path_of(shape.parents, node)
+            ids, probs = walk(drafter, inputs, b, [shape.ranks[i] for i in path])
+            assert int(out[C.DRAFT_IDS][b, node]) == ids[-1]
+            assert abs(float(out[C.DRAFT_TOKEN_PROBS][b, node]) - probs[-1]) <= 1e-5
+            if not shape.is_chain:
+                assert abs(float(out[C.DRAFT_JOINT_PROBS][b, node]) - math.prod(probs)) <= 1e-5
+
+
+def dynamic_oracle(drafter, inputs, b, tree: DynamicTree):
+    """EAGLE-2 by enumeration: every candidate (a rank path) with its log joint probability; each level
+    keeps the top_k candidates as the frontier; the tree is the best `nodes` candidates overall."""
+    candidates, frontier = {}, [()]
+    for _ in range(tree.depth):
+        level = {}
+        for path in frontier:
+            for r in range(tree.top_k):
+                ids, probs = walk(drafter, inputs, b, list(path) + [r])
+                level[path + (r,)] = (tuple(ids), sum(math.log(p) for p in probs))
+        candidates.update(level)
+        frontier = sorted(level, key=lambda p: -level[p][1])[:tree.top_k]
+    best = sorted(candidates, key=lambda p: -candidates[p][1])[:tree.nodes]
+    return {candidates[p][0]: math.exp(candidates[p][1]) for p in best}  # token path -> joint probability
+
+
+@pytest.mark.parametrize("tree", [DynamicTree(top_k=2, depth=3, nodes=6), DynamicTree(top_k=3, depth=2, nodes=8)],
+                         ids=["k2-d3-n6", "k3-d2-n8"])
+def test_dynamic_tree_keeps_the_best_nodes_by_joint_probability(drafter, tree):
+    num_valid, cache_lens = [3, 1], [4, 0]
+    inputs = random_inputs(drafter, num_valid, cache_lens, tree.depth, seed=5)
+    out = dict(zip(C.drafter_graph(drafter.config, tree, False).output_names,
+                   UnrolledDrafter(drafter, tree, False)(*inputs)))
+    for b in range(len(num_valid)):
+        parents = out[C.DRAFT_PARENTS][b].tolist()
+        assert all(-1 <= p < i for i, p in enumerate(parents))  # topological
+        got = {tuple(int(out[C.DRAFT_IDS][b, i]) for i in path_of(parents, node)): float(out[C.DRAFT_JOINT_PROBS][b, node])
+               for node in range(tree.nodes)}
+        want = dynamic_oracle(drafter, inputs, b, tree)
+        assert got.keys() == want.keys()
+        assert all(abs(got[k] - want[k]) <= 1e-5 for k in want)
+
+
+@pytest.mark.parametrize("speculation", [TreeShape.from_branching([2, 2, 1]), DynamicTree(top_k=2, depth=3, nodes=6)],
+                         ids=["static", "dynamic"])
+def test_tree_graphs_export_and_match_torch_in_onnx_runtime(drafter, speculation, tmp_path):
+    graph = UnrolledDrafter(drafter, speculation, False).eval()
+    spec = C.drafter_graph(drafter.config, speculation, False)
+    example = random_inputs(drafter, [3, 1], [4, 0], speculation.depth, seed=1)
+    export_graph(graph, example, spec, tmp_path / "drafter.onnx")
+    inputs = random_inputs(drafter, [2, 4, 1], [5, 1, 7], speculation.depth, seed=9)  # other sizes than exported
+    want = dict(zip(spec.output_names, graph(*inputs)))
+    got = run_graph(tmp_path / "drafter.onnx", spec.feeds(inputs))
+    for name in (C.DRAFT_IDS, C.DRAFT_PARENTS):
+        assert torch.equal(got[name], want[name]), name
+    for name in (C.DRAFT_TOKEN_PROBS, C.DRAFT_JOINT_PROBS):
+        assert (got[name] - want[name]).abs().max() <= 1e-5, name
+
+
+def test_trees_out_of_range_are_refused(drafter):
+    with pytest.raises(EagleExportError, match="out of range"):
+        DynamicTree(top_k=4, depth=2, nodes=30)  # only 4 + 16 candidates
+    with pytest.raises(EagleExportError, match="greedily"):
+        UnrolledDrafter(drafter, DynamicTree(top_k=2, depth=2, nodes=4), sampling=True)
