@@ -267,12 +267,16 @@ class TensorRTBackend(Backend):
         # The caches are allocated in the dtypes the engines take (checked again at every call).
         super().__init__(depth, self.target_session.dtypes[C.PAST_KEY], has_logits, has_sampling=False,
                          drafter_dtype=self.drafter_session.dtypes[C.PAST_KEY])
+        # The widest verify call (a tree's root and nodes): what the target's decode profile was built for.
+        self.verify_width = int(self.target_session.engine.get_tensor_profile_shape(C.INPUT_IDS, 1)[2][1])
 
-    def _profile(self, feeds):
-        return 1 if feeds[C.INPUT_IDS].shape[1] <= self.depth + 1 else 0
+    def _profile(self, feeds, graph):
+        """Profile 1 (decode) for calls up to its widest: a verify call, or the drafter's K+1 rows."""
+        widest = self.verify_width if graph == "target" else self.depth + 1
+        return 1 if feeds[C.INPUT_IDS].shape[1] <= widest else 0
 
     def target(self, feeds, need_logits=False):
-        return self.target_session.run(dict(feeds), self._profile(feeds))
+        return self.target_session.run(dict(feeds), self._profile(feeds, "target"))
 
     def drafter(self, feeds, sampling=False):
-        return self.drafter_session.run(dict(feeds), self._profile(feeds))
+        return self.drafter_session.run(dict(feeds), self._profile(feeds, "drafter"))

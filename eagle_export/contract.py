@@ -4,12 +4,14 @@ Export, the ONNX Runtime / TensorRT backends and the engine builder all read the
 from here, so a graph and the code that binds it cannot drift apart.
 
 Shapes mix fixed sizes (ints) and the named dynamic axes below; the TensorRT optimization profiles
-cover exactly these axes. A dtype is "int64", "float32" or MODEL_DTYPE, the precision the graph was
-exported in (fp32, fp16 or bf16): caches, hidden states and logits travel in it; probabilities,
-temperatures and noise are always float32.
+cover exactly these axes. A dtype is "int64", "float32", "bool" or MODEL_DTYPE, the precision the
+graph was exported in (fp32, fp16 or bf16): caches, hidden states and logits travel in it;
+probabilities, temperatures and noise are always float32.
 
 Target graph (prefill and verify, T tokens):
-    input_ids [B,T], positions [B,T], past_key/past_value [L,B,Hkv,S,D], cache_lens [B]
+    input_ids [B,T], positions [B,T], past_key/past_value [L,B,Hkv,S,D], cache_lens [B],
+    tree_mask [B,T,T] (bool: new token i sees new token j; causal for prefill and chains, the
+    ancestor-or-self mask of a token tree when verifying one, `tree.verify_mask`)
     -> greedy_ids [B,T] (argmax in-graph), logits [B,T,V] (optional), aux_hidden [B,T,A*Ht],
        new_key/new_value [L,B,Hkv,T,D]
 Drafter graph (depth K unrolled, W input rows; W <= K+1 after a verify call, more in the drafter's
@@ -44,7 +46,7 @@ MAX_DEPTH = 8  # the deepest unrolled drafter graph (speculation depth K)
 MAX_TREE_NODES = 64  # the most draft nodes in one speculation tree (the verify call then feeds 65 tokens)
 
 INPUT_IDS, POSITIONS, AUX_HIDDEN, NUM_VALID = "input_ids", "positions", "aux_hidden", "num_valid"
-PAST_KEY, PAST_VALUE, CACHE_LENS = "past_key", "past_value", "cache_lens"
+PAST_KEY, PAST_VALUE, CACHE_LENS, TREE_MASK = "past_key", "past_value", "cache_lens", "tree_mask"
 TEMPERATURE, UNIFORM_NOISE = "temperature", "uniform_noise"
 GREEDY_IDS, LOGITS, NEW_KEY, NEW_VALUE = "greedy_ids", "logits", "new_key", "new_value"
 DRAFT_IDS, DRAFT_TOKEN_PROBS, DRAFT_PROBS = "draft_ids", "draft_token_probs", "draft_probs"
@@ -55,7 +57,7 @@ DRAFT_PARENTS, DRAFT_JOINT_PROBS = "draft_parents", "draft_joint_probs"
 class TensorSpec:
     name: str
     shape: tuple[int | str, ...]
-    dtype: str  # "int64", "float32" or MODEL_DTYPE
+    dtype: str  # "int64", "float32", "bool" or MODEL_DTYPE
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
@@ -96,7 +98,8 @@ def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphS
               TensorSpec(POSITIONS, (BATCH, TOKENS), "int64"),
               TensorSpec(PAST_KEY, cache, MODEL_DTYPE),
               TensorSpec(PAST_VALUE, cache, MODEL_DTYPE),
-              TensorSpec(CACHE_LENS, (BATCH,), "int64"))
+              TensorSpec(CACHE_LENS, (BATCH,), "int64"),
+              TensorSpec(TREE_MASK, (BATCH, TOKENS, TOKENS), "bool"))
     outputs = (TensorSpec(GREEDY_IDS, (BATCH, TOKENS), "int64"),
                *((TensorSpec(LOGITS, (BATCH, TOKENS, cfg.vocab_size), MODEL_DTYPE),) if return_logits else ()),
                TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, num_aux * cfg.hidden_size), MODEL_DTYPE),
@@ -129,7 +132,7 @@ def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
     return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
 
 
-def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None) -> tuple:
+def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None, tree: bool = False) -> tuple:
     """Inputs for `spec`, in contract order, with its dynamic axes at `sizes` ({BATCH, TOKENS, PAST}
     -> int) and MODEL_DTYPE tensors in `dtype`.
 
@@ -137,14 +140,24 @@ def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=N
     each sequence's cache; num_valid cycle TOKENS, 1. The rest is the export example without a
     generator (zero ids, caches and hidden states; temperature 1; noise 0.5) and random with one
     (ids below the vocabulary size, normal caches and hidden states, temperatures in [0.5, 1.5),
-    uniform noise), for checks that must see non-trivial values. dtype: torch.float32 by default."""
+    uniform noise), for checks that must see non-trivial values. The new tokens are causal (a prefill
+    or a chain's verify call), or with `tree` (and a generator) a random token tree's: root and
+    TOKENS-1 nodes, the tree mask its ancestor mask, positions each sequence's length plus the
+    node's depth. dtype: torch.float32 by default."""
     import torch  # here, not at the top: the command line reads MAX_DEPTH from this module at start-up
+
+    from .layers import causal_mask
+    from .tree import verify_mask  # (tree.py reads this module's limits)
 
     dtype = dtype or torch.float32
     batch, tokens, past = sizes[BATCH], sizes[TOKENS], sizes[PAST]
     cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
-    values = {CACHE_LENS: cache_lens, POSITIONS: cache_lens[:, None] + torch.arange(tokens),
-              NUM_VALID: torch.tensor([tokens, 1] * batch)[:batch]}
+    mask = causal_mask(batch, tokens).contiguous()
+    if tree and generator is not None:  # node i's parent: any node before it, or the root
+        nodes = torch.arange(tokens - 1)
+        mask = verify_mask((torch.rand(batch, tokens - 1, generator=generator) * (nodes + 1)).long() - 1)
+    values = {CACHE_LENS: cache_lens, POSITIONS: cache_lens[:, None] + mask.sum(-1) - 1,
+              NUM_VALID: torch.tensor([tokens, 1] * batch)[:batch], TREE_MASK: mask}
     args = []
     for t in spec.inputs:
         shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)

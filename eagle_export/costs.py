@@ -28,6 +28,7 @@ import torch
 
 from . import contract as C
 from .doctor import package_version, tensorrt_version
+from .layers import causal_mask
 from .sample import cache_root
 
 COSTS_FILE = "costs.json"
@@ -147,7 +148,8 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
     def target_feeds(t):
         return {C.INPUT_IDS: torch.ones(batch, t, dtype=torch.int64, device=device),
                 C.POSITIONS: (lens[:, None] + torch.arange(t, device=device)).contiguous(),
-                C.PAST_KEY: target_k, C.PAST_VALUE: target_v, C.CACHE_LENS: lens}
+                C.PAST_KEY: target_k, C.PAST_VALUE: target_v, C.CACHE_LENS: lens,
+                C.TREE_MASK: causal_mask(batch, t, device)}
 
     def draft_feeds(w):
         width = runtime.drafter_width(w)  # padded as the runtime pads it

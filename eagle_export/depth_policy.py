@@ -9,8 +9,9 @@ decoding yields 1 token per target call of 1 token. With the measured costs (`co
                               else the round is a plain decoding step (k = 0, no drafter call);
     after it                  k = argmax_k  E[tokens | k] / (c_draft + c_verify(k+1)),  k = 0 allowed.
 
-E[tokens | k] comes from the drafter's own confidence for this round (`draft_token_probs`, the
-probability of each greedy draft; P(draft i accepted | 1..i-1 accepted) ~ its probability), the
+E[tokens | k] comes from the drafter's own confidence for this round: P(the accepted path reaches
+depth i) ~ the sum of the draft probabilities of the tree's root paths to depth i (`tree.reach_by_depth`;
+for a chain, the product of the greedy drafts' probabilities `draft_token_probs` up to draft i), the
 quantity before the call from a decayed running estimate of what drafted rounds promised. When
 drafting stops paying, the policy probes every PROBE_EVERY rounds, doubling the interval (up to
 PROBE_MAX) while probes keep failing, so a drafter that never helps costs at most about
@@ -49,7 +50,7 @@ class FixedDepth:
     def should_draft(self, live: torch.Tensor) -> bool:
         return True
 
-    def choose(self, token_probs: torch.Tensor | None, live: torch.Tensor) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor) -> int:
         return self.depth
 
     def observe(self, depth: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
@@ -78,10 +79,9 @@ class GoodputDepth:
     def _round_cost(self, k: int) -> float:
         return self.costs.draft(self.batch) + self.costs.verify(self.batch, k + 1)
 
-    def _best(self, accept: torch.Tensor, live: torch.Tensor, at_least: int = 0):
+    def _best(self, reach: torch.Tensor, live: torch.Tensor, at_least: int = 0):
         """(k maximizing the round's expected tokens per second, each sequence's expected tokens at k)
-        from per-draft acceptance probabilities accept [B,K]."""
-        reach = torch.cumprod(accept.clamp(0, 1), dim=1)          # P(drafts 1..i all accepted)
+        from reach [B,K], P(the accepted path reaches depth i)."""
         expected = torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)  # [B,K+1]
         totals = expected[live].sum(0)
         k = max(range(at_least, self.depth + 1), key=lambda k: float(totals[k]) / self._round_cost(k))
@@ -97,14 +97,18 @@ class GoodputDepth:
         plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
         return drafted_rate > self.MARGIN * plain_rate
 
-    def choose(self, token_probs: torch.Tensor | None, live: torch.Tensor) -> int:
-        """k for this round; `token_probs` [B,K] are the greedy drafts' probabilities (None: sampling)."""
-        self._sampling = token_probs is None
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor) -> int:
+        """k for this round; `reach` [B,K] is the drafter's P(the accepted path reaches depth i) (None:
+        sampling)."""
+        self._sampling = reach is None
         if self._sampling:  # a probe checks one draft at least, or the running acceptance could never rise
-            k, self._promised = self._best(self.acceptance, live, at_least=int(self._probing()))
+            k, self._promised = self._best(self._reach(), live, at_least=int(self._probing()))
         else:
-            k, self._promised = self._best(token_probs.float().cpu(), live)
+            k, self._promised = self._best(reach.float().cpu(), live)
         return k
+
+    def _reach(self) -> torch.Tensor:
+        return torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
 
     def observe(self, depth: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
         if not drafted:
@@ -123,7 +127,7 @@ class GoodputDepth:
             self.acceptance[:, depth] = torch.where(full, self.DECAY * self.acceptance[:, depth]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, depth])
         if self._sampling:  # what drafting promises now, from the updated acceptance
-            _, self._promised = self._best(self.acceptance, live)
+            _, self._promised = self._best(self._reach(), live)
         self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(depth)
         if probe:

@@ -24,11 +24,13 @@ MIN_PAST = 1
 def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, int, int]]:
     """(min, opt, max) of every dynamic axis for one optimization profile.
 
-    target/prefill: the prompt (tokens up to the context); target/decode: verify K+1 tokens;
-    drafter/prefill: the prompt's rows; drafter/decode: W = K+1 newly accepted rows."""
+    target/prefill: the prompt (tokens up to the context); target/decode: a verify call, up to
+    `verify_width` tokens; drafter/prefill: the prompt's rows; drafter/decode: W <= K+1 newly accepted
+    rows (an accepted path and the target's token)."""
     batch = recipe["profiles"]["batch"]
     ctx = recipe["profiles"]["context"]
     k = recipe["depth"]
+    decode_tokens = verify_width(recipe) if graph == "target" else k + 1
     ranges = {BATCH: (batch["min"], batch["opt"], batch["max"])}
     if phase == "prefill":
         ranges[TOKENS] = (1, min(ctx["opt"], ctx["max"]), ctx["max"])
@@ -36,7 +38,7 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
         # there), and the prefill call may already get that many: every profile reaches it.
         ranges[PAST] = (MIN_PAST, MIN_PAST, ctx["max"])
     elif phase == "decode":
-        ranges[TOKENS] = (1, k + 1, k + 1)
+        ranges[TOKENS] = (1, decode_tokens, decode_tokens)
         ranges[PAST] = (MIN_PAST, ctx["opt"], ctx["max"])
     else:
         raise ValueError(f"unknown phase {phase!r}")
@@ -44,6 +46,11 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
         lo, opt, hi = ranges[TOKENS]
         ranges[DRAFT_NEW_TOKENS] = (lo + k - 1, opt + k - 1, hi + k - 1)
     return ranges
+
+
+def verify_width(recipe: dict) -> int:
+    """The widest verify call: the root and every draft node (a chain's K drafts, a tree's nodes)."""
+    return (recipe.get("speculation") or {}).get("nodes", recipe["depth"]) + 1
 
 
 def profile_shapes(spec: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> dict[str, tuple]:

@@ -78,16 +78,22 @@ def key_positions(past_len: int, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([slots, positions], dim=-1)
 
 
+def causal_mask(batch: int, tokens: int, device=None) -> torch.Tensor:
+    """[B,T,T] bool: each new token sees the new tokens up to itself (a prefill's, or a chain's tree mask)."""
+    return torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+
+
 def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: int,
-                   sliding_window: int | None = None) -> torch.Tensor:
-    """Boolean [B, 1, 1, T, past_len + T]: True where query t may attend to key s."""
+                   sliding_window: int | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [B, 1, 1, T, past_len + T]: True where query t may attend to key s. Among the new
+    tokens, `new_mask` [B,T,T] (a token tree's ancestor-or-self mask) when given, else causal."""
     t = positions.shape[1]
     slots = torch.arange(past_len, device=positions.device)
     past_ok = slots.view(1, 1, -1) < cache_lens.view(-1, 1, 1)            # [B,1,S]
     past_ok = past_ok.expand(-1, t, -1)                                    # [B,T,S]
-    new_ok = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
-    new_ok = new_ok.unsqueeze(0).expand(positions.shape[0], -1, -1)       # [B,T,T]
-    mask = torch.cat([past_ok, new_ok], dim=-1)
+    if new_mask is None:
+        new_mask = causal_mask(positions.shape[0], t, positions.device)
+    mask = torch.cat([past_ok, new_mask], dim=-1)
     if sliding_window is not None:
         mask = mask & in_window(positions, key_positions(past_len, positions), sliding_window)
     return mask[:, None, None]

@@ -1,12 +1,17 @@
 """The draft-verify loop: what users import.
 
 One round, for a batch of ragged sequences:
-  draft   the unrolled drafter consumes each sequence's newly accepted rows and proposes K tokens
-  verify  the target scores [last token, d_1..d_K] in one call
-  accept  greedy: the longest prefix of drafts equal to the target's argmax, plus the target's
-          next token; sampling: rejection sampling, which preserves the target distribution
-  commit  the new K/V rows of the accepted tokens are written at each sequence's length; rejected
-          rows are never written (the graphs return only new entries), so rollback is free.
+  draft   the unrolled drafter consumes each sequence's newly accepted rows and proposes a token
+          tree (node ids and parent indices, `tree.py`); a chain of K drafts is the tree whose node
+          i has parent i-1, and takes the same path through everything below
+  verify  the target scores [last token (the root), nodes..] in one call, each node at the position
+          of its depth and seeing only its ancestors (`tree_mask`)
+  accept  greedy: the longest root path whose tokens equal the target's argmax at their parents,
+          plus the target's next token; sampling: rejection sampling, which preserves the target
+          distribution (chains so far)
+  commit  the new K/V rows of the accepted path are gathered and written at each sequence's length
+          (their RoPE positions are those slots' already); rejected rows are never written (the
+          graphs return only new entries), so rollback is free.
 The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` counts the target
 positions in cache; the last emitted token is not yet in it.
 Caches grow with the longest sequence, in steps of `cache_step` slots: every call reads the
@@ -36,12 +41,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import contract as C
+from . import contract as C, tree
 from .backends import Backend
 from .costs import CostCache, CostCurves, measure
 from .depth_policy import check_policy, make_policy
 from .errors import EagleExportError
+from .layers import causal_mask
 from .reference import acceptance_by_depth, mean_accepted_length
+from .tree import greedy_accepted_path
 
 
 def _is_int(value) -> bool:
@@ -304,7 +311,8 @@ class SpeculativeRuntime:
         for i, p in enumerate(state.prompts):
             ids[i, :len(p)] = torch.tensor(p)
         positions = torch.arange(width).expand(b, -1).contiguous()
-        out = self._target(state, ids, positions, state.lens, need_logits=state.sampling, phase="prefill")
+        out = self._target(state, ids, positions, state.lens, causal_mask(b, width), need_logits=state.sampling,
+                           phase="prefill")
         prompt_lens = torch.tensor([len(p) for p in state.prompts])
         state.write_target(out, prompt_lens, state.active)
         last = prompt_lens - 1
@@ -320,38 +328,49 @@ class SpeculativeRuntime:
         yield from events
 
     def _round(self, state, live, policy=None, drafted=False):
-        """One target call for the `live` sequences: [last token, the first k drafts], k chosen by the
-        policy after the drafter call; without a drafter call (drafted False) a plain step, k = 0."""
+        """One target call for the `live` sequences over [last token, the drafter's tree up to depth k],
+        k chosen by the policy after the drafter call; without a drafter call (drafted False) a plain
+        step, k = 0. A chain is the tree whose node i has parent i-1: one path serves both."""
         b = len(state.prompts)
         state.reserve(int(state.lens[live].max()) + self.depth + 1)
-        drafts, draft_probs = torch.zeros(b, 0, dtype=torch.int64), None
+        nodes, parents = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
+        k, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
         if drafted:
-            drafts, token_probs, draft_probs = self._draft(state, live)
-            k = policy.choose(None if state.sampling else token_probs, live)
-            drafts = drafts[:, :k]
-        k = drafts.shape[1]
-        verify_ids = torch.cat([state.last_token[:, None], drafts], dim=1)
-        positions = state.lens[:, None] + torch.arange(k + 1)
-        out = self._target(state, verify_ids, positions, state.lens, need_logits=state.sampling)
+            nodes, parents, token_probs, draft_probs = self._draft(state, live)
+            if state.sampling and not torch.equal(parents, _chain(nodes.shape[1]).expand_as(parents)):
+                raise EagleExportError("this build's drafter proposes token trees, which the runtime verifies "
+                                       "greedily only so far", "use --temperature 0, or a chain build to sample")
+            k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live)
+            order, parents, valid = tree.subtree(parents, tree.node_depths(parents) <= k)
+            nodes = nodes.gather(1, order)
+            draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
+        verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
+        mask = tree.verify_mask(parents)
+        positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth
+        out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
         if state.sampling:
-            accepted, next_token = self._rejection_sample(state, out, drafts, draft_probs)
-        else:
-            greedy = out[C.GREEDY_IDS]
-            accepted = greedy_accepted(drafts, greedy)
-            next_token = greedy.gather(1, accepted[:, None])[:, 0]
-        state.write_target(out, accepted + 1, live)
+            accepted, path, next_token = self._rejection_sample(state, out, nodes, draft_probs)
+        else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
+            accepted, path = greedy_accepted_path(torch.where(valid, nodes, -1), parents, out[C.GREEDY_IDS])
+        rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
+        if not state.sampling:
+            next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
+        path_ids = verify_ids.gather(1, rows)                                   # [root, accepted nodes..]
+        state.write_target(_gather_rows(out, rows), accepted + 1, live)
         emitted = []
         for i in range(b):
-            emitted.append(drafts[i, :accepted[i]].tolist() + [int(next_token[i])])
+            emitted.append(path_ids[i, 1:accepted[i] + 1].tolist() + [int(next_token[i])])
             if live[i] and policy is not None:
                 state.stats[i].accepted.append(int(accepted[i]))
                 state.stats[i].depths.append(k)
                 state.stats[i].draft_calls += drafted
         events = state.emit(emitted, live)
-        if state.pending is not None:  # the drafter's next rows: the accepted drafts and the new token
-            next_ids = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+        if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
+            next_ids = torch.cat([path_ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
             next_ids[torch.arange(b), accepted] = next_token
-            state.pending.append(next_ids, out[C.AUX_HIDDEN], accepted + 1, live)
+            aux = out[C.AUX_HIDDEN]
+            aux = aux.gather(1, rows.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[2]))
+            state.pending.append(next_ids, aux, accepted + 1, live)
         if policy is not None:
             policy.observe(k, accepted, live, drafted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
@@ -360,9 +379,10 @@ class SpeculativeRuntime:
 
     # ------------------------------------------------------------ graph calls
 
-    def _target(self, state, ids, positions, cache_lens, need_logits, phase="verify"):
+    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify"):
         feeds = {C.INPUT_IDS: ids.to(self.device), C.POSITIONS: positions.to(self.device),
-                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device)}
+                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device),
+                 C.TREE_MASK: tree_mask.to(self.device)}
         start = time.perf_counter()
         out = self.backend.target(feeds, need_logits=need_logits)
         elapsed = time.perf_counter() - start
@@ -370,8 +390,9 @@ class SpeculativeRuntime:
         return {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
 
     def _draft(self, state, live):
-        """The drafter over every pending row of the live sequences -> (K drafts, their
-        probabilities, their distributions when sampling)."""
+        """The drafter over every pending row of the live sequences -> its tree: node ids [B,N],
+        parents [B,N] (a chain graph's are implied: node i's parent is i-1), each node's probability
+        under its parent's distribution, and the distributions when sampling."""
         ids, aux, num_valid = state.pending.take(live, self.drafter_width)
         # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
         # on an fp16 base beside an fp32 drafter).
@@ -387,7 +408,9 @@ class SpeculativeRuntime:
         self.timings.draft += time.perf_counter() - start
         state.write_drafter(out, num_valid, live)
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
-        return out[C.DRAFT_IDS].cpu(), out[C.DRAFT_TOKEN_PROBS].cpu(), out.get(C.DRAFT_PROBS)
+        nodes = out[C.DRAFT_IDS].cpu()
+        parents = out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out else _chain(nodes.shape[1]).expand(len(nodes), -1)
+        return nodes, parents, out[C.DRAFT_TOKEN_PROBS].cpu(), out.get(C.DRAFT_PROBS)
 
     @property
     def device(self):
@@ -415,7 +438,8 @@ class SpeculativeRuntime:
 
     def _rejection_sample(self, state, out, drafts, draft_probs):
         """Leviathan et al.: accept d ~ q with probability min(1, p(d)/q(d)); on rejection draw from
-        norm(max(p - q, 0)); after all k = drafts.shape[1] acceptances draw the bonus token from p."""
+        norm(max(p - q, 0)); after all k = drafts.shape[1] acceptances draw the bonus token from p.
+        A chain's: -> (accepted, path (its first `accepted` nodes, -1 after), next token)."""
         k = drafts.shape[1]
         p = self._target_probs(state, out[C.LOGITS])                          # [B,k+1,V]
         q = torch.zeros_like(p[:, :k])
@@ -436,7 +460,8 @@ class SpeculativeRuntime:
                 residual = residual if residual.sum() > 0 else p[b, i]
                 next_token[b] = torch.multinomial(residual / residual.sum(), 1, generator=state.rng)[0]
                 break
-        return accepted, next_token
+        nodes = torch.arange(k)
+        return accepted, torch.where(nodes < accepted[:, None], nodes, -1), next_token
 
     def _decode(self, tokens, config):
         if self.tokenizer is None:
@@ -560,10 +585,17 @@ class _PendingRows:
         return rows
 
 
-def greedy_accepted(drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """Greedy acceptance: per sequence, the length of the longest prefix of drafts [B,k] equal to the
-    target's argmax at the same rows of greedy [B,k+1]."""
-    return (drafts == greedy[:, :drafts.shape[1]]).int().cumprod(dim=1).sum(dim=1)
+def _chain(k: int) -> torch.Tensor:
+    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1)."""
+    return torch.arange(-1, k - 1)
+
+
+def _gather_rows(out, rows):
+    """The new K/V of the verify call's rows `rows` [B,R] (the accepted path, root first), in that
+    order: their RoPE positions are already root + depth, the contiguous cache slots they go to."""
+    index = rows.to(out[C.NEW_KEY].device)[None, :, None, :, None]
+    return {name: out[name].gather(3, index.expand(*out[name].shape[:3], -1, out[name].shape[4]))
+            for name in (C.NEW_KEY, C.NEW_VALUE)}
 
 
 def _write_rows(keys, values, out, starts, counts, live):

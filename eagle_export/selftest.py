@@ -26,7 +26,7 @@ from .manifest import MANIFEST
 
 LOOPS = 50              # lossless repetitions on TensorRT: a stream race shows up as a rare mismatch
 BENCH_BATCHES = (1, 4)
-_ELEMENT = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT: C.MODEL_DTYPE,
+_ELEMENT = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool", onnx.TensorProto.FLOAT: C.MODEL_DTYPE,
             onnx.TensorProto.FLOAT16: C.MODEL_DTYPE, onnx.TensorProto.BFLOAT16: C.MODEL_DTYPE}
 
 
@@ -85,14 +85,14 @@ def engine_io(state) -> tuple:
                 wrong += [f"{graph}/{phase} {name}: {got} != {shapes}"] if got != shapes else []
         model_dtype = resolve_dtype(getattr(state["opened"].manifest, graph).dtype)  # what the build exported
         for t in spec.inputs:
-            want = torch.int64 if t.dtype == "int64" else model_dtype
+            want = {"int64": torch.int64, "bool": torch.bool}.get(t.dtype, model_dtype)
             wrong += [f"{graph} {t.name}: {session.dtypes[t.name]} != {want}"] if session.dtypes[t.name] != want else []
     return not wrong, "; ".join(wrong) or "every profile shape and input dtype as computed"
 
 
-def _feeds(spec, dtype, tokens, past, batch=2):
+def _feeds(spec, dtype, tokens, past, batch=2, tree=False):
     sizes = {C.BATCH: batch, C.TOKENS: tokens, C.PAST: past}
-    args = C.example_args(spec, sizes, torch.Generator().manual_seed(tokens), dtype)
+    args = C.example_args(spec, sizes, torch.Generator().manual_seed(tokens), dtype, tree=tree)
     return {name: a.cuda() for name, a in spec.feeds(args).items()}
 
 
@@ -105,10 +105,12 @@ def against_onnxruntime(state) -> tuple:
     for graph, (session, path, spec) in _sessions(state).items():
         cpu = ort_session(path)
         model_dtype = session.dtypes[C.PAST_KEY]
-        runs = [(0, 7, 16), (1, depth + 1, 32), (0, 7, 16)]
-        first = None
-        for profile, tokens, past in runs:
-            feeds = _feeds(spec, model_dtype, tokens, past)
+        # prefill, decode, prefill again, then (the target) a token tree's verify call on the decode profile
+        runs = [(0, 7, 16, False), (1, depth + 1, 32, False), (0, 7, 16, False)]
+        runs += [(1, depth + 1, 32, True)] if graph == "target" else []
+        results = []
+        for profile, tokens, past, tree in runs:
+            feeds = _feeds(spec, model_dtype, tokens, past, tree=tree)
             got = {k: v.cpu() for k, v in session.run(dict(feeds), profile).items()}
             torch.cuda.synchronize()
             want = run_onnx(cpu, {k: v.cpu() for k, v in feeds.items()})
@@ -117,9 +119,10 @@ def against_onnxruntime(state) -> tuple:
             value = C.AUX_HIDDEN if graph == "target" else C.DRAFT_TOKEN_PROBS
             err = ((got[value].float() - want[value].float()).abs().max() / want[value].float().abs().max()).item()
             ok &= agree >= (1.0 if dtype == "fp32" else 0.995) and err <= max(TOLERANCE[dtype], 1e-4)
-            first = first or got
-            facts.append(f"{graph} profile {profile} T={tokens}: ids {agree:.3f}, {value} rel. err {err:.1e}")
-        ok &= torch.equal(first[ids], got[ids])  # the third call (prefill again) repeats the first
+            results.append(got)
+            facts.append(f"{graph} profile {profile} T={tokens}{' tree' if tree else ''}: ids {agree:.3f}, "
+                         f"{value} rel. err {err:.1e}")
+        ok &= torch.equal(results[0][ids], results[2][ids])  # the third call (prefill again) repeats the first
     return ok, "; ".join(facts) + f" (tolerance {TOLERANCE[dtype]:g})"
 
 

@@ -57,12 +57,14 @@ class Target(nn.Module):
         dtype = dtype or self.embed_tokens.weight.dtype
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(self, input_ids, positions, k_cache, v_cache, cache_lens, logits: bool = True):
-        """input_ids, positions [B,T]; k_cache, v_cache [L,B,Hkv,S,D]; cache_lens [B]
+    def forward(self, input_ids, positions, k_cache, v_cache, cache_lens, logits: bool = True, tree_mask=None):
+        """input_ids, positions [B,T]; k_cache, v_cache [L,B,Hkv,S,D]; cache_lens [B]; tree_mask [B,T,T]
+        bool, which new tokens each new token sees (causal when None; a token tree's ancestor-or-self
+        mask, with the nodes' depths as positions, to verify a tree)
         -> (logits [B,T,V] or final hidden [B,T,H], aux [B,T,A*H], new_k, new_v [L,B,Hkv,T,D])."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        mask = attention_mask(positions, cache_lens, k_cache.shape[3], self.config.sliding_window)
+        mask = attention_mask(positions, cache_lens, k_cache.shape[3], self.config.sliding_window, tree_mask)
         aux, new_ks, new_vs = [], [], []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layer_ids:

@@ -31,6 +31,7 @@ import torch
 
 from . import contract as C
 from .backends import Backend
+from .layers import causal_mask
 from .progress import track
 
 SAFETY_FACTOR = 4.0
@@ -59,7 +60,8 @@ class TargetCalls:
         n, device = self.key.shape[3], self.backend.device
         feeds = {C.INPUT_IDS: torch.tensor([ids], device=device),
                  C.POSITIONS: torch.arange(n, n + len(ids), device=device)[None],
-                 C.PAST_KEY: self.key, C.PAST_VALUE: self.value, C.CACHE_LENS: torch.tensor([n], device=device)}
+                 C.PAST_KEY: self.key, C.PAST_VALUE: self.value, C.CACHE_LENS: torch.tensor([n], device=device),
+                 C.TREE_MASK: causal_mask(1, len(ids), device)}
         out = self.backend.target(feeds, need_logits=True)
         self.key = torch.cat([self.key, out[C.NEW_KEY]], dim=3)
         self.value = torch.cat([self.value, out[C.NEW_VALUE]], dim=3)

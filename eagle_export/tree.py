@@ -165,6 +165,14 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask.bool()
 
 
+def verify_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B,N] -> the target's tree_mask [B,N+1,N+1] for a verify call over the root and the N
+    nodes: each row sees itself and its ancestors, the root included (row 0, whose only ancestor is
+    itself). A chain's is the causal mask."""
+    root = parents.new_full((*parents.shape[:-1], 1), -1)
+    return ancestor_mask(torch.cat([root, parents + 1], dim=-1))
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [..., N]: 1 for the children of the root; the number of true entries on a node's
     ancestor-mask row."""
@@ -182,6 +190,8 @@ def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: 
     are its node indices root-first, -1 after. For a chain this is the longest prefix of drafts that
     equals the target's argmax at the same rows."""
     batch, n = node_ids.shape
+    if n == 0:  # a plain decoding step: nothing to accept
+        return torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, 0, dtype=torch.int64)
     parent_rows = (parents + 1).clamp_min(0)
     match = node_ids == greedy.gather(1, parent_rows)                       # [B,N]
     ancestors = ancestor_mask(parents)                                      # [B,N,N]
@@ -230,3 +240,30 @@ def rejection_sample_path(p: torch.Tensor, q: torch.Tensor, node_ids: list[int],
             target = residual / residual.sum() if residual.sum() > 0 else target
         else:
             return path, int(torch.multinomial(target, 1, generator=generator))
+
+
+def joint_probs(parents: torch.Tensor, token_probs: torch.Tensor) -> torch.Tensor:
+    """[..., N]: each node's probability times its ancestors' (the draft probability of its root path)."""
+    return torch.where(ancestor_mask(parents), token_probs[..., None, :], 1).prod(-1)
+
+
+def reach_by_depth(parents: torch.Tensor, token_probs: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, depth]: the drafter's estimate of P(the accepted path reaches depth d), the sum of the joint
+    probabilities of the nodes at depth d (at most one of them is accepted), capped at 1. For a chain
+    it is the running product of the drafts' probabilities."""
+    at_depth = node_depths(parents)[..., None] == torch.arange(1, depth + 1, device=parents.device)
+    return (joint_probs(parents, token_probs)[..., None] * at_depth).sum(-2).clamp(max=1)
+
+
+def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The nodes `keep` [B,N] marks (closed under ancestors: a kept node's parent is kept), packed to
+    the front in their order -> (order [B,n]: original index of each kept node, parents [B,n] re-indexed,
+    valid [B,n]). n is the most any sequence keeps; a sequence keeping fewer is padded with invalid
+    nodes (children of the root, which the caller must never accept)."""
+    n = int(keep.sum(-1).max()) if keep.numel() else 0
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[:, :n]
+    new_index = torch.cumsum(keep, dim=-1) - 1                                     # [B,N] kept node -> packed
+    old_parents = parents.gather(1, order)
+    packed = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp_min(0)), -1)
+    valid = keep.gather(1, order)
+    return order, torch.where(valid, packed, -1), valid

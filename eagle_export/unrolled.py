@@ -60,8 +60,9 @@ class TargetGraph(nn.Module):
         super().__init__()
         self.target, self.return_logits = target, return_logits
 
-    def forward(self, input_ids, positions, past_key, past_value, cache_lens):
-        logits, aux, new_key, new_value = self.target(input_ids, positions, past_key, past_value, cache_lens)
+    def forward(self, input_ids, positions, past_key, past_value, cache_lens, tree_mask):
+        logits, aux, new_key, new_value = self.target(input_ids, positions, past_key, past_value, cache_lens,
+                                                      tree_mask=tree_mask)
         greedy_ids = logits.argmax(-1)
         if self.return_logits:
             return greedy_ids, logits, aux, new_key, new_value

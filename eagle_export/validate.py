@@ -30,6 +30,7 @@ from . import contract as C
 from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
+from .layers import causal_mask
 from .manifest import MANIFEST, Agreement, Manifest, read_manifest, verify_artifacts, verify_sources
 from .progress import track
 from .quantize import drafter_calibration_batches
@@ -61,16 +62,19 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
     checks = []
     if "target" not in skip:
         spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
-        args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype)
-        with torch.no_grad():
-            expected = dict(zip(spec.output_names, TargetGraph(target, C.LOGITS in spec.output_names)(*args)))
-        got = run_onnx(ort_session(build_dir / manifest.target_graph.file), spec.feeds(args))
-        agree = (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item()
-        aux_err = ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
-                   / expected[C.AUX_HIDDEN].float().abs().max()).item()
+        session, module = ort_session(build_dir / manifest.target_graph.file), TargetGraph(target, C.LOGITS in spec.output_names)
+        agree, aux_err = 1.0, 0.0
+        for tree in (False, True):  # a causal call (prefill, chain) and a token tree's verify call
+            args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype, tree=tree)
+            with torch.no_grad():
+                expected = dict(zip(spec.output_names, module(*args)))
+            got = run_onnx(session, spec.feeds(args))
+            agree = min(agree, (got[C.GREEDY_IDS] == expected[C.GREEDY_IDS]).float().mean().item())
+            aux_err = max(aux_err, ((got[C.AUX_HIDDEN].float() - expected[C.AUX_HIDDEN].float()).abs().max()
+                                    / expected[C.AUX_HIDDEN].float().abs().max()).item())
         ok = (agree == 1.0 if dtype == "fp32" else agree >= 0.995) and aux_err <= tol
         checks.append(("target graph vs torch", ok, f"greedy agreement {agree:.4f}, aux rel. error {aux_err:.2e} "
-                                                    f"(tolerance {tol:g})"))
+                                                    f"(tolerance {tol:g}; causal and tree-masked calls)"))
     if "drafter" not in skip:
         depth = manifest.depth
         spec = C.drafter_graph(drafter.config, depth, False)
@@ -112,7 +116,8 @@ def quantized_target_check(build_dir: Path, manifest: Manifest, target, prompts:
         ids[row, :len(p)] = torch.tensor(p)
     positions = torch.arange(ids.shape[1]).repeat(len(prompts), 1)
     past_key, past_value = target.empty_cache(len(prompts), 0)
-    args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
+    args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long),
+            causal_mask(len(prompts), ids.shape[1]))
     spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
     got = run_graph(build_dir / manifest.target_graph.file, spec.feeds(args))[C.GREEDY_IDS]
     expected = target(*args)[0].argmax(-1)

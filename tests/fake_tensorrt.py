@@ -18,7 +18,7 @@ from eagle_export import contract as C
 DataType = enum.Enum("DataType", "FLOAT HALF BF16 INT64 INT32 BOOL")
 TensorIOMode = enum.Enum("TensorIOMode", "INPUT OUTPUT")
 TensorLocation = enum.Enum("TensorLocation", "DEVICE HOST")
-_DTYPES = {"int64": DataType.INT64, "float32": DataType.FLOAT}
+_DTYPES = {"int64": DataType.INT64, "float32": DataType.FLOAT, "bool": DataType.BOOL}
 
 
 class FakeEngine:

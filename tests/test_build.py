@@ -542,7 +542,10 @@ def _copy_build(out, tmp_path, edit=None):
 
 def _off_by_one_accept(original):
     """Accept one draft more than the target's argmax agreed with."""
-    return lambda drafts, greedy: (original(drafts, greedy) + 1).clamp(max=drafts.shape[1])
+    def accept(node_ids, parents, greedy):
+        accepted, path = original(node_ids, parents, greedy)
+        return (accepted + 1).clamp(max=path.shape[1]), path
+    return accept
 
 
 def _cache_row_one_early(original):
@@ -551,7 +554,7 @@ def _cache_row_one_early(original):
                                                                     counts, live)
 
 
-@pytest.mark.parametrize("name, mutation", [("greedy_accepted", _off_by_one_accept),
+@pytest.mark.parametrize("name, mutation", [("greedy_accepted_path", _off_by_one_accept),
                                             ("_write_rows", _cache_row_one_early)])
 def test_planted_runtime_bugs_fail_the_teacher_forced_check(fp8_built, monkeypatch, name, mutation):
     """The mutation test: the quantized build's lossless check must catch a broken loop."""

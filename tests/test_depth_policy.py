@@ -18,6 +18,11 @@ def curves(draft, verify_slope=0.05, batch=1):
                       {batch: {w: draft for w in range(1, K + 2)}})
 
 
+def reach(chain_probs):
+    """A chain's P(the accepted path reaches depth i): the product of its drafts' probabilities."""
+    return torch.cumprod(chain_probs, dim=1)
+
+
 def run_rounds(policy, probs, accepted, rounds, batch=1):
     """Drive the policy as the runtime does; returns what it chose (None: no drafter call).
     `probs` None: sampling (the policy does not see the drafts' probabilities)."""
@@ -25,7 +30,7 @@ def run_rounds(policy, probs, accepted, rounds, batch=1):
     chosen = []
     for _ in range(rounds):
         if policy.should_draft(live):
-            k = policy.choose(None if probs is None else torch.tensor([probs] * batch), live)
+            k = policy.choose(None if probs is None else reach(torch.tensor([probs] * batch)), live)
             policy.observe(k, torch.full((batch,), min(k, accepted)), live, True)
             chosen.append(k)
         else:
@@ -56,17 +61,17 @@ def test_depth_follows_the_drafters_confidence_and_the_costs():
     policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
     policy.start(1)
     live = torch.ones(1, dtype=torch.bool)
-    assert policy.choose(torch.tensor([[0.9, 0.9, 0.1, 0.1]]), live) == 2
-    assert policy.choose(torch.tensor([[0.02, 0.9, 0.9, 0.9]]), live) == 0
+    assert policy.choose(reach(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live) == 2
+    assert policy.choose(reach(torch.tensor([[0.02, 0.9, 0.9, 0.9]])), live) == 0
     steep = GoodputDepth(K, curves(draft=0.25, verify_slope=1.0))  # a GPU at a large batch: T costs
     steep.start(1)
-    assert steep.choose(torch.tensor([[0.9, 0.9, 0.1, 0.1]]), live) == 1
+    assert steep.choose(reach(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live) == 1
 
 
 def test_one_depth_for_the_batch_counts_live_sequences_only():
     policy = GoodputDepth(K, curves(draft=0.25, batch=2))
     policy.start(2)
-    probs = torch.tensor([[0.99] * K, [0.01] * K])
+    probs = reach(torch.tensor([[0.99] * K, [0.01] * K]))
     assert policy.choose(probs, torch.tensor([True, False])) == K
     assert policy.choose(probs, torch.tensor([False, True])) == 0
 

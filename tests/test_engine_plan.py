@@ -29,7 +29,16 @@ def test_target_profiles_cover_prefill_and_verify(specs):
     assert decode["input_ids"] == ((1, 1), (2, 5), (8, 5))  # verify K+1 tokens
     assert decode["past_key"] == ((6, 1, 2, MIN_PAST, 16), (6, 2, 2, 256, 16), (6, 8, 2, 1024, 16))
     assert decode["cache_lens"] == ((1,), (2,), (8,))
-    assert set(prefill) == {"input_ids", "positions", "past_key", "past_value", "cache_lens"}
+    assert set(prefill) == {"input_ids", "positions", "past_key", "past_value", "cache_lens", "tree_mask"}
+    assert prefill["tree_mask"] == ((1, 1, 1), (2, 256, 256), (8, 1024, 1024))
+    assert decode["tree_mask"] == ((1, 1, 1), (2, 5, 5), (8, 5, 5))
+
+
+def test_target_decode_profile_covers_a_trees_verify_width(specs):
+    tree = {**RECIPE, "speculation": {"kind": "static_tree", "depth": 4, "nodes": 16}}
+    _, decode = engine_profiles(specs[0], tree, "target")
+    assert decode["input_ids"] == ((1, 1), (2, 17), (8, 17)) and decode["tree_mask"][2] == (8, 17, 17)
+    assert engine_profiles(specs[1], tree, "drafter")[1]["input_ids"][2] == (8, 5)  # an accepted path + 1
 
 
 def test_every_dynamic_input_has_a_profile_with_ordered_bounds(specs):
@@ -119,7 +128,8 @@ def test_example_args_follow_the_spec_by_name():
         random = spec.feeds(C.example_args(spec, sizes, torch.Generator().manual_seed(0), torch.float16))
         for t in spec.inputs:
             shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
-            dtype = {"int64": torch.int64, "float32": torch.float32, C.MODEL_DTYPE: torch.float16}[t.dtype]
+            dtype = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool,
+                     C.MODEL_DTYPE: torch.float16}[t.dtype]
             for args in (zeros, random):
                 assert args[t.name].shape == shape and args[t.name].dtype == dtype, t.name
         assert zeros[C.CACHE_LENS].tolist() == random[C.CACHE_LENS].tolist() == [6, 3, 6]  # ragged
@@ -199,7 +209,8 @@ def target_feeds(tokens, past, batch=2, dtype=None):
     cache = torch.zeros(6, batch, 2, past, 16, dtype=dtype)
     return {C.INPUT_IDS: torch.ones(batch, tokens, dtype=torch.int64), C.POSITIONS: torch.zeros(batch, tokens,
             dtype=torch.int64), C.PAST_KEY: cache, C.PAST_VALUE: cache.clone(),
-            C.CACHE_LENS: torch.zeros(batch, dtype=torch.int64)}
+            C.CACHE_LENS: torch.zeros(batch, dtype=torch.int64),
+            C.TREE_MASK: torch.ones(batch, tokens, tokens, dtype=torch.bool).tril()}
 
 
 def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch, tmp_path, specs):

@@ -23,6 +23,8 @@ from eagle_export import contract as C
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
+from eagle_export.layers import causal_mask
+from eagle_export.tree import verify_mask
 from eagle_export.backends import ort_session, run_onnx
 from eagle_export.export import ONNX_IR_VERSION, export_drafter, export_graph, export_models, export_target
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
@@ -60,14 +62,18 @@ def drafter_inputs(drafter, depth, num_valid, cache_lens, past, sampling, seed=0
     return args
 
 
-def target_inputs(target, batch, tokens, cache_lens, past, seed=0, dtype=torch.float32):
+def target_inputs(target, batch, tokens, cache_lens, past, seed=0, dtype=torch.float32, tree=False):
+    """Causal new tokens, or (tree) a random token tree's: root + tokens-1 nodes at their depths."""
     g = torch.Generator().manual_seed(seed)
     cfg = target.config
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, past, cfg.head_dim)
     cache_lens = torch.tensor(cache_lens)
+    mask = causal_mask(batch, tokens)
+    if tree:
+        mask = verify_mask(torch.stack([torch.randint(-1, i, (batch,), generator=g) for i in range(tokens - 1)], 1))
     return (torch.randint(0, cfg.vocab_size, (batch, tokens), generator=g),
-            cache_lens[:, None] + torch.arange(tokens), torch.randn(shape, generator=g).to(dtype),
-            torch.randn(shape, generator=g).to(dtype), cache_lens)
+            cache_lens[:, None] + mask.sum(-1) - 1, torch.randn(shape, generator=g).to(dtype),
+            torch.randn(shape, generator=g).to(dtype), cache_lens, mask)
 
 
 def as_float(args):
@@ -110,8 +116,9 @@ def test_target_onnx_matches_torch_fp32(tmp_path, dirs, return_logits):
     export_target(target, path, return_logits)
     session, spec = ort_session(path), C.target_graph(target.config, len(AUX), return_logits)
     module = TargetGraph(target, return_logits)
-    for batch, tokens, cache_lens, past in [(1, 9, [0], 0), (3, 5, [6, 0, 2], 8), (2, 1, [3, 7], 7)]:
-        args = target_inputs(target, batch, tokens, cache_lens, past, seed=tokens)
+    for batch, tokens, cache_lens, past, tree in [(1, 9, [0], 0, False), (3, 5, [6, 0, 2], 8, False),
+                                                  (2, 1, [3, 7], 7, False), (2, 9, [3, 7], 7, True)]:
+        args = target_inputs(target, batch, tokens, cache_lens, past, seed=tokens, tree=tree)
         compare(spec, run_onnx(session, spec.feeds(args)), module(*args), 1e-4)
 
 
@@ -222,7 +229,7 @@ def speculative_greedy(target_session, drafter_session, target, drafter, prompt,
     dk, dv = drafter.empty_cache(1, capacity)
     n = len(prompt)
     out = run_onnx(target_session, tspec.feeds((torch.tensor([prompt]), torch.arange(n)[None], tk, tv,
-                                                torch.tensor([0]))))
+                                                torch.tensor([0]), causal_mask(1, n))))
     tk[:, :, :, :n], tv[:, :, :, :n] = out["new_key"], out["new_value"]
     tokens = [int(out["greedy_ids"][0, -1])]
     # drafter prefill: t_1..t_n with a_0..a_{n-1} in one call (the drafter's tokens axis is dynamic)
@@ -234,7 +241,7 @@ def speculative_greedy(target_session, drafter_session, target, drafter, prompt,
         drafts = d["draft_ids"][0].tolist()
         verify = torch.tensor([[tokens[-1]] + drafts])
         out = run_onnx(target_session, tspec.feeds((verify, length + torch.arange(depth + 1)[None], tk, tv,
-                                                    torch.tensor([length]))))
+                                                    torch.tensor([length]), causal_mask(1, depth + 1))))
         greedy = out["greedy_ids"][0].tolist()
         m = 0
         while m < depth and drafts[m] == greedy[m]:
@@ -278,6 +285,31 @@ def test_ort_speculative_loop_reproduces_target_greedy(tmp_path, dirs, target_on
     assert tokens == expected
     if drafter_kind == "one_token":
         assert max(accepted) == depth  # whole drafts accepted: num_valid = K+1 with a full pad-free row
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_ort_runtime_verifies_random_trees_losslessly(tmp_path, dirs, kind):
+    """The runtime on ONNX Runtime with a stand-in tree drafter (random trees of 1..12 nodes whose
+    tokens are often the target's own): batch 1 and 2 give the target's greedy output."""
+    from eagle_export.backends import OnnxRuntimeBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+    from random_tree import RandomTrees
+
+    class OrtTrees(RandomTrees, OnnxRuntimeBackend):
+        pass
+
+    target, drafter = load_pair(dirs, "3.1")
+    export_target(target, tmp_path / "target.onnx", return_logits=False)
+    export_drafter(drafter, 4, False, tmp_path / "drafter.onnx")
+    prompts = [[100, 200, 100, 200, 100], [7, 8, 9]]
+    expected = [p + target.generate_greedy(p, 24) for p in prompts]
+    for batch in (1, 2):
+        backend = OrtTrees(tmp_path / "target.onnx", tmp_path / "drafter.onnx", continuations=expected[:batch],
+                           kind=kind, seed=batch)
+        runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+        results = runtime.generate(prompts[:batch], GenerationConfig(max_new_tokens=24))
+        assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts[:batch], expected)]
+        assert max(backend.widths) > 4 and max(max(r.stats.accepted) for r in results) >= 2
 
 
 def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkeypatch):
@@ -389,7 +421,7 @@ def test_onnxruntime_backend_takes_its_device_from_the_session_and_binds_io(tmp_
     cfg = target.config
     cache = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 3, cfg.head_dim)
     feeds = {C.INPUT_IDS: torch.tensor([[5, 6]]), C.POSITIONS: torch.tensor([[3, 4]]), C.PAST_KEY: cache,
-             C.PAST_VALUE: cache, C.CACHE_LENS: torch.full((1,), 3)}
+             C.PAST_VALUE: cache, C.CACHE_LENS: torch.full((1,), 3), C.TREE_MASK: causal_mask(1, 2)}
     out = backend.target(feeds, need_logits=True)
     assert out[C.LOGITS].shape == (1, 2, cfg.vocab_size)
     assert out[C.NEW_KEY].shape == (cfg.num_layers, 1, cfg.num_kv_heads, 2, cfg.head_dim)

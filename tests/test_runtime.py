@@ -13,6 +13,7 @@ from eagle_export.recipe import parse_recipe
 from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
+from random_tree import RandomTrees
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 torch.set_grad_enabled(False)
@@ -109,6 +110,39 @@ def test_lossless_whatever_depth_a_policy_chooses(target, drafter, seed, batch):
         assert r.stats.draft_calls == sum(c is not None for c in policy.chosen[:r.stats.rounds])
 
 
+class TorchTrees(RandomTrees, TorchBackend):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize(("batch", "policy"), [(1, "fixed"), (2, "fixed"), (2, "random")])
+def test_greedy_trees_are_lossless_whatever_is_proposed(target, drafter, kind, batch, policy):
+    """Random trees (static: one shape per round for the batch; dynamic: one per sequence) of 1..12
+    nodes, their tokens the target's own greedy tokens or random ones: the output is the target's
+    greedy output, and several tokens per round are accepted, along paths through any sibling."""
+    depth = 4
+    prompts = PROMPTS[1:1 + batch]
+    expected = [p + target.generate_greedy(p, 40) for p in prompts]
+    policy = RandomDepth(depth, seed=batch) if policy == "random" else policy
+    runtime = make_runtime(target, drafter, depth, backend_cls=TorchTrees, continuations=expected, kind=kind,
+                           seed=batch, depth_policy=policy)
+    runtime.cache_step = 8
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
+    assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
+    assert max(runtime.backend.widths) > depth  # wider than any chain of this depth
+    for r in results:
+        assert r.stats.tau > 1.5 and all(a <= k for a, k in zip(r.stats.accepted, r.stats.depths))
+
+
+def test_sampling_a_tree_is_refused_until_tree_rejection_sampling_exists(target, drafter):
+    runtime = make_runtime(target, drafter, 4, backend_cls=TorchTrees, continuations=[PROMPTS[0]], kind="static",
+                           error_rate=1.0, max_nodes=1 + 4, depth_policy="fixed")
+    with pytest.raises(EagleExportError, match="token trees") as e:
+        for seed in range(20):  # until a round proposes a tree that is not a chain
+            runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=8, temperature=0.7, seed=seed))
+    assert "--temperature 0" in e.value.fix
+
+
 def test_eos_inside_an_accepted_draft_ends_the_sequence_there(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     eos = full[len(PROMPTS[0]) + 6]  # a token the target emits mid-way
@@ -143,10 +177,14 @@ class ProfileChecked(TorchBackend):
         self.profiles = {"target": engine_profiles(self.graphs[None][1], recipe, "target"),
                          "drafter": engine_profiles(self.graphs[False][1], recipe, "drafter")}
         self.past_slots = {0: set(), 1: set()}  # profile -> cache sizes fed
+        self.target_tokens = {0: set(), 1: set()}  # profile -> target call widths
+        self.verify_width = self.profiles["target"][1][C.INPUT_IDS][2][1]
 
     def _check(self, graph, feeds):
-        index = TensorRTBackend._profile(self, feeds)
+        index = TensorRTBackend._profile(self, feeds, graph)
         self.past_slots[index].add(feeds[C.PAST_KEY].shape[3])
+        if graph == "target":
+            self.target_tokens[index].add(feeds[C.INPUT_IDS].shape[1])
         for name, (lo, _, hi) in self.profiles[graph][index].items():
             shape = tuple(feeds[name].shape)
             assert all(a <= s <= b for a, s, b in zip(lo, shape, hi)), \
@@ -174,6 +212,24 @@ def test_every_call_fits_the_engine_profiles_up_to_the_context_limit(target, dra
     results = runtime.generate([longest, PROMPTS[1]], GenerationConfig(max_new_tokens=max_context))
     assert results[0].finish_reason == "context" and results[1].finish_reason == "context"
     assert max_context in runtime.backend.past_slots[0]  # the prefill profile saw a full cache
+
+
+class ProfileCheckedTrees(RandomTrees, ProfileChecked):
+    pass
+
+
+def test_tree_verify_calls_fit_the_decode_profile_built_for_the_trees_width(target, drafter):
+    depth, nodes = 4, 12
+    recipe = parse_recipe(f"target: t\ndrafter: d\ndepth: {depth}\nprofiles:\n  batch: {{min: 1, opt: 1, max: 2}}\n"
+                          f"  context: {{min: 1, opt: 16, max: 64}}\n").data
+    recipe["speculation"] = {"kind": "dynamic_tree", "top_k": 4, "depth": depth, "nodes": nodes}
+    prompts = PROMPTS[:2]
+    expected = [p + target.generate_greedy(p, 30) for p in prompts]
+    runtime = make_runtime(target, drafter, depth, max_context=64, backend_cls=ProfileCheckedTrees, recipe=recipe,
+                           continuations=expected, max_nodes=nodes, depth_policy="fixed")
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=30))
+    assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
+    assert max(runtime.backend.target_tokens[1]) > depth + 1  # verify calls wider than a chain's, on profile 1
 
 
 def test_empty_prompt_and_prompt_past_the_context_are_clear_errors(target, drafter):
@@ -271,7 +327,8 @@ class AcceptEverything(SpeculativeRuntime):
     def _rejection_sample(self, state, out, drafts, draft_probs):  # the planted bug
         p = self._target_probs(state, out[C.LOGITS])
         bonus = torch.multinomial(p[:, self.depth], 1, generator=state.rng)[:, 0]
-        return torch.full((len(drafts),), self.depth, dtype=torch.int64), bonus
+        path = torch.arange(self.depth).expand(len(drafts), -1)
+        return torch.full((len(drafts),), self.depth, dtype=torch.int64), path, bonus
 
 
 def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed"):

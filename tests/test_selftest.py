@@ -88,7 +88,7 @@ def test_engine_io_step_compares_the_engines_profiles_and_dtypes_with_the_comput
     graph_specs = (target_graph(TargetConfig.from_hf(tiny_target_config("llama")), 3, return_logits=False),
                    drafter_graph(DrafterConfig.from_hf(tiny_drafter_config("3.1")), DEPTH, sampling=False))
     for graph, spec in zip(("target", "drafter"), graph_specs):
-        elem = {"int64": onnx.TensorProto.INT64}
+        elem = {"int64": onnx.TensorProto.INT64, "bool": onnx.TensorProto.BOOL}
         inputs = [helper.make_tensor_value_info(t.name, elem.get(t.dtype, onnx.TensorProto.FLOAT16), list(t.shape))
                   for t in spec.inputs]
         onnx.save(helper.make_model(helper.make_graph([], graph, inputs, [])), tmp_path / f"{graph}.onnx")

@@ -7,8 +7,8 @@ import torch
 
 from eagle_export import contract as C
 from eagle_export.errors import EagleExportError
-from eagle_export.runtime import greedy_accepted
-from eagle_export.tree import TreeShape, ancestor_mask, greedy_accepted_path, node_depths
+from eagle_export.layers import causal_mask
+from eagle_export.tree import TreeShape, ancestor_mask, greedy_accepted_path, node_depths, verify_mask
 
 
 def ancestors_of(parents, i):
@@ -94,7 +94,7 @@ def test_a_chain_accepts_what_greedy_accepted_does():
         greedy = torch.randint(0, 2, (8, k + 1), generator=gen)
         parents = TreeShape.chain(k).parent_tensor().expand(8, -1)
         accepted, path = greedy_accepted_path(drafts, parents, greedy)
-        assert torch.equal(accepted, greedy_accepted(drafts, greedy))
+        assert torch.equal(accepted, (drafts == greedy[:, :k]).int().cumprod(dim=1).sum(dim=1))  # the prefix rule
         for b in range(8):
             assert path[b, :accepted[b]].tolist() == list(range(int(accepted[b])))
 
@@ -185,3 +185,14 @@ def test_planted_sibling_bug_fails_the_distribution_test():
 
     tree = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     assert two_token_p_value(tree, no_residual) < 0.01
+
+
+def test_verify_mask_is_causal_for_a_chain_and_the_root_path_for_a_tree():
+    assert torch.equal(verify_mask(TreeShape.chain(5).parent_tensor()[None]), causal_mask(1, 6))
+    shape = TreeShape.from_branching([3, 2, 1])
+    mask = verify_mask(shape.parent_tensor().expand(2, -1))
+    assert mask.shape == (2, shape.num_nodes + 1, shape.num_nodes + 1) and torch.equal(mask[0], mask[1])
+    assert mask[0, 0].tolist() == [True] + [False] * shape.num_nodes  # the root sees itself only
+    for i in range(shape.num_nodes):
+        rows = [0] + [a + 1 for a in ancestors_of(shape.parents, i)]
+        assert torch.nonzero(mask[0, i + 1])[:, 0].tolist() == rows

@@ -6,6 +6,8 @@ import torch
 from eagle_export import reference
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
+from eagle_export.layers import causal_mask
+from eagle_export.tree import verify_mask
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -115,11 +117,36 @@ def test_target_graph_fuses_argmax(target):
     k, v = target.empty_cache(2, 3)
     args = (torch.randint(0, 320, (2, 5)), torch.arange(3, 8).expand(2, -1), k.normal_(), v.normal_(),
             torch.tensor([3, 1]))
-    greedy, logits, aux, nk, nv = TargetGraph(target, return_logits=True)(*args)
-    ref_logits, ref_aux, ref_k, ref_v = target(*args)
+    greedy, logits, aux, nk, nv = TargetGraph(target, return_logits=True)(*args, causal_mask(2, 5))
+    ref_logits, ref_aux, ref_k, ref_v = target(*args)  # no tree mask: causal, the calls before trees
     assert torch.equal(greedy, ref_logits.argmax(-1)) and torch.equal(logits, ref_logits)
     assert torch.equal(aux, ref_aux) and torch.equal(nk, ref_k) and torch.equal(nv, ref_v)
-    assert len(TargetGraph(target, return_logits=False)(*args)) == 4
+    assert len(TargetGraph(target, return_logits=False)(*args, causal_mask(2, 5))) == 4
+
+
+def test_tree_masked_call_scores_every_node_as_its_own_root_path(target):
+    """A tree verify call (root + nodes, each row seeing the cache and its ancestors, at position
+    cache_len + depth) gives each row what a causal call over its root path alone gives its last row."""
+    gen = torch.Generator().manual_seed(3)
+    nodes = 7
+    k, v = target.empty_cache(2, 4)
+    k, v = torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen)
+    lens = torch.tensor([4, 2])
+    parents = torch.stack([torch.randint(-1, i, (2,), generator=gen) for i in range(nodes)], dim=1)
+    mask = verify_mask(parents)                                          # [2, 8, 8]
+    ids = torch.randint(0, 320, (2, nodes + 1), generator=gen)
+    positions = lens[:, None] + mask.sum(-1) - 1
+    greedy, logits, aux, nk, nv = TargetGraph(target, return_logits=True)(ids, positions, k, v, lens, mask)
+    for b in range(2):
+        for r in range(nodes + 1):
+            path = torch.nonzero(mask[b, r])[:, 0]                       # root-first: topological order
+            ref_logits, ref_aux, ref_k, ref_v = target(ids[b:b + 1, path], lens[b] + torch.arange(len(path))[None],
+                                                       k[:, b:b + 1], v[:, b:b + 1], lens[b:b + 1])
+            assert torch.allclose(logits[b, r], ref_logits[0, -1], atol=1e-5)
+            assert torch.allclose(aux[b, r], ref_aux[0, -1], atol=1e-5)
+            assert torch.allclose(nk[:, b, :, r], ref_k[:, 0, :, -1], atol=1e-5)
+            assert torch.allclose(nv[:, b, :, r], ref_v[:, 0, :, -1], atol=1e-5)
+    assert not torch.equal(mask, causal_mask(2, nodes + 1))              # a real tree, not a chain
 
 
 @pytest.mark.parametrize("depth", [0, 9])
