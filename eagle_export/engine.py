@@ -15,6 +15,7 @@ import torch
 from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
 from .manifest import Engine
+from .recipe import verify_width
 
 # A cache view always has at least one slot (masked out by cache_lens when empty), so no profile
 # has to cover zero-length tensors.
@@ -25,12 +26,13 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
     """(min, opt, max) of every dynamic axis for one optimization profile.
 
     target/prefill: the prompt (tokens up to the context); target/decode: a verify call, up to
-    `verify_width` tokens; drafter/prefill: the prompt's rows; drafter/decode: W <= K+1 newly accepted
+    `recipe.verify_width` tokens; drafter/prefill: the prompt's rows; drafter/decode: W <= K+1 newly accepted
     rows (an accepted path and the target's token)."""
     batch = recipe["profiles"]["batch"]
     ctx = recipe["profiles"]["context"]
     k = recipe["depth"]
-    decode_tokens = verify_width(recipe) if graph == "target" else k + 1
+    speculation = recipe.get("speculation", {"kind": "chain", "depth": k})  # (manifests from before the block)
+    decode_tokens = verify_width(speculation) if graph == "target" else k + 1
     ranges = {BATCH: (batch["min"], batch["opt"], batch["max"])}
     if phase == "prefill":
         ranges[TOKENS] = (1, min(ctx["opt"], ctx["max"]), ctx["max"])
@@ -46,11 +48,6 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
         lo, opt, hi = ranges[TOKENS]
         ranges[DRAFT_NEW_TOKENS] = (lo + k - 1, opt + k - 1, hi + k - 1)
     return ranges
-
-
-def verify_width(recipe: dict) -> int:
-    """The widest verify call: the root and every draft node (a chain's K drafts, a tree's nodes)."""
-    return (recipe.get("speculation") or {}).get("nodes", recipe["depth"]) + 1
 
 
 def profile_shapes(spec: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> dict[str, tuple]:

@@ -26,7 +26,8 @@ from eagle_export.errors import EagleExportError
 from eagle_export.layers import causal_mask
 from eagle_export.tree import verify_mask
 from eagle_export.backends import ort_session, run_onnx
-from eagle_export.export import ONNX_IR_VERSION, export_drafter, export_graph, export_models, export_target
+from eagle_export.export import (EXAMPLE_SIZES, ONNX_IR_VERSION, export_drafter, export_graph, export_models,
+                                 export_target)
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -310,6 +311,35 @@ def test_ort_runtime_verifies_random_trees_losslessly(tmp_path, dirs, kind):
         results = runtime.generate(prompts[:batch], GenerationConfig(max_new_tokens=24))
         assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts[:batch], expected)]
         assert max(backend.widths) > 4 and max(max(r.stats.accepted) for r in results) >= 2
+
+
+def test_a_target_graph_exported_before_tree_mask_still_runs_chains(tmp_path, dirs):
+    """Builds made before the tree_mask input: the backends feed only the inputs a graph declares,
+    so the runtime's chains run on such a graph (its causal mask built in-graph) and stay lossless."""
+    from eagle_export.backends import OnnxRuntimeBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+
+    class WithoutTreeMask(torch.nn.Module):  # the target graph as exported before the input existed
+        def __init__(self, graph):
+            super().__init__()
+            self.graph = graph
+
+        def forward(self, input_ids, positions, past_key, past_value, cache_lens):
+            logits, aux, new_key, new_value = self.graph.target(input_ids, positions, past_key, past_value, cache_lens)
+            return logits.argmax(-1), aux, new_key, new_value
+
+    target, drafter = load_pair(dirs, "3.1")
+    spec = C.target_graph(target.config, len(AUX), False)
+    old = C.GraphSpec(tuple(t for t in spec.inputs if t.name != C.TREE_MASK), spec.outputs, spec.vocab_size)
+    export_graph(WithoutTreeMask(TargetGraph(target, False)).eval(), C.example_args(old, EXAMPLE_SIZES), old,
+                 tmp_path / "target.onnx")
+    assert C.TREE_MASK not in [i.name for i in ort_session(tmp_path / "target.onnx").get_inputs()]
+    export_drafter(drafter, 3, False, tmp_path / "drafter.onnx")
+    backend = OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+    prompts = [[100, 200, 100, 200, 100], [7, 8, 9]]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=20))
+    assert [r.tokens for r in results] == [target.generate_greedy(p, 20) for p in prompts]
 
 
 def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkeypatch):
