@@ -153,6 +153,7 @@ class Backend:
         """model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype:
         the drafter graph's (its caches and aux input), when it differs."""
         self.depth, self.model_dtype, self.drafter_dtype = depth, model_dtype, drafter_dtype or model_dtype
+        self.verify_width = depth + 1  # the widest verify call: a chain's K+1 (a tree's backend sets its N+1)
         self.has_logits, self.has_sampling = has_logits, has_sampling
 
     def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False) -> dict[str, torch.Tensor]:

@@ -136,7 +136,8 @@ def cache_path(build_dir: Path, manifest: dict) -> Path:
 
 
 def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[dict[int, float], dict[int, float]]:
-    """Per-call seconds of the runtime's target (T = 1..K+1) and drafter (W = 1..K+1) at `batch`."""
+    """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain) and drafter
+    (W = 1..K+1) at `batch`."""
     k = runtime.depth
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
     capacity = past + 2 * (k + 1)
@@ -168,14 +169,15 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    sizes = range(1, k + 2)
-    verify, draft = {t: [] for t in sizes}, {w: [] for w in sizes}
+    # A tree's verify calls are wider than its drafter's input rows (the root and its nodes).
+    verify, draft = {t: [] for t in range(1, runtime.backend.verify_width + 1)}, {w: [] for w in range(1, k + 2)}
     for rep in range(reps + 1):  # the first pass is a warm-up
-        for n in sizes:  # in turn, as the loop calls them: a drafter call, then a verify call
-            d = timed(runtime.backend.drafter, draft_feeds(n))
-            v = timed(runtime.backend.target, target_feeds(n))
-            if rep:
-                draft[n].append(d)
-                verify[n].append(v)
+        for n in range(1, max(len(verify), len(draft)) + 1):  # in turn, as the loop calls them: drafter, verify
+            if n in draft:
+                d = timed(runtime.backend.drafter, draft_feeds(n))
+                draft[n] += [d] if rep else []
+            if n in verify:
+                v = timed(runtime.backend.target, target_feeds(n))
+                verify[n] += [v] if rep else []
     return ({t: statistics.median(s) for t, s in verify.items()},
             {w: statistics.median(s) for w, s in draft.items()})

@@ -1,7 +1,7 @@
 """How many drafts each round verifies: a fixed K, or the k in 0..K that maximizes tokens per second.
 
 A round costs one drafter call (it always proposes K: the graph is unrolled) plus one target call
-over k+1 tokens; its expected yield is 1 + sum over i <= k of P(drafts 1..i all accepted). Plain
+over k+1 tokens (a tree's: the root and its nodes up to depth k); its expected yield is 1 + sum over i <= k of P(drafts 1..i all accepted). Plain
 decoding yields 1 token per target call of 1 token. With the measured costs (`costs.CostCurves`):
 
     before the drafter call   draft iff  E[tokens of a drafted round] / (c_draft + c_verify(k+1))
@@ -50,7 +50,7 @@ class FixedDepth:
     def should_draft(self, live: torch.Tensor) -> bool:
         return True
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int] | None = None) -> int:
         return self.depth
 
     def observe(self, depth: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
@@ -72,12 +72,13 @@ class GoodputDepth:
         self.batch = batch
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
+        self.widths = list(range(1, self.depth + 2))             # verify width per k (a chain's until a round says)
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self._promised, self._sampling = None, False
 
     def _round_cost(self, k: int) -> float:
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, k + 1)
+        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[k])
 
     def _best(self, reach: torch.Tensor, live: torch.Tensor, at_least: int = 0):
         """(k maximizing the round's expected tokens per second, each sequence's expected tokens at k)
@@ -97,9 +98,11 @@ class GoodputDepth:
         plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
         return drafted_rate > self.MARGIN * plain_rate
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int] | None = None) -> int:
         """k for this round; `reach` [B,K] is the drafter's P(the accepted path reaches depth i) (None:
-        sampling)."""
+        sampling); widths[k] the verify call's tokens when verifying to depth k (a tree's root and its
+        nodes up to depth k; a chain's k+1 when not given)."""
+        self.widths = widths or list(range(1, self.depth + 2))
         self._sampling = reach is None
         if self._sampling:  # a probe checks one draft at least, or the running acceptance could never rise
             k, self._promised = self._best(self._reach(), live, at_least=int(self._probing()))

@@ -340,8 +340,11 @@ class SpeculativeRuntime:
             if state.sampling and not torch.equal(parents, _chain(nodes.shape[1]).expand_as(parents)):
                 raise EagleExportError("this build's drafter proposes token trees, which the runtime verifies "
                                        "greedily only so far", "use --temperature 0, or a chain build to sample")
-            k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live)
-            order, parents, valid = tree.subtree(parents, tree.node_depths(parents) <= k)
+            depths = tree.node_depths(parents)
+            widths = [1 + int((depths <= d).sum(-1).max()) for d in range(self.depth + 1)]  # verify tokens per k
+            k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live,
+                              widths)
+            order, parents, valid = tree.subtree(parents, depths <= k)
             nodes = nodes.gather(1, order)
             draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
         verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)

@@ -17,7 +17,7 @@ class RandomDepth:
     def should_draft(self, live):
         return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
 
-    def choose(self, token_probs, live):
+    def choose(self, reach, live, widths=None):
         return int(torch.randint(0, self.depth + 1, (1,), generator=self.rng))
 
     def observe(self, depth, accepted, live, drafted):

@@ -22,6 +22,7 @@ class RandomTrees:
         self.vocab, self.continuations, self.kind = vocab, continuations, kind
         self.error_rate, self.max_nodes = error_rate, max_nodes
         self.rng = torch.Generator().manual_seed(seed)
+        self.verify_width = max_nodes + 1  # what a build of such trees records (the cost model measures up to it)
         self.widths = []  # nodes proposed per call
 
     def _parents(self, n):

@@ -117,3 +117,15 @@ def test_cost_cache_that_cannot_be_written_stays_in_memory(tmp_path):
     cache = CostCache(tmp_path / "a-file" / "costs.json", "k")  # its directory cannot be made
     cache.save(curves(draft=0.3))  # no error
     assert not cache.load().has(1)
+
+
+def test_a_trees_verify_width_prices_its_depths():
+    """Verifying a tree to depth k costs a call over its root and nodes up to k, not k+1 tokens: with
+    the same reach, a wide tree is verified less deep than a chain."""
+    costs = CostCurves({1: {t: 1 + 0.2 * (t - 1) for t in range(1, 18)}}, {1: {w: 0.25 for w in range(1, K + 2)}})
+    policy = GoodputDepth(K, costs)
+    policy.start(1)
+    live = torch.ones(1, dtype=torch.bool)
+    reach = torch.tensor([[0.9, 0.8, 0.7, 0.6]])
+    assert policy.choose(reach, live) == K
+    assert policy.choose(reach, live, widths=[1, 5, 9, 13, 17]) == 2  # four nodes per level

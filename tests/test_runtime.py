@@ -115,7 +115,7 @@ class TorchTrees(RandomTrees, TorchBackend):
 
 
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
-@pytest.mark.parametrize(("batch", "policy"), [(1, "fixed"), (2, "fixed"), (2, "random")])
+@pytest.mark.parametrize(("batch", "policy"), [(1, "fixed"), (2, "fixed"), (2, "random"), (2, "goodput")])
 def test_greedy_trees_are_lossless_whatever_is_proposed(target, drafter, kind, batch, policy):
     """Random trees (static: one shape per round for the batch; dynamic: one per sequence) of 1..12
     nodes, their tokens the target's own greedy tokens or random ones: the output is the target's
@@ -123,15 +123,16 @@ def test_greedy_trees_are_lossless_whatever_is_proposed(target, drafter, kind, b
     depth = 4
     prompts = PROMPTS[1:1 + batch]
     expected = [p + target.generate_greedy(p, 40) for p in prompts]
-    policy = RandomDepth(depth, seed=batch) if policy == "random" else policy
     runtime = make_runtime(target, drafter, depth, backend_cls=TorchTrees, continuations=expected, kind=kind,
-                           seed=batch, depth_policy=policy)
+                           seed=batch, depth_policy=RandomDepth(depth, seed=batch) if policy == "random" else policy)
     runtime.cache_step = 8
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
     assert max(runtime.backend.widths) > depth  # wider than any chain of this depth
     for r in results:
-        assert r.stats.tau > 1.5 and all(a <= k for a, k in zip(r.stats.accepted, r.stats.depths))
+        assert all(a <= k for a, k in zip(r.stats.accepted, r.stats.depths))
+        # (goodput, costed at the trees' verify widths, mostly stops drafting for random-confidence trees)
+        assert r.stats.tau > 1.5 or policy == "goodput"
 
 
 def test_sampling_a_tree_is_refused_until_tree_rejection_sampling_exists(target, drafter):
