@@ -116,10 +116,10 @@ def quantized_target_check(build_dir: Path, manifest: Manifest, target, prompts:
         ids[row, :len(p)] = torch.tensor(p)
     positions = torch.arange(ids.shape[1]).repeat(len(prompts), 1)
     past_key, past_value = target.empty_cache(len(prompts), 0)
-    args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long),
-            causal_mask(len(prompts), ids.shape[1]))
+    args = (ids, positions, past_key, past_value, torch.zeros(len(prompts), dtype=torch.long))
     spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
-    got = run_graph(build_dir / manifest.target_graph.file, spec.feeds(args))[C.GREEDY_IDS]
+    got = run_graph(build_dir / manifest.target_graph.file,
+                    spec.feeds((*args, causal_mask(len(prompts), ids.shape[1]))))[C.GREEDY_IDS]
     expected = target(*args)[0].argmax(-1)
     real = positions < lengths[:, None]
     agree = float((got == expected)[real].float().mean())
