@@ -7,8 +7,8 @@ One round, for a batch of ragged sequences:
   verify  the target scores [last token (the root), nodes..] in one call, each node at the position
           of its depth and seeing only its ancestors (`tree_mask`)
   accept  greedy: the longest root path whose tokens equal the target's argmax at their parents,
-          plus the target's next token; sampling: rejection sampling, which preserves the target
-          distribution (chains so far)
+          plus the target's next token; sampling: multi-candidate rejection sampling down the tree,
+          which preserves the target distribution
   commit  the new K/V rows of the accepted path are gathered and written at each sequence's length
           (their RoPE positions are those slots' already); rejected rows are never written (the
           graphs return only new entries), so rollback is free.
@@ -337,9 +337,6 @@ class SpeculativeRuntime:
         k, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
         if drafted:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
-            if state.sampling and not torch.equal(parents, _chain(nodes.shape[1]).expand_as(parents)):
-                raise EagleExportError("this build's drafter proposes token trees, which the runtime verifies "
-                                       "greedily only so far", "use --temperature 0, or a chain build to sample")
             depths = tree.node_depths(parents)
             widths = [1 + int((depths <= d).sum(-1).max()) for d in range(self.depth + 1)]  # verify tokens per k
             k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live,
@@ -352,7 +349,7 @@ class SpeculativeRuntime:
         positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth
         out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
         if state.sampling:
-            accepted, path, next_token = self._rejection_sample(state, out, nodes, draft_probs)
+            accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs)
         else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
             accepted, path = greedy_accepted_path(torch.where(valid, nodes, -1), parents, out[C.GREEDY_IDS])
         rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
@@ -439,32 +436,26 @@ class SpeculativeRuntime:
         logits = out[C.LOGITS][torch.arange(len(rows)), rows]
         return torch.multinomial(self._target_probs(state, logits), 1, generator=state.rng)[:, 0]
 
-    def _rejection_sample(self, state, out, drafts, draft_probs):
-        """Leviathan et al.: accept d ~ q with probability min(1, p(d)/q(d)); on rejection draw from
-        norm(max(p - q, 0)); after all k = drafts.shape[1] acceptances draw the bonus token from p.
-        A chain's: -> (accepted, path (its first `accepted` nodes, -1 after), next token)."""
-        k = drafts.shape[1]
-        p = self._target_probs(state, out[C.LOGITS])                          # [B,k+1,V]
-        q = torch.zeros_like(p[:, :k])
-        if k:
-            q[..., self.draft_to_target] = draft_probs[:, :k].cpu().float()   # draft vocab -> target vocab
-        accepted = torch.zeros(len(drafts), dtype=torch.int64)
-        next_token = torch.zeros(len(drafts), dtype=torch.int64)
-        for b in range(len(drafts)):
-            for i in range(k + 1):
-                if i == k:
-                    next_token[b] = torch.multinomial(p[b, k], 1, generator=state.rng)[0]
-                    break
-                d = drafts[b, i]
-                if torch.rand(1, generator=state.rng)[0] * q[b, i, d] <= p[b, i, d]:
-                    accepted[b] += 1
-                    continue
-                residual = (p[b, i] - q[b, i]).clamp_min(0)
-                residual = residual if residual.sum() > 0 else p[b, i]
-                next_token[b] = torch.multinomial(residual / residual.sum(), 1, generator=state.rng)[0]
-                break
-        nodes = torch.arange(k)
-        return accepted, torch.where(nodes < accepted[:, None], nodes, -1), next_token
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):
+        """Multi-candidate rejection sampling over each sequence's tree (`tree.rejection_sample_path`:
+        a row's children are tried in turn, each accepted with probability min(1, p/q), the row's p
+        turned into norm(max(p - q, 0)) after each rejection; for a chain, Leviathan et al.'s rule).
+        draft_probs [B,N,Vd]: the distribution each node was drawn from, its parent row's (siblings
+        are drawn i.i.d. from it). -> (accepted, path [B,N] (-1 padded), next token)."""
+        b, n = nodes.shape
+        p = self._target_probs(state, out[C.LOGITS])                          # [B,N+1,V]
+        q = torch.zeros_like(p)                                               # row r: its children's distribution
+        accepted, path = torch.zeros(b, dtype=torch.int64), torch.full((b, n), -1, dtype=torch.int64)
+        next_token = torch.zeros(b, dtype=torch.int64)
+        for i in range(b):
+            m = int(valid[i].sum())  # the kept nodes come first; padding nodes are never tried
+            if m:
+                q[i, (parents[i, :m] + 1)[:, None], self.draft_to_target] = draft_probs[i, :m].cpu().float()
+            taken, next_token[i] = tree.rejection_sample_path(p[i], q[i], nodes[i, :m].tolist(),
+                                                              parents[i, :m].tolist(), state.rng)
+            accepted[i] = len(taken)
+            path[i, :len(taken)] = torch.tensor(taken, dtype=torch.int64)
+        return accepted, path, next_token
 
     def _decode(self, tokens, config):
         if self.tokenizer is None:

@@ -135,15 +135,6 @@ def test_greedy_trees_are_lossless_whatever_is_proposed(target, drafter, kind, b
         assert r.stats.tau > 1.5 or policy == "goodput"
 
 
-def test_sampling_a_tree_is_refused_until_tree_rejection_sampling_exists(target, drafter):
-    runtime = make_runtime(target, drafter, 4, backend_cls=TorchTrees, continuations=[PROMPTS[0]], kind="static",
-                           error_rate=1.0, max_nodes=1 + 4, depth_policy="fixed")
-    with pytest.raises(EagleExportError, match="token trees") as e:
-        for seed in range(20):  # until a round proposes a tree that is not a chain
-            runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=8, temperature=0.7, seed=seed))
-    assert "--temperature 0" in e.value.fix
-
-
 def test_eos_inside_an_accepted_draft_ends_the_sequence_there(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     eos = full[len(PROMPTS[0]) + 6]  # a token the target emits mid-way
@@ -325,16 +316,60 @@ def target_joint(target, prompt, temperature):
 
 
 class AcceptEverything(SpeculativeRuntime):
-    def _rejection_sample(self, state, out, drafts, draft_probs):  # the planted bug
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):  # the planted bug
         p = self._target_probs(state, out[C.LOGITS])
         bonus = torch.multinomial(p[:, self.depth], 1, generator=state.rng)[:, 0]
-        path = torch.arange(self.depth).expand(len(drafts), -1)
-        return torch.full((len(drafts),), self.depth, dtype=torch.int64), path, bonus
+        path = torch.arange(self.depth).expand(len(nodes), -1)
+        return torch.full((len(nodes),), self.depth, dtype=torch.int64), path, bonus
 
 
-def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed"):
-    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
-                           UnrolledDrafter(drafter, 2, True))
+class AcceptFirstChildren(SpeculativeRuntime):
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):  # the planted bug, for trees
+        p = self._target_probs(state, out[C.LOGITS])
+        accepted, path = torch.zeros(len(nodes), dtype=torch.int64), torch.full(nodes.shape, -1)
+        bonus = torch.zeros(len(nodes), dtype=torch.int64)
+        for i in range(len(nodes)):
+            row, taken = 0, []
+            while children := [j for j in range(int(valid[i].sum())) if parents[i, j] + 1 == row]:
+                taken.append(children[0])  # always accepted, whatever p says
+                row = children[0] + 1
+            accepted[i], path[i, :len(taken)] = len(taken), torch.tensor(taken, dtype=torch.int64)
+            bonus[i] = torch.multinomial(p[i, row], 1, generator=state.rng)[0]
+        return accepted, path, bonus
+
+
+class SampledTrees(TorchBackend):
+    """A stand-in sampling tree drafter: each round a random tree of up to `max_nodes` nodes (depth <= K)
+    for the batch, a random distribution q per row, and each row's children drawn i.i.d. from it, with
+    draft_probs (each node's q, its parent row's) as the sampling graph gives them."""
+
+    def __init__(self, *graphs, max_nodes=6, seed=0):
+        super().__init__(*graphs)
+        self.max_nodes, self.rng = max_nodes, torch.Generator().manual_seed(seed)
+        self.verify_width = max_nodes + 1
+
+    def drafter(self, feeds, sampling=False):
+        out = super().drafter(feeds, sampling)
+        batch, vd = out[C.DRAFT_PROBS].shape[0], out[C.DRAFT_PROBS].shape[2]
+        parents, depths = [], []
+        for i in range(int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.rng))):
+            options = [-1] + [j for j in range(i) if depths[j] < self.depth]
+            parents.append(options[int(torch.randint(0, len(options), (1,), generator=self.rng))])
+            depths.append(1 if parents[-1] < 0 else depths[parents[-1]] + 1)
+        rows = torch.softmax(2 * torch.randn(batch, len(parents) + 1, vd, generator=self.rng), -1)  # q per row
+        q = rows[:, [p + 1 for p in parents]]                                                   # [B,N,Vd]
+        index = torch.multinomial(q.reshape(-1, vd), 1, generator=self.rng).reshape(batch, len(parents))
+        drafter = self.graphs[True][0].drafter
+        out[C.DRAFT_IDS] = drafter.to_target_ids(index)
+        out[C.DRAFT_PARENTS] = torch.tensor(parents).expand(batch, -1)
+        out[C.DRAFT_TOKEN_PROBS] = q.gather(2, index[..., None])[..., 0]
+        out[C.DRAFT_PROBS] = q
+        return out
+
+
+def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed", backend_cls=TorchBackend):
+    backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
+                          UnrolledDrafter(drafter, 2, True))
     runtime = runtime_cls.for_models(backend, target, drafter, max_context=64, depth_policy=depth_policy)
     counts = torch.zeros(VOCAB * VOCAB)
     for seed in range(n // 250):
@@ -364,6 +399,22 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
     buggy = sample_pairs(AcceptEverything, target, drafter, prompt, n, temperature)
     f_bug = torch.cat([buggy[keep], buggy[~keep].sum()[None]]).numpy()
     assert chisquare(f_bug, f_exp).pvalue < 0.01  # the test can fail: a sampler that accepts all drafts does
+
+
+@pytest.mark.slow
+def test_tree_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
+    """Random trees (siblings drawn i.i.d. from random per-row distributions) through the runtime's
+    one accept path: the first two tokens keep the target's joint distribution; accepting every
+    first child down the tree instead fails the same test."""
+    target, drafter = tiny_vocab_pair
+    prompt, temperature, n = [1, 2, 3], 0.8, 3000
+    expected = target_joint(target, prompt, temperature) * n
+    keep = expected > 5
+    f_exp = torch.cat([expected[keep], expected[~keep].sum()[None]]).numpy()
+    for runtime_cls, holds in ((SpeculativeRuntime, True), (AcceptFirstChildren, False)):
+        observed = sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, backend_cls=SampledTrees)
+        f_obs = torch.cat([observed[keep], observed[~keep].sum()[None]]).numpy()
+        assert (chisquare(f_obs, f_exp).pvalue > 0.01) == holds
 
 
 def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path, target):
