@@ -338,7 +338,7 @@ class SpeculativeRuntime:
         if drafted:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
             depths = tree.node_depths(parents)
-            widths = [1 + int((depths <= d).sum(-1).max()) for d in range(self.depth + 1)]  # verify tokens per k
+            widths = (1 + (depths[..., None] <= torch.arange(self.depth + 1)).sum(-2).max(0).values).tolist()
             k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live,
                               widths)
             order, parents, valid = tree.subtree(parents, depths <= k)

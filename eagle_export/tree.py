@@ -11,6 +11,7 @@ position root + d, and attends to the prefix, the root and its own ancestors (`a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +153,21 @@ def _ancestry(parents: torch.Tensor) -> torch.Tensor:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """parents [..., N] -> bool [..., N, N]: mask[i, j] is true when node j is node i or one of its
     ancestors. With P the parent one-hot (P[i, j] = parents[i] == j), P^h[i, j] says j is node i's
-    ancestor h hops up, so mask = I | P | P^2 | ... ; P^h vanishes past the tree's depth."""
+    ancestor h hops up, so mask = I | P | P^2 | ... ; P^h vanishes past the tree's depth.
+    Masks of parents on the CPU are remembered (the runtime asks for the same few trees round after
+    round: a chain's, a static tree's), so callers must not write into the result."""
+    if parents.device.type != "cpu":
+        return _ancestor_mask(parents)
+    parents = parents.to(torch.int64)
+    return _remembered_mask(tuple(parents.shape), parents.numpy().tobytes())
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_mask(shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    return _ancestor_mask(torch.frombuffer(bytearray(data), dtype=torch.int64).reshape(shape))
+
+
+def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     step = _ancestry(parents).to(torch.int64)
     n = parents.shape[-1]
     mask = torch.eye(n, dtype=torch.int64, device=parents.device).expand_as(step).clone()
@@ -196,15 +211,15 @@ def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: 
     match = node_ids == greedy.gather(1, parent_rows)                       # [B,N]
     ancestors = ancestor_mask(parents)                                      # [B,N,N]
     accepted_node = (ancestors & ~match[:, None, :]).sum(-1) == 0           # no mismatching ancestor (self included)
-    depth = ancestors.sum(-1) * accepted_node                               # 0 where not accepted
-    accepted, deepest = depth.max(dim=1)
+    depths = ancestors.sum(-1)
+    accepted, deepest = (depths * accepted_node).max(dim=1)                 # depth 0 where not accepted
     on_path = ancestors[torch.arange(batch), deepest] & (accepted > 0)[:, None]   # [B,N]
-    # Path entries root-first: an on-path node of depth d goes to column d-1.
-    max_depth = int(ancestors.sum(-1).max()) if n else 0
-    path = torch.full((batch, max_depth), -1, dtype=torch.int64)
-    rows, nodes = torch.nonzero(on_path, as_tuple=True)
-    path[rows, ancestors.sum(-1)[rows, nodes] - 1] = nodes
-    return accepted, path
+    # Path entries root-first: an on-path node of depth d goes to column d-1 (the others to a spare
+    # last column, dropped).
+    max_depth = int(depths.max())
+    path = torch.full((batch, max_depth + 1), -1, dtype=torch.int64)
+    path.scatter_(1, torch.where(on_path, depths - 1, max_depth), torch.arange(n).expand(batch, -1).contiguous())
+    return accepted, path[:, :max_depth]
 
 
 def rejection_sample_path(p: torch.Tensor, q: torch.Tensor, node_ids: list[int], parents: list[int],
@@ -260,6 +275,8 @@ def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     the front in their order -> (order [B,n]: original index of each kept node, parents [B,n] re-indexed,
     valid [B,n]). n is the most any sequence keeps; a sequence keeping fewer is padded with invalid
     nodes (children of the root, which the caller must never accept)."""
+    if keep.all():  # every node (a fixed depth, or k = the tree's depth)
+        return torch.arange(keep.shape[-1]).expand_as(parents), parents, keep
     n = int(keep.sum(-1).max()) if keep.numel() else 0
     order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[:, :n]
     new_index = torch.cumsum(keep, dim=-1) - 1                                     # [B,N] kept node -> packed
