@@ -1,8 +1,9 @@
 """How many drafts each round verifies: a fixed K, or the k in 0..K that maximizes tokens per second.
 
 A round costs one drafter call (it always proposes K: the graph is unrolled) plus one target call
-over k+1 tokens (a tree's: the root and its nodes up to depth k); its expected yield is 1 + sum over i <= k of P(drafts 1..i all accepted). Plain
-decoding yields 1 token per target call of 1 token. With the measured costs (`costs.CostCurves`):
+over k+1 tokens (a tree's: the root and its nodes up to depth k); its expected yield is 1 + sum over
+i <= k of P(drafts 1..i all accepted). Plain decoding yields 1 token per target call of 1 token.
+With the measured costs (`costs.CostCurves`):
 
     before the drafter call   draft iff  E[tokens of a drafted round] / (c_draft + c_verify(k+1))
                                          > MARGIN * 1 / c_verify(1)

@@ -409,7 +409,8 @@ class SpeculativeRuntime:
         state.write_drafter(out, num_valid, live)
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
         nodes = out[C.DRAFT_IDS].cpu()
-        parents = out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out else _chain(nodes.shape[1]).expand(len(nodes), -1)
+        parents = (out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out
+                   else _chain(nodes.shape[1]).expand(len(nodes), -1))
         return nodes, parents, out[C.DRAFT_TOKEN_PROBS].cpu(), out.get(C.DRAFT_PROBS)
 
     @property

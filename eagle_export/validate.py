@@ -62,7 +62,8 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
     checks = []
     if "target" not in skip:
         spec = C.target_graph(target.config, len(target.aux_layer_ids), manifest.target_graph.return_logits)
-        session, module = ort_session(build_dir / manifest.target_graph.file), TargetGraph(target, C.LOGITS in spec.output_names)
+        session = ort_session(build_dir / manifest.target_graph.file)
+        module = TargetGraph(target, C.LOGITS in spec.output_names)
         agree, aux_err = 1.0, 0.0
         for tree in (False, True):  # a causal call (prefill, chain) and a token tree's verify call
             args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype, tree=tree)
