@@ -349,7 +349,7 @@ class SpeculativeRuntime:
         positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth
         out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
         if state.sampling:
-            accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs)
+            accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs, live)
         else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
             accepted, path = greedy_accepted_path(torch.where(valid, nodes, -1), parents, out[C.GREEDY_IDS])
         rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
@@ -437,18 +437,19 @@ class SpeculativeRuntime:
         logits = out[C.LOGITS][torch.arange(len(rows)), rows]
         return torch.multinomial(self._target_probs(state, logits), 1, generator=state.rng)[:, 0]
 
-    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs, live):
         """Multi-candidate rejection sampling over each sequence's tree (`tree.rejection_sample_path`:
         a row's children are tried in turn, each accepted with probability min(1, p/q), the row's p
         turned into norm(max(p - q, 0)) after each rejection; for a chain, Leviathan et al.'s rule).
         draft_probs [B,N,Vd]: the distribution each node was drawn from, its parent row's (siblings
-        are drawn i.i.d. from it). -> (accepted, path [B,N] (-1 padded), next token)."""
+        are drawn i.i.d. from it). Only `live` sequences draw, so what they sample does not depend on
+        finished ones. -> (accepted, path [B,N] (-1 padded), next token)."""
         b, n = nodes.shape
         p = self._target_probs(state, out[C.LOGITS])                          # [B,N+1,V]
         q = torch.zeros_like(p)                                               # row r: its children's distribution
         accepted, path = torch.zeros(b, dtype=torch.int64), torch.full((b, n), -1, dtype=torch.int64)
         next_token = torch.zeros(b, dtype=torch.int64)
-        for i in range(b):
+        for i in torch.nonzero(live)[:, 0].tolist():
             m = int(valid[i].sum())  # the kept nodes come first; padding nodes are never tried
             if m:
                 q[i, (parents[i, :m] + 1)[:, None], self.draft_to_target] = draft_probs[i, :m].cpu().float()

@@ -316,7 +316,7 @@ def target_joint(target, prompt, temperature):
 
 
 class AcceptEverything(SpeculativeRuntime):
-    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):  # the planted bug
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs, live):  # the planted bug
         p = self._target_probs(state, out[C.LOGITS])
         bonus = torch.multinomial(p[:, self.depth], 1, generator=state.rng)[:, 0]
         path = torch.arange(self.depth).expand(len(nodes), -1)
@@ -324,7 +324,7 @@ class AcceptEverything(SpeculativeRuntime):
 
 
 class AcceptFirstChildren(SpeculativeRuntime):
-    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs):  # the planted bug, for trees
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs, live):  # the planted bug, for trees
         p = self._target_probs(state, out[C.LOGITS])
         accepted, path = torch.zeros(len(nodes), dtype=torch.int64), torch.full(nodes.shape, -1)
         bonus = torch.zeros(len(nodes), dtype=torch.int64)
