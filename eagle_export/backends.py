@@ -23,6 +23,7 @@ from .cuda_graphs import CudaGraphCapture, ShapeGraphs
 from .engine import TensorRTSession
 from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
+from .unrolled import as_tree
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16,
@@ -80,11 +81,14 @@ _NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int6
                 torch.int32: np.int32, torch.bool: np.bool_}
 
 
-def output_shapes(session, feeds: dict[str, torch.Tensor], depth: int) -> dict[str, tuple[int, ...]]:
+def output_shapes(session, feeds: dict[str, torch.Tensor], step_rows: int, nodes: int) -> dict[str, tuple[int, ...]]:
     """Each output's shape for the given inputs, from the session's declared shapes: fixed dims as
-    declared, the contract's axes (batch, tokens, past; the drafter's new K/V rows tokens + K - 1)
-    sized from the inputs. A dim the exporter left named but static (new_key's head size comes out
-    as 'Concatnew_key_dim_4') is the cache input's at the same position: the new K/V rows have the
+    declared, the contract's axes (batch, tokens, past) sized from the inputs. The drafter's new K/V
+    rows are its input rows plus `step_rows` (its later steps' rows: K-1 for a chain,
+    tree.TreeShape.step_rows for a tree), and its draft outputs hold `nodes` drafts (K for a chain).
+    A dim the exporter left named but static (new_key's head size comes out as
+    'Concatnew_key_dim_4', a dynamic tree's node count as a TopK's) is, for the draft outputs, the
+    node count, and otherwise the cache input's at the same position: the new K/V rows have the
     cache's layout."""
     axes, cache = {}, None
     for i in session.get_inputs():
@@ -92,12 +96,19 @@ def output_shapes(session, feeds: dict[str, torch.Tensor], depth: int) -> dict[s
         axes.update({d: shape[j] for j, d in enumerate(i.shape) if isinstance(d, str)})
         cache = shape if i.name == C.PAST_KEY else cache
     if C.TOKENS in axes:
-        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + depth - 1
-    return {o.name: tuple(d if isinstance(d, int) else axes[d] if d in axes else cache[j] for j, d in enumerate(o.shape))
-            for o in session.get_outputs()}
+        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + step_rows
+
+    def size(output, j, d):
+        if isinstance(d, int):
+            return d
+        if d in axes:
+            return axes[d]
+        return nodes if output.startswith("draft_") and j == 1 else cache[j]
+
+    return {o.name: tuple(size(o.name, j, d) for j, d in enumerate(o.shape)) for o in session.get_outputs()}
 
 
-def run_bound(session, feeds: dict[str, torch.Tensor], output_names: list[str], depth: int,
+def run_bound(session, feeds: dict[str, torch.Tensor], output_names: list[str], step_rows: int, nodes: int,
               device: str = "cpu") -> dict[str, torch.Tensor]:
     """Run an ONNX Runtime session with IO binding: inputs and outputs are torch tensors on `device`
     bound by address (the provider reads and writes them in place, nothing is copied through numpy),
@@ -116,7 +127,7 @@ def run_bound(session, feeds: dict[str, torch.Tensor], output_names: list[str], 
         binding.bind_input(i.name, torch_device.type, torch_device.index or 0, _NUMPY_TYPES[dtype],
                            tuple(tensor.shape), tensor.data_ptr())
     types = {o.name: _ORT_TYPES[o.type] for o in session.get_outputs()}
-    shapes = output_shapes(session, feeds, depth)
+    shapes = output_shapes(session, feeds, step_rows, nodes)
     out = {}
     for name in output_names:
         out[name] = torch.empty(shapes[name], dtype=types[name], device=torch_device)
@@ -148,12 +159,16 @@ class Backend:
     device = "cpu"
     cuda_graphs = False  # calls replayed from CUDA graphs: the runtime must keep its caches static
 
-    def __init__(self, depth: int, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool,
+    def __init__(self, speculation, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool,
                  drafter_dtype: torch.dtype | None = None):
-        """model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype:
-        the drafter graph's (its caches and aux input), when it differs."""
-        self.depth, self.model_dtype, self.drafter_dtype = depth, model_dtype, drafter_dtype or model_dtype
-        self.verify_width = depth + 1  # the widest verify call: a chain's K+1 (a tree's backend sets its N+1)
+        """speculation: what the drafter graph proposes (a chain depth K, a TreeShape or a DynamicTree);
+        model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype: the
+        drafter graph's (its caches and aux input), when it differs."""
+        tree = as_tree(speculation)
+        self.depth, self.model_dtype, self.drafter_dtype = tree.depth, model_dtype, drafter_dtype or model_dtype
+        self.num_nodes = tree.num_nodes  # drafts per call (K for a chain)
+        self.step_rows = tree.step_rows  # the drafter's new K/V rows after its input rows
+        self.verify_width = tree.num_nodes + 1  # the widest verify call: the last token and every draft
         self.has_logits, self.has_sampling = has_logits, has_sampling
 
     def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False) -> dict[str, torch.Tensor]:
@@ -174,7 +189,7 @@ class TorchBackend(Backend):
     def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu",
                  cuda_graphs: bool = False, capture=None):
         target = target_graph.target
-        super().__init__(drafter_graph.depth, target.embed_tokens.weight.dtype, target_graph.return_logits,
+        super().__init__(drafter_graph.tree, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
@@ -214,7 +229,10 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
     def __init__(self, target_onnx: Path, drafter_onnx: Path, drafter_sampling_onnx: Path | None = None,
-                 providers: list[str] | None = None, threads: int | None = None, optimize: bool = True):
+                 providers: list[str] | None = None, threads: int | None = None, optimize: bool = True,
+                 speculation=None):
+        """speculation: what the drafter graph proposes (the build's manifest says); None reads a
+        chain's depth from the graph."""
         import onnxruntime as ort
 
         available = ort.get_available_providers()
@@ -231,7 +249,8 @@ class OnnxRuntimeBackend(Backend):
         if "tensor(bfloat16)" in (past.type, drafter_past.type):
             raise EagleExportError("ONNX Runtime's CPU provider cannot feed bfloat16 graphs from numpy",
                                    "build with precision fp32 or fp16 for ONNX Runtime, or use --backend torch")
-        super().__init__(int(self.drafter_session.get_outputs()[0].shape[1]), _ORT_TYPES[past.type],
+        speculation = speculation or int(self.drafter_session.get_outputs()[0].shape[1])
+        super().__init__(speculation, _ORT_TYPES[past.type],
                          C.LOGITS in target_outputs, self.drafter_sampling_session is not None,
                          _ORT_TYPES[drafter_past.type])
         # The providers the sessions got, not those asked for: ORT drops the CUDA provider, with only
@@ -245,11 +264,12 @@ class OnnxRuntimeBackend(Backend):
 
     def target(self, feeds, need_logits=False):
         names = [o.name for o in self.target_session.get_outputs() if need_logits or o.name != C.LOGITS]
-        return run_bound(self.target_session, feeds, names, self.depth, self.device)
+        return run_bound(self.target_session, feeds, names, self.step_rows, self.num_nodes, self.device)
 
     def drafter(self, feeds, sampling=False):
         session = self.drafter_sampling_session if sampling else self.drafter_session
-        return run_bound(session, feeds, [o.name for o in session.get_outputs()], self.depth, self.device)
+        return run_bound(session, feeds, [o.name for o in session.get_outputs()], self.step_rows, self.num_nodes,
+                         self.device)
 
 
 def provider_device(providers: list[str]) -> str:
@@ -263,10 +283,10 @@ class TensorRTBackend(Backend):
     name = "tensorrt"
     device = "cuda"
 
-    def __init__(self, target_engine: Path, drafter_engine: Path, depth: int, has_logits: bool):
+    def __init__(self, target_engine: Path, drafter_engine: Path, speculation, has_logits: bool):
         self.target_session, self.drafter_session = TensorRTSession(target_engine), TensorRTSession(drafter_engine)
         # The caches are allocated in the dtypes the engines take (checked again at every call).
-        super().__init__(depth, self.target_session.dtypes[C.PAST_KEY], has_logits, has_sampling=False,
+        super().__init__(speculation, self.target_session.dtypes[C.PAST_KEY], has_logits, has_sampling=False,
                          drafter_dtype=self.drafter_session.dtypes[C.PAST_KEY])
         # The widest verify call (a tree's root and nodes): what the target's decode profile was built for.
         self.verify_width = int(self.target_session.engine.get_tensor_profile_shape(C.INPUT_IDS, 1)[2][1])

@@ -34,6 +34,7 @@ from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe
 from .sample import sample_target_dir
 from .teacher_forced import measure_eps
+from .tree import speculation_of
 from .validate import lossless_backend, validate_build_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -144,11 +145,12 @@ def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
 
 def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
     """target.onnx, drafter.onnx (and drafter_sampling.onnx), quantized models through the Q/DQ rewrites."""
-    precision, depth, sampling = recipe["precision"], recipe["depth"], recipe["sampling"]
+    precision, sampling = recipe["precision"], recipe["sampling"]
+    speculation = speculation_of(recipe["speculation"])
     quantized = {role: precision[role] in QUANTIZED for role in ("target", "drafter")}
 
     def drafter_graph(file: str, sample: bool) -> dict:
-        report = export_drafter(drafter, depth, sample, build_dir / file, quantized["drafter"])
+        report = export_drafter(drafter, speculation, sample, build_dir / file, quantized["drafter"])
         return {"file": file, "sampling": sample, **report}
 
     # A quantized target also returns its logits: its lossless check reads each call's margins.
@@ -193,11 +195,6 @@ def check_engine_precisions(precision: dict, gpu: dict) -> None:
 
 
 def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
-    kind = recipe["speculation"]["kind"]
-    if kind != "chain":  # refused before anything is loaded or written, not built as a chain in disguise
-        raise EagleExportError(f"the recipe asks for a {kind}, and this version builds chain graphs only "
-                               "(tree recipes validate; their drafter and verify graphs are not built yet)",
-                               "speculate with a chain: `depth: K` (or speculation: {kind: chain, depth: K})")
     has_trt, no_trt_reason = tensorrt_available()
     if has_trt:
         check_engine_precisions(recipe["precision"], gpu_info())
@@ -255,7 +252,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
         content = {
             "recipe": recipe.data, "sources": {"target": str(target_dir), "drafter": str(drafter_dir)},
             "source_files": source_files,
-            "depth": depth, "sampling": sampling, "max_context": recipe["profiles"]["context"]["max"],
+            "depth": depth, "speculation": recipe["speculation"], "sampling": sampling,
+            "max_context": recipe["profiles"]["context"]["max"],
             "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
             "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
             "quantization": quant_report, "engines": engines, "conformance": conformance,
@@ -302,7 +300,7 @@ def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[dict
 
     gpu = gpu_info()
     specs = {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),
-             "drafter": C.drafter_graph(drafter.config, recipe["depth"], False)}
+             "drafter": C.drafter_graph(drafter.config, speculation_of(recipe["speculation"]), False)}
     engines = []
     for graph, spec in specs.items():
         name = engine_file_name(graph, gpu["compute_capability"], tensorrt.__version__)

@@ -23,6 +23,7 @@ from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
 from .runtime import SpeculativeRuntime
+from .tree import DynamicTree
 from .unrolled import TargetGraph, UnrolledDrafter
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
@@ -87,7 +88,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         try:
             chosen = {g: pick_engine([e for e in manifest.engines if e.graph == g], cc, trt)
                       for g in ("target", "drafter")}
-            return TensorRTBackend(path / chosen["target"].file, path / chosen["drafter"].file, manifest.depth,
+            return TensorRTBackend(path / chosen["target"].file, path / chosen["drafter"].file, manifest.speculation,
                                    manifest.target_graph.return_logits)
         except EagleExportError as e:
             if backend == "tensorrt":
@@ -108,8 +109,10 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
                                    "run without --cuda-graphs (the torch backend runs eagerly on the CPU)")
         target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
         target, drafter = target.to(device), drafter.to(device)
-        return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, manifest.depth, False),
-                            UnrolledDrafter(drafter, manifest.depth, True), device=device,
+        speculation = manifest.speculation  # (a dynamic tree is drafted greedily only: no sampling graph)
+        sampling_graph = None if isinstance(speculation, DynamicTree) else UnrolledDrafter(drafter, speculation, True)
+        return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False),
+                            sampling_graph, device=device,
                             cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)
     if "nvfp4" in precisions:
         raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
@@ -119,7 +122,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
     sampling = manifest.drafter_sampling_graph
     return OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file,
                               path / sampling.file if sampling else None, threads=threads,
-                              optimize="fp8" not in precisions)
+                              optimize="fp8" not in precisions, speculation=manifest.speculation)
 
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,

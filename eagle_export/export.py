@@ -107,10 +107,12 @@ def export_target(target, path: Path, return_logits: bool, quantized: bool = Fal
     return export_graph(TargetGraph(target, return_logits).eval(), args, spec, path, quantized)
 
 
-def export_drafter(drafter, depth: int, sampling: bool, path: Path, quantized: bool = False) -> dict:
-    spec = C.drafter_graph(drafter.config, depth, sampling)
-    args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: depth + 1}, dtype=drafter.fc.weight.dtype)
-    return export_graph(UnrolledDrafter(drafter, depth, sampling).eval(), args, spec, path, quantized)
+def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: bool = False) -> dict:
+    """speculation: a chain depth K, a TreeShape or a DynamicTree (tree.py)."""
+    graph = UnrolledDrafter(drafter, speculation, sampling).eval()
+    spec = C.drafter_graph(drafter.config, graph.tree, sampling)
+    args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: graph.depth + 1}, dtype=drafter.fc.weight.dtype)
+    return export_graph(graph, args, spec, path, quantized)
 
 
 

@@ -173,6 +173,14 @@ class Manifest:
     source_files: dict[str, dict[str, str]]  # role -> {file: sha256} of its checkpoint (none before 0.2)
     eps: float | None = None  # a quantized target's teacher-forced tolerance (manifest.quantization.eps)
 
+    @property
+    def speculation(self):
+        """What the drafter graph proposes: a chain depth K, a TreeShape or a DynamicTree (builds
+        before trees record none: a chain of `depth`)."""
+        from .tree import speculation_of
+
+        return speculation_of(self.data.get("speculation") or {"kind": "chain", "depth": self.depth})
+
     @classmethod
     def read(cls, build_dir: str | Path) -> Manifest:
         return cls.from_json(read_manifest(build_dir), Path(build_dir) / MANIFEST)

@@ -216,6 +216,9 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
         if block["nodes"] < block["depth"]:
             problems.append(f"{where}.nodes: {block['nodes']} nodes cannot reach depth {block['depth']}")
             return
+        if data["sampling"]:  # EAGLE-2's top-k expansion is a greedy rule: sampled drafts come from a chain or a static tree
+            problems.append(f"{where}: a dynamic_tree drafts greedily; sampling: true needs a chain or a static_tree")
+            return
         data["speculation"] = {"kind": kind, "top_k": block["top_k"], "depth": block["depth"], "nodes": block["nodes"]}
     data["depth"] = data["speculation"]["depth"]
 

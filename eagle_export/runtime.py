@@ -402,7 +402,7 @@ class SpeculativeRuntime:
                  C.CACHE_LENS: state.draft_lens.to(self.device)}
         if state.sampling:
             feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
-            feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.depth, generator=state.rng).to(self.device)
+            feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.backend.num_nodes, generator=state.rng).to(self.device)
         start = time.perf_counter()
         out = self.backend.drafter(feeds, sampling=state.sampling)
         self.timings.draft += time.perf_counter() - start

@@ -284,3 +284,13 @@ def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     packed = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp_min(0)), -1)
     valid = keep.gather(1, order)
     return order, torch.where(valid, packed, -1), valid
+
+
+def speculation_of(block: dict) -> int | TreeShape | DynamicTree:
+    """A recipe's (or manifest's) normalized `speculation` block -> what the drafter graph takes: a
+    chain's depth K, a static TreeShape or a DynamicTree."""
+    if block["kind"] == "chain":
+        return block["depth"]
+    if block["kind"] == "static_tree":
+        return TreeShape(tuple(block["parents"]))
+    return DynamicTree(block["top_k"], block["depth"], block["nodes"])

@@ -77,11 +77,11 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
         checks.append(("target graph vs torch", ok, f"greedy agreement {agree:.4f}, aux rel. error {aux_err:.2e} "
                                                     f"(tolerance {tol:g}; causal and tree-masked calls)"))
     if "drafter" not in skip:
-        depth = manifest.depth
-        spec = C.drafter_graph(drafter.config, depth, False)
-        args = C.example_args(spec, {**CHECK_SIZES, C.TOKENS: depth + 1}, generator, drafter.fc.weight.dtype)
+        graph = UnrolledDrafter(drafter, manifest.speculation, False)
+        spec = C.drafter_graph(drafter.config, graph.tree, False)
+        args = C.example_args(spec, {**CHECK_SIZES, C.TOKENS: graph.depth + 1}, generator, drafter.fc.weight.dtype)
         with torch.no_grad():
-            expected = dict(zip(spec.output_names, UnrolledDrafter(drafter, depth, False)(*args)))
+            expected = dict(zip(spec.output_names, graph(*args)))
         got = run_onnx(ort_session(build_dir / manifest.drafter_graph.file), spec.feeds(args))
         agree = (got[C.DRAFT_IDS] == expected[C.DRAFT_IDS]).float().mean().item()
         prob_err = (got[C.DRAFT_TOKEN_PROBS].float() - expected[C.DRAFT_TOKEN_PROBS].float()).abs().max().item()
@@ -132,7 +132,7 @@ def quantized_target_check(build_dir: Path, manifest: Manifest, target, prompts:
 def quantized_drafter_check(build_dir: Path, manifest: Manifest, target, drafter, prompts: list[list[int]]) -> tuple:
     """drafter.onnx's step-0 draft ids against the unquantized torch drafter's, both on the
     unquantized target's aux states (as manifest.quantization.drafter.top1_agreement was measured)."""
-    spec = C.drafter_graph(drafter.config, manifest.depth, False)
+    spec = C.drafter_graph(drafter.config, manifest.speculation, False)
     dtype = drafter.fc.weight.dtype
     agree, total = 0, 0
     for ids, aux in drafter_calibration_batches(target, prompts):

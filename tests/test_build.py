@@ -333,14 +333,28 @@ def test_recipe_error_through_the_cli(sources, tmp_path):
     assert result.exit_code == 2 and "precision.target: 'int4' must be one of" in result.output
 
 
-def test_a_tree_recipe_is_refused_until_trees_are_built(sources, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("speculation", ["{kind: static_tree, branching: [2, 2, 1]}",
+                                         "{kind: dynamic_tree, top_k: 2, depth: 3, nodes: 6}"], ids=["static", "dynamic"])
+def test_tree_builds_validate_and_decode_losslessly(sources, tmp_path, speculation):
+    """build -> validate (its lossless loop runs on the tree graphs) -> run on both backends: the
+    greedy output of tree speculation equals plain decoding's."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("\n".join(line for line in write_recipe(recipe, sources).read_text().splitlines()
-                                if not line.startswith("depth:")))  # a tree's depth is its own
-    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "--set", "speculation.kind=static_tree",
-                                       "--set", "speculation.branching=[2, 1]", "-o", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "builds chain graphs only" in result.output and "depth: K" in result.output
-    assert not (tmp_path / "out").exists()
+    text = write_recipe(recipe, sources).read_text().replace("depth: 3\n", f"speculation: {speculation}\n")
+    recipe.write_text(text)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["speculation"]["kind"] in speculation and manifest["validation"]["ok"]
+    for backend in ("onnxruntime", "torch"):
+        opened = open_build(out, backend=backend, depth_policy="fixed")
+        assert opened.runtime.backend.verify_width == manifest["speculation"]["nodes"] + 1
+        prompts = [opened.encode("Hello there"), opened.encode("One two three four")]
+        config = GenerationConfig(max_new_tokens=16)
+        spec = opened.runtime.generate(prompts, config)
+        plain = opened.runtime.generate(prompts, config, speculative=False)
+        assert [r.tokens for r in spec] == [r.tokens for r in plain], backend
 
 
 def test_interrupted_build_leaves_nothing(sources, tmp_path):

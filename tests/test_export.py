@@ -471,6 +471,6 @@ def test_output_shapes_follow_the_contract_axes_and_the_cache_layout():
                                       NS(name="new_key", shape=[1, "batch", 3, "tokens_plus_depth_minus_1",
                                                                 "Unsqueezenew_key_dim_4"])])
     feeds = {"input_ids": torch.zeros(2, 5), "past_key": torch.zeros(1, 2, 3, 64, 64)}
-    assert output_shapes(session, feeds, depth=4) == {"draft_ids": (2, 4), "new_key": (1, 2, 3, 8, 64)}
+    assert output_shapes(session, feeds, step_rows=3, nodes=4) == {"draft_ids": (2, 4), "new_key": (1, 2, 3, 8, 64)}
     assert provider_device(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "cuda"
     assert provider_device(["CPUExecutionProvider"]) == "cpu"

@@ -125,6 +125,7 @@ def test_dynamic_trees():
     ("speculation: {kind: dynamic_tree, top_k: 4}\n", "needs top_k, depth and nodes (missing depth, nodes)"),
     ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 3}\n", "3 nodes cannot reach depth 6"),
     ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 99}\n", "nodes: 99 must be between 1 and 64"),
+    ("sampling: true\nspeculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 8}\n", "a dynamic_tree drafts greedily"),
     ("speculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 40}\nprofiles:\n  context: {min: 1, opt: 8, max: 40}\n",
      "profiles.context.max must exceed the verify width (41"),
 ])

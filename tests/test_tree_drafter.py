@@ -22,8 +22,12 @@ from tiny_models import write_tiny_drafter, write_tiny_target
 
 
 @pytest.fixture(scope="module")
-def drafter(tmp_path_factory):
-    target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+def target(tmp_path_factory):
+    return load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory, target):
     return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1", seed=7), target=target)
 
 
@@ -124,3 +128,22 @@ def test_trees_out_of_range_are_refused(drafter):
         DynamicTree(top_k=4, depth=2, nodes=30)  # only 4 + 16 candidates
     with pytest.raises(EagleExportError, match="greedily"):
         UnrolledDrafter(drafter, DynamicTree(top_k=2, depth=2, nodes=4), sampling=True)
+
+
+@pytest.mark.parametrize("speculation", [TreeShape.from_branching([3, 2, 1]), DynamicTree(top_k=3, depth=3, nodes=8)],
+                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_drafted_trees_verified_in_one_call_are_lossless(target, drafter, speculation, batch):
+    """The whole loop on the real tree graph: drafts from the tree drafter, one tree-masked verify
+    call per round, the accepted path committed; greedy output equals the target's own."""
+    from eagle_export.backends import TorchBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+    from eagle_export.unrolled import TargetGraph
+
+    prompts = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]][:batch]
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False))
+    assert backend.verify_width == speculation.num_nodes + 1
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, depth_policy="fixed")
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
+    assert [r.tokens for r in results] == [target.generate_greedy(p, 24) for p in prompts]
+    assert all(max(r.stats.depths) == speculation.depth for r in results)
