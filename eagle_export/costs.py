@@ -142,8 +142,8 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
     capacity = past + 2 * (k + 1)
     device = runtime.device
-    # The runtime's own caches: in static mode those its calls (and CUDA graphs) will use, at the context limit.
-    target_k, target_v, draft_k, draft_v = runtime.caches(batch, capacity)
+    # The runtime's own caches: in static mode those its calls (and CUDA graphs) will use.
+    target_k, target_v, draft_k, draft_v = runtime.caches(batch, runtime.cache_slots(capacity, capacity))
     lens = torch.full((batch,), past, dtype=torch.int64, device=device)
 
     def target_feeds(t):

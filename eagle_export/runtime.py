@@ -16,11 +16,14 @@ The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` co
 positions in cache; the last emitted token is not yet in it.
 Caches grow with the longest sequence, in steps of `cache_step` slots: every call reads the
 whole cache it is given, so one allocated at its final length would cost every early call more.
-Static mode (`static_cache`, which CUDA graphs need) trades that for fixed shapes, as vLLM and
-gpt-fast do: caches are allocated once per batch size at the context limit and reused by every
-generate call, and the drafter's input rows are padded to K+1 (with num_valid), so every decoding
-call has one of a few shapes: verify T = 1..K+1 tokens, drafter W = K+1 rows. A drafter call with
-more rows (its first, over the prompt; a catch-up after plain steps) keeps its own width.
+Static mode (`static_cache`, which CUDA graphs need) trades that for fixed shapes and fixed memory,
+as vLLM and gpt-fast do: caches are allocated once per batch size at the context limit and reused
+by every generate call, and the drafter's input rows are padded to K+1 (with num_valid), so every
+decoding call has one of a few shapes: verify T = 1..K+1 tokens, drafter W = K+1 rows. Calls see a
+view of the static caches that grows in power-of-two buckets (STATIC_MIN_SLOTS, 512, ... up to the
+context limit): reading all max_context slots at every call cost 2-3x on CPU (notes of issue 19).
+A drafter call with more rows (its first, over the prompt; a catch-up after plain steps) keeps its
+own width.
 
 Depth per round: a depth policy (`depth_policy.py`) decides before each round whether to call the
 drafter at all, and after it how many of its K drafts to verify (k in 0..K; the verify call then
@@ -49,6 +52,8 @@ from .errors import EagleExportError
 from .layers import causal_mask
 from .reference import acceptance_by_depth, mean_accepted_length
 from .tree import greedy_accepted_path
+
+STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
 
 
 def _is_int(value) -> bool:
@@ -205,20 +210,29 @@ class SpeculativeRuntime:
         return self.costs
 
     def caches(self, batch: int, slots: int) -> tuple[torch.Tensor, ...]:
-        """Target K, V and drafter K, V caches [L,B,Hkv,slots,D], zeroed; static mode: this batch
-        size's, allocated once at max_context slots and shared by every call (stale rows past a
-        sequence's length are masked, never read)."""
-        if self.static_cache and batch in self._static_caches:
-            return self._static_caches[batch]
-        slots = self.max_context if self.static_cache else slots
-        caches = []
-        for shape, dtype in ((self.target_cache_shape, self.backend.model_dtype),
-                             (self.drafter_cache_shape, self.backend.drafter_dtype)):
-            layers, heads, dim = shape
-            caches += [torch.zeros(layers, batch, heads, slots, dim, dtype=dtype, device=self.device) for _ in "kv"]
+        """Target K, V and drafter K, V caches [L,B,Hkv,slots,D]: new zeroed tensors, or in static
+        mode views of this batch size's caches, allocated once at max_context slots and shared by
+        every call (the same memory at every size; stale rows past a sequence's length are masked)."""
+        full = self._static_caches.get(batch) if self.static_cache else None
+        if full is None:
+            caches = []
+            for shape, dtype in ((self.target_cache_shape, self.backend.model_dtype),
+                                 (self.drafter_cache_shape, self.backend.drafter_dtype)):
+                layers, heads, dim = shape
+                caches += [torch.zeros(layers, batch, heads, self.max_context if self.static_cache else slots, dim,
+                                       dtype=dtype, device=self.device) for _ in "kv"]
+            if not self.static_cache:
+                return tuple(caches)
+            full = self._static_caches[batch] = tuple(caches)
+        return tuple(c[:, :, :, :slots] for c in full)
+
+    def cache_slots(self, needed: int, capacity: int) -> int:
+        """How many slots a call's caches show for `needed`: growing mode rounds up to cache_step
+        (at most the call's capacity); static mode to a power of two from STATIC_MIN_SLOTS (at most
+        max_context), so the view sizes, and the CUDA graphs per width, stay few."""
         if self.static_cache:
-            self._static_caches[batch] = tuple(caches)
-        return tuple(caches)
+            return min(self.max_context, max(STATIC_MIN_SLOTS, 1 << (needed - 1).bit_length()))
+        return min(capacity, -(-needed // self.cache_step) * self.cache_step)
 
     def drafter_width(self, rows: int) -> int:
         """The drafter's input width for `rows` rows: padded to K+1 in static mode (one graph)."""
@@ -490,8 +504,7 @@ class _State:
         self.started = time.perf_counter()
 
     def _slots(self, needed):
-        step = self.runtime.cache_step
-        return min(self.capacity, -(-needed // step) * step)
+        return self.runtime.cache_slots(needed, self.capacity)
 
     def reserve(self, needed: int) -> None:
         """Grow every cache to hold `needed` slots (rounded up to the runtime's cache_step, at most
@@ -499,6 +512,9 @@ class _State:
         spans it), so caches track the longest sequence instead of being allocated at their final length."""
         slots = self._slots(needed)
         if slots <= self.target_k.shape[3]:
+            return
+        if self.runtime.static_cache:  # wider views of the same memory: nothing to copy
+            self.target_k, self.target_v, self.draft_k, self.draft_v = self.runtime.caches(len(self.prompts), slots)
             return
         for name in ("target_k", "target_v", "draft_k", "draft_v"):
             old = getattr(self, name)

@@ -101,6 +101,23 @@ def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, draf
             assert graph.copied_bound == 0
 
 
+def test_static_caches_are_seen_through_views_growing_in_power_of_two_buckets(target, drafter):
+    """A sequence crossing 256 slots: the calls see views of 256, then 512 slots of the same memory
+    (never all 1024), one graph per (width, view size), and the output stays the target's own."""
+    depth, prompt = 3, [(7 * i) % 200 + 1 for i in range(240)]
+    runtime = make_runtime(target, drafter, depth, max_context=1024, cuda_graphs=True, capture=replay_eagerly,
+                           depth_policy="fixed")
+    [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=24))
+    assert result.tokens == target.generate_greedy(prompt, 24)
+    graphs = runtime.backend.captured[None]
+    past = graphs.input_names.index(C.PAST_KEY)
+    assert {inputs[past].shape[3] for inputs, _, _ in graphs.graphs.values()} == {256, 512}
+    full = runtime._static_caches[1][0]
+    assert full.shape[3] == 1024 and all(inputs[past].data_ptr() == full.data_ptr()
+                                         for inputs, _, _ in graphs.graphs.values())
+    assert graphs.copied_bound == 0
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graphs_survive_any_depth_and_catch_up_calls(target, drafter, batch):
     """A random policy (plain steps, so the drafter catches up on more than K+1 rows, which run
