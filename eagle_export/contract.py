@@ -132,7 +132,7 @@ def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
     return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
 
 
-def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None, tree: bool = False) -> tuple:
+def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None, tree_mask=None) -> tuple:
     """Inputs for `spec`, in contract order, with its dynamic axes at `sizes` ({BATCH, TOKENS, PAST}
     -> int) and MODEL_DTYPE tensors in `dtype`.
 
@@ -141,21 +141,17 @@ def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=N
     generator (zero ids, caches and hidden states; temperature 1; noise 0.5) and random with one
     (ids below the vocabulary size, normal caches and hidden states, temperatures in [0.5, 1.5),
     uniform noise), for checks that must see non-trivial values. The new tokens are causal (a prefill
-    or a chain's verify call), or with `tree` (and a generator) a random token tree's: root and
-    TOKENS-1 nodes, the tree mask its ancestor mask, positions each sequence's length plus the
-    node's depth. dtype: torch.float32 by default."""
+    or a chain's verify call), or those `tree_mask` [B,T,T] gives (a token tree's, e.g.
+    tree.random_verify_mask: root and TOKENS-1 nodes), positions each sequence's length plus the
+    node's depth. (This module imports nothing of the package's: tree.py builds masks on its limits.) dtype: torch.float32 by default."""
     import torch  # here, not at the top: the command line reads MAX_DEPTH from this module at start-up
 
     from .layers import causal_mask
-    from .tree import verify_mask  # (tree.py reads this module's limits)
 
     dtype = dtype or torch.float32
     batch, tokens, past = sizes[BATCH], sizes[TOKENS], sizes[PAST]
     cache_lens = torch.tensor([past, past // 2] * batch)[:batch]
-    mask = causal_mask(batch, tokens).contiguous()
-    if tree and generator is not None:  # node i's parent: any node before it, or the root
-        nodes = torch.arange(tokens - 1)
-        mask = verify_mask((torch.rand(batch, tokens - 1, generator=generator) * (nodes + 1)).long() - 1)
+    mask = causal_mask(batch, tokens).contiguous() if tree_mask is None else tree_mask
     values = {CACHE_LENS: cache_lens, POSITIONS: cache_lens[:, None] + mask.sum(-1) - 1,
               NUM_VALID: torch.tensor([tokens, 1] * batch)[:batch], TREE_MASK: mask}
     args = []

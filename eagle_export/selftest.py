@@ -22,6 +22,7 @@ from .checkpoint import resolve_dtype
 from .doctor import gpu_info, package_conflicts, package_version, tensorrt_version
 from .engine import axis_ranges, profile_shapes
 from .errors import EagleExportError
+from .tree import random_verify_mask
 from .manifest import MANIFEST
 
 LOOPS = 50              # lossless repetitions on TensorRT: a stream race shows up as a rare mismatch
@@ -92,7 +93,8 @@ def engine_io(state) -> tuple:
 
 def _feeds(spec, dtype, tokens, past, batch=2, tree=False):
     sizes = {C.BATCH: batch, C.TOKENS: tokens, C.PAST: past}
-    args = C.example_args(spec, sizes, torch.Generator().manual_seed(tokens), dtype, tree=tree)
+    generator = torch.Generator().manual_seed(tokens)
+    args = C.example_args(spec, sizes, generator, dtype, random_verify_mask(batch, tokens, generator) if tree else None)
     return {name: a.cuda() for name, a in spec.feeds(args).items()}
 
 

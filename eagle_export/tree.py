@@ -188,6 +188,13 @@ def verify_mask(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(torch.cat([root, parents + 1], dim=-1))
 
 
+def random_verify_mask(batch: int, tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """The tree_mask of a random token tree of `tokens` rows (the root and tokens-1 nodes; node i's
+    parent any node before it, or the root), for checks that must see a tree-masked call."""
+    nodes = torch.arange(tokens - 1)
+    return verify_mask((torch.rand(batch, tokens - 1, generator=generator) * (nodes + 1)).long() - 1)
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [..., N]: 1 for the children of the root; the number of true entries on a node's
     ancestor-mask row."""

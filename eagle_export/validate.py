@@ -37,6 +37,7 @@ from .quantize import drafter_calibration_batches
 from .reference import draft_chain
 from .runtime import GenerationConfig
 from .teacher_forced import MARGIN_PERCENTILE, agreement, margin_percentile, teacher_forced
+from .tree import random_verify_mask
 from .unrolled import TargetGraph, UnrolledDrafter
 
 # max |onnx - torch| / max |torch| allowed for logits and draft probabilities, by export dtype
@@ -66,7 +67,8 @@ def _numerics(build_dir: Path, manifest: Manifest, target, drafter, skip=()) -> 
         module = TargetGraph(target, C.LOGITS in spec.output_names)
         agree, aux_err = 1.0, 0.0
         for tree in (False, True):  # a causal call (prefill, chain) and a token tree's verify call
-            args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype, tree=tree)
+            mask = random_verify_mask(CHECK_SIZES[C.BATCH], CHECK_SIZES[C.TOKENS], generator) if tree else None
+            args = C.example_args(spec, CHECK_SIZES, generator, target.embed_tokens.weight.dtype, mask)
             with torch.no_grad():
                 expected = dict(zip(spec.output_names, module(*args)))
             got = run_onnx(session, spec.feeds(args))
