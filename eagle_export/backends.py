@@ -165,6 +165,7 @@ class Backend:
         model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype: the
         drafter graph's (its caches and aux input), when it differs."""
         tree = as_tree(speculation)
+        self.speculation = speculation
         self.depth, self.model_dtype, self.drafter_dtype = tree.depth, model_dtype, drafter_dtype or model_dtype
         self.num_nodes = tree.num_nodes  # drafts per call (K for a chain)
         self.step_rows = tree.step_rows  # the drafter's new K/V rows after its input rows

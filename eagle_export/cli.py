@@ -6,6 +6,7 @@ import json
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 import click
 
@@ -70,12 +71,18 @@ def main(quiet):
               help="With --check: greedy answer tokens to append (0: teacher-force on the prompts alone).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
-    """Say what a checkpoint directory holds (target or drafter) and what does not fit."""
+    """Say what a checkpoint directory holds (target or drafter) and what does not fit, or what a build
+    directory holds (its pair, how it speculates, its graphs and engines)."""
+    from .build_dir import inspect_build
     from .checkpoint_info import inspect_checkpoint
+    from .manifest import MANIFEST
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
-    report = inspect_checkpoint(path, target)
+    is_build = (Path(path) / MANIFEST).is_file()
+    if is_build and check:
+        raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
+    report = inspect_build(path) if is_build else inspect_checkpoint(path, target)
     if check:
         from .conformance import check_checkpoint, check_prompts
 
@@ -238,8 +245,13 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
                    f"({stats.draft_calls} with a drafter call)")
 
 
+def _target_of(manifest: dict) -> tuple:
+    """What makes two builds' plain decoding the same: the target checkpoint's files and its precision."""
+    return manifest.get("source_files", {}).get("target"), manifest["models"]["target"]["precision"]
+
+
 @main.command()
-@click.argument("build_dir", type=click.Path())
+@click.argument("build_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--dataset", default="mt-bench", show_default=True, callback=utf8,
               help="mt-bench, humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of conversation), "
                    "or a text file (one prompt a line).")
@@ -255,10 +267,12 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(needs eagle-export[plot]).")
-def bench(build_dir, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, json_file, plot_file):
+def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, json_file, plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
-    backend and prompts, side by side: tau, chosen depths, cost curves, speedup, time split."""
-    from pathlib import Path
+    backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
+
+    BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
+    turns on the same prompts."""
 
     from .bench import bench as run_bench
     from .bench import plot, pyplot
@@ -274,24 +288,36 @@ def bench(build_dir, dataset, batch, backend, cuda_graphs, num_prompts, max_new_
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the bench
-    opened = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
-    prompts = list(chat_prompts(opened.chat_template(), dataset, num_prompts))
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=opened.eos_ids)
+    opened = {}
+    for build_dir in build_dirs:
+        name = build_dir if build_dir not in opened else f"{build_dir} ({len(opened) + 1})"
+        opened[name] = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
+    first = next(iter(opened.values()))
+    for name, other in opened.items():
+        if _target_of(other.manifest.data) != _target_of(first.manifest.data):
+            raise EagleExportError(f"{name} and {first.path} are builds of different targets (checkpoint files or "
+                                   "precision differ): bench compares speculation on one target",
+                                   "pass builds made from the same target checkpoint at the same target precision")
+    prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=first.eos_ids)
     results = []
     for size in sizes:
-        result = run_bench(opened.runtime, prompts, size, config)
+        result = run_bench({name: o.runtime for name, o in opened.items()}, prompts, size, config)
         result["dataset"] = dataset
         results.append(result)
-        verify = result["costs"]["verify_ms"]
-        click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s; verify of T=1..{len(verify)} "
-                   f"tokens {', '.join(f'{ms:.1f}' for ms in verify.values())} ms, drafter "
-                   f"{max(result['costs']['draft_ms'].values()):.1f} ms")
-        for name, p in result["policies"].items():
-            hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
-            click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
-                       f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}; drafts verified per round {hist} "
-                       f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)"
-                       + ("" if p["identical_to_autoregressive"] else "; OUTPUT DIFFERS from autoregressive"))
+        click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s")
+        for build_name, build in result["builds"].items():
+            verify = build["costs"]["verify_ms"]
+            click.echo(f"{build_name} ({build['speculation']}): verify of T=1..{len(verify)} tokens "
+                       f"{', '.join(f'{ms:.1f}' for ms in verify.values())} ms, drafter "
+                       f"{max(build['costs']['draft_ms'].values()):.1f} ms")
+            for name, p in build["policies"].items():
+                hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
+                click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
+                           f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
+                           f"round cost {p['round_cost_in_steps']:.2f} steps; depth verified per round {hist} "
+                           f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)"
+                           + ("" if p["identical_to_autoregressive"] else "; OUTPUT DIFFERS from autoregressive"))
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
@@ -321,7 +347,6 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
 
     SOURCES are builds or drafter directories (with --target), run side by side in fp32 on the target's
     greedy answers to the same prompts."""
-    from pathlib import Path
 
     from .bench import pyplot
     from .diagnose import diagnose_sources, plot, table
@@ -406,7 +431,6 @@ def list_passes():
 def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts,
                      continuation_prompts, max_new_tokens, depth, out_dir, json_file):
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
-    from pathlib import Path
 
     from .quantize import export_and_check, quantize_models
 

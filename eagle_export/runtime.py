@@ -101,6 +101,7 @@ class SequenceStats:
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
     depths: list[int] = field(default_factory=list)    # drafts verified in each round (0: a plain step)
+    widths: list[int] = field(default_factory=list)    # tokens of each round's verify call (1: a plain step)
     draft_calls: int = 0                                # rounds that called the drafter
 
     @property
@@ -377,6 +378,7 @@ class SpeculativeRuntime:
             if live[i] and policy is not None:
                 state.stats[i].accepted.append(int(accepted[i]))
                 state.stats[i].depths.append(k)
+                state.stats[i].widths.append(verify_ids.shape[1])
                 state.stats[i].draft_calls += drafted
         events = state.emit(emitted, live)
         if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one

@@ -238,11 +238,11 @@ def bench_backends(state) -> tuple:
         prompts = list(chat_prompts(opened.chat_template(), "mt-bench", 8))
         config = GenerationConfig(max_new_tokens=64, eos_ids=opened.eos_ids)
         for batch in BENCH_BATCHES:
-            result = bench(opened.runtime, prompts, batch, config)
+            result = bench({label: opened.runtime}, prompts, batch, config)
             figures[f"{label} batch {batch}"] = {
                 "ar_tokens_per_s": round(result["ar_tokens_per_s"], 1),
                 **{name: {"tokens_per_s": round(p["spec_tokens_per_s"], 1), "speedup": round(p["speedup"], 3)}
-                   for name, p in result["policies"].items()}}
+                   for name, p in result["builds"][label]["policies"].items()}}
     state["bench"] = figures
     return None, json.dumps(figures)
 

@@ -301,3 +301,13 @@ def speculation_of(block: dict) -> int | TreeShape | DynamicTree:
     if block["kind"] == "static_tree":
         return TreeShape(tuple(block["parents"]))
     return DynamicTree(block["top_k"], block["depth"], block["nodes"])
+
+
+def describe(speculation: int | TreeShape | DynamicTree) -> str:
+    """One line for tables and logs: 'chain K=4', 'static tree depth 2 (12 nodes)', 'dynamic tree
+    top_k=8 depth=3 nodes=16'."""
+    if isinstance(speculation, DynamicTree):
+        return f"dynamic tree top_k={speculation.top_k} depth={speculation.depth} nodes={speculation.nodes}"
+    if isinstance(speculation, int) or speculation.is_chain:
+        return f"chain K={speculation if isinstance(speculation, int) else speculation.depth}"
+    return f"static tree depth {speculation.depth} ({speculation.num_nodes} nodes)"

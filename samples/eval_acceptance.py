@@ -138,8 +138,8 @@ def bench_builds(args) -> None:
                           "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, depth, 0.0)]}
                 fixed = result
             else:
-                result = bench(opened.runtime, prompts, 1, config)
-                fixed = result["policies"]["fixed"]
+                result = bench({build: opened.runtime}, prompts, 1, config)
+                fixed = result["builds"][build]["policies"]["fixed"]
             results.setdefault(build, {})[set_name] = result
             print(f"{build} {set_name}: K={depth} tau {fixed['tau']:.3f} acceptance {fixed['acceptance_by_depth']}"
                   + (f" speedup {fixed['speedup']:.2f}" if "speedup" in fixed else ""), flush=True)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,23 +268,40 @@ def test_bench_json_and_plot(built, tmp_path):
     results = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in results] == [1, 2]
     for r in results:
-        assert {"backend", "device", "batch", "depth", "ar_tokens_per_s", "costs", "policies"} <= set(r)
-        assert r["backend"] == "onnxruntime" and r["depth"] == 3
-        assert list(r["costs"]["verify_ms"]) == list(r["costs"]["draft_ms"]) == ["1", "2", "3", "4"]
-        assert all(ms > 0 for ms in r["costs"]["verify_ms"].values())
-        assert set(r["policies"]) == {"goodput", "fixed"}
-        for name, p in r["policies"].items():
+        assert {"backend", "device", "batch", "ar_tokens_per_s", "ar_step_ms", "builds"} <= set(r)
+        assert r["backend"] == "onnxruntime" and list(r["builds"]) == [str(out)]
+        b = r["builds"][str(out)]
+        assert b["depth"] == 3 and b["speculation"] == "chain K=3" and b["verify_width"] == 4
+        assert list(b["costs"]["verify_ms"]) == list(b["costs"]["draft_ms"]) == ["1", "2", "3", "4"]
+        assert all(ms > 0 for ms in b["costs"]["verify_ms"].values())
+        assert set(b["policies"]) == {"goodput", "fixed"}
+        for name, p in b["policies"].items():
             assert {"tau", "acceptance_by_depth", "depth_histogram", "spec_tokens_per_s", "speedup", "time_split",
-                    "efficiency"} <= set(p)
+                    "efficiency", "verify_width_mean", "round_cost_in_steps"} <= set(p)
             assert len(p["acceptance_by_depth"]) == 3 and p["tau"] >= 1.0
             assert set(p["time_split"]) >= {"draft", "verify", "host"}
             assert p["identical_to_autoregressive"] is True
             assert sum(p["depth_histogram"].values()) >= p["rounds"] > 0
-        assert r["policies"]["fixed"]["depth_histogram"] == {"0": 0, "1": 0, "2": 0, "3": sum(
-            r["policies"]["fixed"]["depth_histogram"].values())}
+            assert 1 <= p["verify_width_mean"] <= 4 and p["round_cost_in_steps"] > 0
+        assert b["policies"]["fixed"]["depth_histogram"] == {"0": 0, "1": 0, "2": 0, "3": sum(
+            b["policies"]["fixed"]["depth_histogram"].values())}
+        assert b["policies"]["fixed"]["verify_width_mean"] == 4  # a chain of 3 verified whole: 4 tokens a call
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
+
+
+def test_inspect_says_what_a_build_holds(built):
+    out, _ = built
+    result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["kind"] == "build" and report["speculation"] == "chain K=3"
+    assert (report["depth"], report["nodes"], report["verify_width"], report["sampling"]) == (3, 3, 4, True)
+    assert report["graphs"] == ["drafter.onnx", "drafter_sampling.onnx", "target.onnx"]
+    assert report["validation"].endswith("checks passed") and report["target"].endswith("(fp32)")
+    result = CliRunner().invoke(main, ["inspect", str(out), "--check", "--target", str(out)])
+    assert result.exit_code == 2 and "not a build" in result.output
 
 
 def test_existing_output_is_refused_without_force(built, sources, tmp_path):
@@ -355,6 +373,47 @@ def test_tree_builds_validate_and_decode_losslessly(sources, tmp_path, speculati
         spec = opened.runtime.generate(prompts, config)
         plain = opened.runtime.generate(prompts, config, speculative=False)
         assert [r.tokens for r in spec] == [r.tokens for r in plain], backend
+
+@pytest.mark.slow
+def test_bench_compares_a_chain_and_a_tree_side_by_side(built, sources, tmp_path):
+    """`bench CHAIN TREE`: one table for both builds of one target, each with its speculation, verify
+    widths and costs, both identical to plain decoding; builds of another target are refused."""
+    chain, _ = built
+    recipe = tmp_path / "r.yaml"
+    text = write_recipe(recipe, sources).read_text().replace("depth: 3\n", "speculation: {kind: static_tree, "
+                                                                         "branching: [2, 2, 1]}\n")
+    recipe.write_text(text)
+    tree = tmp_path / "tree"
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(tree)])
+    assert result.exit_code == 0, result.output
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\nw8 w9\nw10 w11 w12 w13\n")
+    result = CliRunner().invoke(main, ["bench", str(chain), str(tree), "--dataset", str(prompts), "--batch", "1,2",
+                                       "--max-new-tokens", "10", "--json", str(tmp_path / "b.json"),
+                                       "--plot", str(tmp_path / "b.png")])
+    assert result.exit_code == 0, result.output
+    for r in json.loads((tmp_path / "b.json").read_text()):
+        assert list(r["builds"]) == [str(chain), str(tree)]
+        t = r["builds"][str(tree)]
+        assert t["speculation"] == "static tree depth 3 (10 nodes)" and t["nodes"] == 10 and t["verify_width"] == 11
+        assert list(t["costs"]["verify_ms"]) == [str(w) for w in range(1, 12)]  # priced up to the tree's width
+        for b in r["builds"].values():
+            for p in b["policies"].values():
+                assert p["identical_to_autoregressive"] is True and p["tau"] >= 1.0
+        assert t["policies"]["fixed"]["verify_width_mean"] == 11  # the whole tree every round
+    assert "static tree depth 3 (10 nodes)" in result.output and "chain K=3" in result.output
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(tree), "--json"]).output)
+    assert report["speculation"] == "static tree depth 3 (10 nodes)" and report["verify_width"] == 11
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    # another target: refused before anything is measured
+    other = tmp_path / "other"
+    shutil.copytree(tree, other)
+    data = json.loads((other / "manifest.json").read_text())
+    data["models"]["target"]["precision"] = "fp16"
+    (other / "manifest.json").write_text(json.dumps(data))
+    write_manifest_hash(other)
+    result = CliRunner().invoke(main, ["bench", str(chain), str(other), "--dataset", str(prompts)])
+    assert result.exit_code == 2 and "different targets" in result.output and "Traceback" not in result.output
 
 
 def test_interrupted_build_leaves_nothing(sources, tmp_path):
