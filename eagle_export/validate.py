@@ -204,7 +204,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     tau = sum(r.stats.tau for r in spec) / len(spec)
     detail = f"{len(prompts)} prompts x {new_tokens} tokens, batch {len(prompts)}, tau {tau:.2f}"
     if manifest.target.quantized:
-        return _teacher_forced_checks(opened, manifest, prompts, spec, records, detail)
+        return _teacher_forced_checks(opened, manifest, prompts, spec, records, detail, tau)
     same = all(s.tokens == a.tokens for s, a in zip(spec, ar))
     if not same:  # where each prompt first parts ways tells a numerics flip from a broken loop
         detail += "; first differing token per prompt: " + ", ".join(
@@ -218,7 +218,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     return checks, {"contract": "token-identical", "backend": backend, "tau": round(tau, 4), "prompts": records}
 
 
-def _teacher_forced_checks(opened, manifest: Manifest, prompts, spec, records, detail):
+def _teacher_forced_checks(opened, manifest: Manifest, prompts, spec, records, detail, tau):
     """A quantized target's lossless checks: every speculative token within eps of the width-1
     target's argmax over its own prefix, and eps small beside the target's top-2 margins."""
     backend = opened.runtime.backend
@@ -254,7 +254,7 @@ def _teacher_forced_checks(opened, manifest: Manifest, prompts, spec, records, d
     ]
     record = {"contract": "teacher-forced", "backend": backend.name, "eps": eps,
               "margin_p10": round(p10, 6), "positions": len(margins),
-              "tau": round(sum(r.stats.tau for r in spec) / len(spec), 4), "prompts": records}
+              "tau": round(tau, 4), "prompts": records}
     return checks, record
 
 

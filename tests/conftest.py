@@ -19,3 +19,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def no_grad():
+    """Autograd off for a module's tests (they run models for their outputs only). A fixture, not a
+    call at import: set at collection, it switched autograd off for every test of the session."""
+    import torch
+
+    with torch.no_grad():
+        yield

@@ -13,7 +13,7 @@ from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
 from test_runtime import PROMPTS, PlantedDrafts, drafter, make_runtime, target  # noqa: F401 (fixtures)
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def replay_eagerly(fn, inputs):

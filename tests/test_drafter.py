@@ -11,7 +11,7 @@ from eagle_export.config import DrafterConfig, TargetConfig
 from eagle_export.layers import rms_normalize
 from tiny_models import tiny_drafter_config, write_tiny_drafter, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from eagle_export.export import (EXAMPLE_SIZES, ONNX_IR_VERSION, export_drafter,
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 AUX = (1, 3, 4)
 
 

@@ -24,7 +24,7 @@ from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH = 3
 
 

@@ -16,7 +16,7 @@ from random_policy import RandomDepth
 from random_tree import RandomTrees
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42], [3, 3, 3, 3]]
 
 

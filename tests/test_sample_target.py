@@ -16,7 +16,6 @@ from tokenizers import Tokenizer
 from eagle_export import sample
 from eagle_export.errors import EagleExportError
 
-torch.set_grad_enabled(False)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = [
@@ -35,7 +34,7 @@ TEXTS = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_grad")
 
 
 @pytest.fixture(scope="module")

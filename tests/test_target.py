@@ -8,7 +8,7 @@ import transformers
 from eagle_export.checkpoint import load_target
 from tiny_models import FAMILIES, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def hf_greedy(model, prompt, n):

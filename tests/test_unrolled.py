@@ -11,7 +11,7 @@ from eagle_export.tree import verify_mask
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-torch.set_grad_enabled(False)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 @pytest.fixture(scope="module")
