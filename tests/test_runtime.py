@@ -11,6 +11,7 @@ from eagle_export.engine import engine_profiles
 from eagle_export.errors import EagleExportError
 from eagle_export.recipe import parse_recipe
 from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.tree import TreeShape
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
 from random_tree import RandomTrees
@@ -367,9 +368,10 @@ class SampledTrees(TorchBackend):
         return out
 
 
-def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed", backend_cls=TorchBackend):
-    backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
-                          UnrolledDrafter(drafter, 2, True))
+def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed", backend_cls=TorchBackend,
+                 backend=None):
+    backend = backend or backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
+                                     UnrolledDrafter(drafter, 2, True))
     runtime = runtime_cls.for_models(backend, target, drafter, max_context=64, depth_policy=depth_policy)
     counts = torch.zeros(VOCAB * VOCAB)
     for seed in range(n // 250):
@@ -415,6 +417,39 @@ def test_tree_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pa
         observed = sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, backend_cls=SampledTrees)
         f_obs = torch.cat([observed[keep], observed[~keep].sum()[None]]).numpy()
         assert (chisquare(f_obs, f_exp).pvalue > 0.01) == holds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend_name", ["torch", "onnxruntime"])
+def test_static_tree_sampling_graphs_preserve_the_target_distribution(tiny_vocab_pair, backend_name, tmp_path):
+    """The real sampling tree drafter (3 first drafts, 2 children each, drawn i.i.d. by the graph from
+    its noise) through the runtime, on torch and on the exported graphs in ONNX Runtime: the first two
+    tokens keep the target's joint distribution; accepting every first child down the tree fails."""
+    from eagle_export.backends import OnnxRuntimeBackend
+    from eagle_export.export import export_drafter, export_target
+
+    target, drafter = tiny_vocab_pair
+    shape = TreeShape.from_branching([3, 2])
+    if backend_name == "onnxruntime":
+        export_target(target, tmp_path / "target.onnx", return_logits=True)
+        for sampling, name in ((False, "drafter.onnx"), (True, "drafter_sampling.onnx")):
+            export_drafter(drafter, shape, sampling, tmp_path / name)
+
+    def make():
+        if backend_name == "torch":
+            return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, shape, False),
+                                UnrolledDrafter(drafter, shape, True))
+        return OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx",
+                                  tmp_path / "drafter_sampling.onnx", threads=1, speculation=shape)
+
+    prompt, temperature, n = [1, 2, 3], 0.8, 3000
+    expected = target_joint(target, prompt, temperature) * n
+    keep = expected > 5
+    f_exp = torch.cat([expected[keep], expected[~keep].sum()[None]]).numpy()
+    for runtime_cls, holds in ((SpeculativeRuntime, True), (AcceptFirstChildren, False)):
+        observed = sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, backend=make())
+        f_obs = torch.cat([observed[keep], observed[~keep].sum()[None]]).numpy()
+        assert (chisquare(f_obs, f_exp).pvalue > 0.01) == holds, runtime_cls.__name__
 
 
 def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path, target):

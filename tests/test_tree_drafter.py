@@ -107,20 +107,62 @@ def test_dynamic_tree_keeps_the_best_nodes_by_joint_probability(drafter, tree):
         assert all(abs(got[k] - want[k]) <= 1e-5 for k in want)
 
 
-@pytest.mark.parametrize("speculation", [TreeShape.from_branching([2, 2, 1]), DynamicTree(top_k=2, depth=3, nodes=6)],
-                         ids=["static", "dynamic"])
-def test_tree_graphs_export_and_match_torch_in_onnx_runtime(drafter, speculation, tmp_path):
-    graph = UnrolledDrafter(drafter, speculation, False).eval()
-    spec = C.drafter_graph(drafter.config, speculation, False)
-    example = random_inputs(drafter, [3, 1], [4, 0], speculation.depth, seed=1)
+def sampling_inputs(batch: int, nodes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """temperature [B] in [0.5, 1.5) and uniform noise [B,N] for a sampling drafter graph."""
+    generator = torch.Generator().manual_seed(seed)
+    return 0.5 + torch.rand(batch, generator=generator), torch.rand(batch, nodes, generator=generator)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=["branching-2-2-1", "paths"])
+def test_static_sampling_tree_draws_each_node_from_its_parents_distribution(drafter, shape):
+    """The sampling graph: node i is the inverse-CDF draw of its own noise under its parent's draft
+    distribution at the temperature (siblings: independent draws from one distribution), and later
+    levels continue from the drawn tokens. The oracle walks each path with reference.draft_chain,
+    drawing at every step with the path node's noise."""
+    num_valid, cache_lens = [4, 1, 2], [2, 6, 0]
+    inputs = random_inputs(drafter, num_valid, cache_lens, shape.depth, seed=5)
+    temperature, noise = sampling_inputs(len(num_valid), shape.num_nodes, seed=11)
+    out = dict(zip(C.drafter_graph(drafter.config, shape, True).output_names,
+                   UnrolledDrafter(drafter, shape, True)(*inputs, temperature, noise)))
+    input_ids, aux, _, past_key, past_value, _ = inputs
+    for b in range(len(num_valid)):
+        n, c = num_valid[b], cache_lens[b]
+        for node in range(shape.num_nodes):
+            path = path_of(shape.parents, node)
+
+            def draw(logits, k):
+                probs = torch.softmax(logits[0].float() / temperature[b], -1)
+                return (probs.cumsum(-1)[:-1] <= noise[b, path[k]]).sum()[None]
+
+            chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(path),
+                                          past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c], draw)
+            dist = torch.softmax(chain.logits[0, -1].float() / temperature[b], -1)
+            assert int(out[C.DRAFT_IDS][b, node]) == int(chain.drafts[0, -1])
+            assert (out[C.DRAFT_PROBS][b, node] - dist).abs().max() <= 1e-5
+            assert abs(float(out[C.DRAFT_TOKEN_PROBS][b, node]) - float(dist[chain.indices[0, -1]])) <= 1e-5
+    siblings = [i for i, p in enumerate(shape.parents) if p == -1]
+    assert all(torch.equal(out[C.DRAFT_PROBS][:, i], out[C.DRAFT_PROBS][:, siblings[0]]) for i in siblings)
+
+
+@pytest.mark.parametrize(("speculation", "sampling"), [(TreeShape.from_branching([2, 2, 1]), False),
+                                                       (TreeShape.from_branching([2, 2, 1]), True),
+                                                       (DynamicTree(top_k=2, depth=3, nodes=6), False)],
+                         ids=["static", "static-sampling", "dynamic"])
+def test_tree_graphs_export_and_match_torch_in_onnx_runtime(drafter, speculation, sampling, tmp_path):
+    graph = UnrolledDrafter(drafter, speculation, sampling).eval()
+    spec = C.drafter_graph(drafter.config, speculation, sampling)
+    extra = (lambda batch, seed: sampling_inputs(batch, speculation.num_nodes, seed)) if sampling else (lambda *_: ())
+    example = random_inputs(drafter, [3, 1], [4, 0], speculation.depth, seed=1) + extra(2, 2)
     export_graph(graph, example, spec, tmp_path / "drafter.onnx")
-    inputs = random_inputs(drafter, [2, 4, 1], [5, 1, 7], speculation.depth, seed=9)  # other sizes than exported
+    inputs = random_inputs(drafter, [2, 4, 1], [5, 1, 7], speculation.depth, seed=9) + extra(3, 3)  # other sizes
     want = dict(zip(spec.output_names, graph(*inputs)))
     got = run_graph(tmp_path / "drafter.onnx", spec.feeds(inputs))
     for name in (C.DRAFT_IDS, C.DRAFT_PARENTS):
         assert torch.equal(got[name], want[name]), name
-    for name in (C.DRAFT_TOKEN_PROBS, C.DRAFT_JOINT_PROBS):
-        assert (got[name] - want[name]).abs().max() <= 1e-5, name
+    for name in (C.DRAFT_TOKEN_PROBS, C.DRAFT_JOINT_PROBS, C.DRAFT_PROBS):
+        if name in want:
+            assert (got[name] - want[name]).abs().max() <= 1e-5, name
+    assert sampling == (C.DRAFT_PROBS in got)
 
 
 def test_trees_out_of_range_are_refused(drafter):
