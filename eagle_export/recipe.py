@@ -240,7 +240,14 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
     if not isinstance(data, dict):
         raise RecipeError(source, ["line 1: a recipe is a YAML mapping of keys to values"])
     lines = _lines(node)
-    for dotted, value in (overrides or {}).items():
+    overrides = overrides or {}
+    # An override of how to speculate replaces the recipe's own, whichever way each is spelled: `depth`
+    # (the chain shorthand) or the `speculation` block. Otherwise `--set speculation=...` on a recipe
+    # with `depth: 4` would be refused for giving both.
+    in_block = any(k.split(".")[0] == "speculation" for k in overrides)
+    if in_block != ("depth" in overrides):
+        data.pop("speculation" if "depth" in overrides else "depth", None)
+    for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
     problems: list[str] = []
     checked = _check(data, SCHEMA, lines, (), problems)

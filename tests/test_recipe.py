@@ -137,3 +137,18 @@ def test_bad_speculation_blocks_name_the_key(text, message):
 def test_a_tree_from_the_command_line():
     recipe = parse_recipe(BASE, overrides={"speculation.kind": "static_tree", "speculation.branching": [3, 1]})
     assert recipe["speculation"]["nodes"] == 6 and recipe["depth"] == 2
+
+
+def test_an_override_of_how_to_speculate_replaces_the_recipes_own_spelling():
+    """`--set speculation=...` on a recipe that says `depth: 4` (the sample) builds the tree, and
+    `--set depth=6` / `--depth 6` on a tree recipe builds a chain of 6; giving both in one place is
+    still refused."""
+    tree = {"speculation": parse_override("speculation={kind: static_tree, branching: [8, 1]}")[1]}
+    recipe = parse_recipe(BASE + "depth: 4\n", overrides=tree)
+    assert recipe["speculation"]["kind"] == "static_tree" and recipe["speculation"]["nodes"] == 16
+    assert recipe["depth"] == 2
+    recipe = parse_recipe(BASE + "speculation: {kind: dynamic_tree, top_k: 4, depth: 3, nodes: 8}\n",
+                          overrides={"depth": 6})
+    assert recipe["speculation"] == {"kind": "chain", "depth": 6} and recipe["depth"] == 6
+    with pytest.raises(RecipeError, match="depth: is the chain shorthand"):
+        parse_recipe(BASE + "depth: 4\nspeculation: {kind: static_tree, branching: [2]}\n")
