@@ -1,29 +1,31 @@
-"""How many drafts each round verifies: a fixed K, or the k in 0..K that maximizes tokens per second.
+"""How much of the drafted tree each round verifies: all of it, or the part that maximizes tokens per second.
 
-A round costs one drafter call (it always proposes K: the graph is unrolled) plus one target call
-over k+1 tokens (a tree's: the root and its nodes up to depth k); its expected yield is 1 + sum over
-i <= k of P(drafts 1..i all accepted). Plain decoding yields 1 token per target call of 1 token.
+A round costs one drafter call (it always proposes its whole chain or tree: the graph is unrolled)
+plus one target call over the root and the nodes kept; plain decoding yields 1 token per target
+call of 1 token. The runtime offers a menu of nested subtrees S_0 (the root alone: k = 0) within
+S_1 within ... S_J (everything), each closed under ancestors (`tree.nested_subtrees`), with the verify
+width of each and, greedy, the drafter's estimate of its expected tokens: 1 + the sum of the joint
+draft probabilities of its nodes, S_m being the m likeliest nodes (for a chain, the first m drafts).
 With the measured costs (`costs.CostCurves`):
 
-    before the drafter call   draft iff  E[tokens of a drafted round] / (c_draft + c_verify(k+1))
+    before the drafter call   draft iff  E[tokens of a drafted round] / (c_draft + c_verify(width))
                                          > MARGIN * 1 / c_verify(1)
-                              else the round is a plain decoding step (k = 0, no drafter call);
-    after it                  k = argmax_k  E[tokens | k] / (c_draft + c_verify(k+1)),  k = 0 allowed.
+                              else the round is a plain decoding step (no drafter call);
+    after it                  j = argmax_j  E[tokens | S_j] / (c_draft + c_verify(width_j)),  j = 0 allowed.
 
-E[tokens | k] comes from the drafter's own confidence for this round: P(the accepted path reaches
-depth i) ~ the sum of the draft probabilities of the tree's root paths to depth i (`tree.reach_by_depth`;
-for a chain, the product of the greedy drafts' probabilities `draft_token_probs` up to draft i), the
-quantity before the call from a decayed running estimate of what drafted rounds promised. When
-drafting stops paying, the policy probes every PROBE_EVERY rounds, doubling the interval (up to
-PROBE_MAX) while probes keep failing, so a drafter that never helps costs at most about
-c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
+So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
+keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
+decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
+probes every PROBE_EVERY rounds, doubling the interval (up to PROBE_MAX) while probes keep failing,
+so a drafter that never helps costs at most about c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
 
-Sampling: the number of drafts verified must not depend on the drafts being verified (rejection
-sampling stays exact only if the decision to check draft i is made before draft i is seen), so
-with `token_probs=None` k comes from the running per-depth acceptance of earlier rounds instead.
+Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
+exact only if the decision to check a draft is made before it is seen), so the menu is by depth
+(S_k = the nodes of depth <= k) and E[tokens | S_k] comes from the running per-depth acceptance of
+earlier rounds instead.
 
-A batch shares one k and one drafter decision per round: every sequence's verify call has the same
-T (the target graph's [B, T] input), and a sequence that could stop earlier loses nothing from
+A batch shares one choice and one drafter decision per round: every sequence's verify call has the
+same T (the target graph's [B, T] input), and a sequence that could stop earlier loses nothing from
 being verified further, since the call's cost is paid for the batch anyway.
 """
 
@@ -38,7 +40,7 @@ POLICIES = ("goodput", "fixed")
 
 
 class FixedDepth:
-    """Draft every round and verify all K drafts (the behaviour before the goodput policy)."""
+    """Draft every round and verify the whole chain or tree."""
 
     name = "fixed"
 
@@ -51,10 +53,10 @@ class FixedDepth:
     def should_draft(self, live: torch.Tensor) -> bool:
         return True
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int] | None = None) -> int:
-        return self.depth
+    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
+        return len(widths) - 1
 
-    def observe(self, depth: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
         pass
 
 
@@ -73,21 +75,20 @@ class GoodputDepth:
         self.batch = batch
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
-        self.widths = list(range(1, self.depth + 2))             # verify width per k (a chain's until a round says)
+        self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self._promised, self._sampling = None, False
 
-    def _round_cost(self, k: int) -> float:
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[k])
+    def _round_cost(self, j: int) -> float:
+        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
 
-    def _best(self, reach: torch.Tensor, live: torch.Tensor, at_least: int = 0):
-        """(k maximizing the round's expected tokens per second, each sequence's expected tokens at k)
-        from reach [B,K], P(the accepted path reaches depth i)."""
-        expected = torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)  # [B,K+1]
+    def _best(self, expected: torch.Tensor, live: torch.Tensor, at_least: int = 0):
+        """(the menu entry j maximizing the round's expected tokens per second, each sequence's
+        expected tokens at j) from expected [B,J+1]."""
         totals = expected[live].sum(0)
-        k = max(range(at_least, self.depth + 1), key=lambda k: float(totals[k]) / self._round_cost(k))
-        return k, expected[:, k]
+        j = max(range(at_least, len(self.widths)), key=lambda j: float(totals[j]) / self._round_cost(j))
+        return j, expected[:, j]
 
     def _probing(self) -> bool:
         return self.since_draft >= self.interval
@@ -99,41 +100,43 @@ class GoodputDepth:
         plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
         return drafted_rate > self.MARGIN * plain_rate
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int] | None = None) -> int:
-        """k for this round; `reach` [B,K] is the drafter's P(the accepted path reaches depth i) (None:
-        sampling); widths[k] the verify call's tokens when verifying to depth k (a tree's root and its
-        nodes up to depth k; a chain's k+1 when not given)."""
-        self.widths = widths or list(range(1, self.depth + 2))
-        self._sampling = reach is None
+    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
+        """The menu entry to verify this round; `expected` [B,J+1] is the drafter's estimate of each
+        subtree's tokens (None: sampling, a menu by depth), widths[j] the verify call's tokens for it."""
+        self.widths = widths
+        self._sampling = expected is None
         if self._sampling:  # a probe checks one draft at least, or the running acceptance could never rise
-            k, self._promised = self._best(self._reach(), live, at_least=int(self._probing()))
+            j, self._promised = self._best(self._expected(), live, at_least=int(self._probing()))
         else:
-            k, self._promised = self._best(reach.float().cpu(), live)
-        return k
+            j, self._promised = self._best(expected.float().cpu(), live)
+        return j
 
-    def _reach(self) -> torch.Tensor:
-        return torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
+    def _expected(self) -> torch.Tensor:
+        """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
+        reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
+        return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
-    def observe(self, depth: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`."""
         if not drafted:
             self.since_draft += 1
             return
         probe = self._probing()
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
-        for i in range(depth):  # draft i+1 was checked where drafts 1..i were accepted
-            checked = live & (accepted >= i)
-            hit = (accepted > i).float()
-            self.acceptance[:, i] = torch.where(checked, d * self.acceptance[:, i] + (1 - d) * hit,
-                                                self.acceptance[:, i])
-        if depth < self.depth:  # all k accepted: draft k+1, never checked, drifts back to the prior
-            full = live & (accepted == depth)
-            self.acceptance[:, depth] = torch.where(full, self.DECAY * self.acceptance[:, depth]
-                                                    + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, depth])
-        if self._sampling:  # what drafting promises now, from the updated acceptance
-            _, self._promised = self._best(self._reach(), live)
+        if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
+            for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
+                checked = live & (accepted >= i)
+                hit = (accepted > i).float()
+                self.acceptance[:, i] = torch.where(checked, d * self.acceptance[:, i] + (1 - d) * hit,
+                                                    self.acceptance[:, i])
+            if j < self.depth:  # all j accepted: draft j+1, never checked, drifts back to the prior
+                full = live & (accepted == j)
+                self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
+                                                    + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
+            _, self._promised = self._best(self._expected(), live)  # what drafting promises now
         self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
-        self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(depth)
+        self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:
             self.interval = self.PROBE_EVERY if self.should_draft(live) else min(self.PROBE_MAX, 2 * self.interval)
 

@@ -100,7 +100,7 @@ class SequenceStats:
     prompt_tokens: int
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
-    depths: list[int] = field(default_factory=list)    # drafts verified in each round (0: a plain step)
+    depths: list[int] = field(default_factory=list)    # depth of the deepest draft verified each round (0: none)
     widths: list[int] = field(default_factory=list)    # tokens of each round's verify call (1: a plain step)
     draft_calls: int = 0                                # rounds that called the drafter
 
@@ -343,20 +343,21 @@ class SpeculativeRuntime:
         yield from events
 
     def _round(self, state, live, policy=None, drafted=False):
-        """One target call for the `live` sequences over [last token, the drafter's tree up to depth k],
-        k chosen by the policy after the drafter call; without a drafter call (drafted False) a plain
-        step, k = 0. A chain is the tree whose node i has parent i-1: one path serves both."""
+        """One target call for the `live` sequences over [last token, the part of the drafter's tree the
+        policy keeps] (menu entry j of `tree.nested_subtrees`, chosen after the drafter call); without a
+        drafter call (drafted False) a plain step. A chain is the tree whose node i has parent i-1: one
+        path serves both."""
         b = len(state.prompts)
         state.reserve(int(state.lens[live].max()) + self.depth + 1)
         nodes, parents = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
-        k, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
+        j, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
+        verified_depth = torch.zeros(b, dtype=torch.int64)  # the deepest node verified, per sequence
         if drafted:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
-            depths = tree.node_depths(parents)
-            widths = (1 + (depths[..., None] <= torch.arange(self.depth + 1)).sum(-2).max(0).values).tolist()
-            k = policy.choose(None if state.sampling else tree.reach_by_depth(parents, token_probs, self.depth), live,
-                              widths)
-            order, parents, valid = tree.subtree(parents, depths <= k)
+            menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
+            j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
+            verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
+            order, parents, valid = tree.subtree(parents, menu[j])
             nodes = nodes.gather(1, order)
             draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
         verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
@@ -377,7 +378,7 @@ class SpeculativeRuntime:
             emitted.append(path_ids[i, 1:accepted[i] + 1].tolist() + [int(next_token[i])])
             if live[i] and policy is not None:
                 state.stats[i].accepted.append(int(accepted[i]))
-                state.stats[i].depths.append(k)
+                state.stats[i].depths.append(int(verified_depth[i]))
                 state.stats[i].widths.append(verify_ids.shape[1])
                 state.stats[i].draft_calls += drafted
         events = state.emit(emitted, live)
@@ -388,7 +389,7 @@ class SpeculativeRuntime:
             aux = aux.gather(1, rows.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[2]))
             state.pending.append(next_ids, aux, accepted + 1, live)
         if policy is not None:
-            policy.observe(k, accepted, live, drafted)
+            policy.observe(j, accepted, live, drafted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
         yield from events

@@ -265,16 +265,42 @@ def rejection_sample_path(p: torch.Tensor, q: torch.Tensor, node_ids: list[int],
 
 
 def joint_probs(parents: torch.Tensor, token_probs: torch.Tensor) -> torch.Tensor:
-    """[..., N]: each node's probability times its ancestors' (the draft probability of its root path)."""
-    return torch.where(ancestor_mask(parents), token_probs[..., None, :], 1).prod(-1)
+    """[B, N]: each node's probability times its ancestors' (the draft probability of its root path),
+    multiplied down the tree one level per step, joint[i] = joint[parent] * p[i], so a child's joint
+    probability never exceeds its parent's, in floating point too (fl(a * p) <= a for p <= 1)."""
+    joint = token_probs.float()
+    has_parent = parents >= 0
+    for _ in range(int(node_depths(parents).max()) - 1 if parents.numel() else 0):
+        joint = token_probs.float() * torch.where(has_parent, joint.gather(-1, parents.clamp_min(0)), 1)
+    return joint
 
 
-def reach_by_depth(parents: torch.Tensor, token_probs: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, depth]: the drafter's estimate of P(the accepted path reaches depth d), the sum of the joint
-    probabilities of the nodes at depth d (at most one of them is accepted), capped at 1. For a chain
-    it is the running product of the drafts' probabilities."""
-    at_depth = node_depths(parents)[..., None] == torch.arange(1, depth + 1, device=parents.device)
-    return (joint_probs(parents, token_probs)[..., None] * at_depth).sum(-2).clamp(max=1)
+def nested_subtrees(parents: torch.Tensor, token_probs: torch.Tensor, depth: int, by_depth: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The menu a depth policy chooses from: subtrees S_0 (the root alone) within S_1 within ... S_J
+    (the whole tree) of each sequence's tree, each closed under ancestors, as keep masks [J+1, B, N],
+    and the drafter's estimate of each one's expected tokens per round [B, J+1] (None by depth).
+
+    Greedy (by_depth False): S_m = the m nodes of highest joint draft probability, m = 0..N, ties to
+    the shallower node. A kept node is accepted only if its whole root path is, so E[tokens | S] =
+    1 + sum over S of P(node accepted), which the joint draft probability estimates. For a fixed
+    node count m, the ancestor-closed set maximizing that sum is the top-m set, because the joint
+    probability never increases along a root path (`joint_probs`): the menu holds the best subtree
+    of every size. For a chain S_m is the first m drafts (E = 1 + the running sum of the running
+    products of their probabilities).
+
+    By depth (sampling, where what is verified must not depend on the drafts): S_k = the nodes of
+    depth <= k, k = 0..depth; the policy estimates their yield from earlier rounds."""
+    depths = node_depths(parents)
+    if by_depth:
+        return depths[None] <= torch.arange(depth + 1)[:, None, None], None
+    joint = joint_probs(parents, token_probs)
+    by_depth_first = torch.sort(depths, dim=-1, stable=True).indices
+    order = by_depth_first.gather(-1, torch.sort(-joint.gather(-1, by_depth_first), dim=-1, stable=True).indices)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order).contiguous())
+    keep = rank[None] < torch.arange(order.shape[-1] + 1)[:, None, None]                       # [N+1, B, N]
+    expected = torch.cat([torch.ones(len(joint), 1), 1 + torch.cumsum(joint.gather(-1, order), dim=-1)], dim=1)
+    return keep, expected
 
 
 def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

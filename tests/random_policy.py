@@ -4,7 +4,8 @@ import torch
 
 
 class RandomDepth:
-    """A depth policy that decides at random: skip the drafter, or verify any k in 0..K drafts."""
+    """A depth policy that decides at random: skip the drafter, or verify any entry of the menu
+    (for a chain: any k in 0..K drafts)."""
 
     def __init__(self, depth, seed=0, draft_rate=0.7):
         self.depth, self.draft_rate = depth, draft_rate
@@ -17,8 +18,8 @@ class RandomDepth:
     def should_draft(self, live):
         return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
 
-    def choose(self, reach, live, widths=None):
-        return int(torch.randint(0, self.depth + 1, (1,), generator=self.rng))
+    def choose(self, expected, live, widths):
+        return int(torch.randint(0, len(widths), (1,), generator=self.rng))
 
     def observe(self, depth, accepted, live, drafted):
         self.chosen.append(depth if drafted else None)

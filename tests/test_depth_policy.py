@@ -8,6 +8,7 @@ import torch
 from eagle_export.costs import CostCache, CostCurves
 from eagle_export.depth_policy import FixedDepth, GoodputDepth, make_policy
 from eagle_export.errors import EagleExportError
+from eagle_export.tree import nested_subtrees
 
 K = 4
 
@@ -18,9 +19,14 @@ def curves(draft, verify_slope=0.05, batch=1):
                       {batch: {w: draft for w in range(1, K + 2)}})
 
 
-def reach(chain_probs):
-    """A chain's P(the accepted path reaches depth i): the product of its drafts' probabilities."""
-    return torch.cumprod(chain_probs, dim=1)
+CHAIN = list(range(1, K + 2))  # a chain's verify width for k = 0..K drafts
+
+
+def expected(chain_probs):
+    """[B,K+1]: a chain's expected tokens when verifying k = 0..K drafts: 1 + the running sum of
+    P(the accepted path reaches depth i), the running product of the drafts' probabilities."""
+    reach = torch.cumprod(chain_probs, dim=1)
+    return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
 
 def run_rounds(policy, probs, accepted, rounds, batch=1):
@@ -30,7 +36,7 @@ def run_rounds(policy, probs, accepted, rounds, batch=1):
     chosen = []
     for _ in range(rounds):
         if policy.should_draft(live):
-            k = policy.choose(None if probs is None else reach(torch.tensor([probs] * batch)), live)
+            k = policy.choose(None if probs is None else expected(torch.tensor([probs] * batch)), live, CHAIN)
             policy.observe(k, torch.full((batch,), min(k, accepted)), live, True)
             chosen.append(k)
         else:
@@ -61,19 +67,19 @@ def test_depth_follows_the_drafters_confidence_and_the_costs():
     policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
     policy.start(1)
     live = torch.ones(1, dtype=torch.bool)
-    assert policy.choose(reach(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live) == 2
-    assert policy.choose(reach(torch.tensor([[0.02, 0.9, 0.9, 0.9]])), live) == 0
+    assert policy.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 2
+    assert policy.choose(expected(torch.tensor([[0.02, 0.9, 0.9, 0.9]])), live, CHAIN) == 0
     steep = GoodputDepth(K, curves(draft=0.25, verify_slope=1.0))  # a GPU at a large batch: T costs
     steep.start(1)
-    assert steep.choose(reach(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live) == 1
+    assert steep.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 1
 
 
 def test_one_depth_for_the_batch_counts_live_sequences_only():
     policy = GoodputDepth(K, curves(draft=0.25, batch=2))
     policy.start(2)
-    probs = reach(torch.tensor([[0.99] * K, [0.01] * K]))
-    assert policy.choose(probs, torch.tensor([True, False])) == K
-    assert policy.choose(probs, torch.tensor([False, True])) == 0
+    probs = expected(torch.tensor([[0.99] * K, [0.01] * K]))
+    assert policy.choose(probs, torch.tensor([True, False]), CHAIN) == K
+    assert policy.choose(probs, torch.tensor([False, True]), CHAIN) == 0
 
 
 def test_sampling_depth_comes_from_earlier_rounds_only():
@@ -120,12 +126,57 @@ def test_cost_cache_that_cannot_be_written_stays_in_memory(tmp_path):
 
 
 def test_a_trees_verify_width_prices_its_depths():
-    """Verifying a tree to depth k costs a call over its root and nodes up to k, not k+1 tokens: with
-    the same reach, a wide tree is verified less deep than a chain."""
+    """Sampling verifies a tree by depth: to depth k costs a call over its root and nodes up to k,
+    not k+1 tokens; with the same acceptance, a wide tree is verified less deep than a chain."""
     costs = CostCurves({1: {t: 1 + 0.2 * (t - 1) for t in range(1, 18)}}, {1: {w: 0.25 for w in range(1, K + 2)}})
     policy = GoodputDepth(K, costs)
     policy.start(1)
     live = torch.ones(1, dtype=torch.bool)
-    reach = torch.tensor([[0.9, 0.8, 0.7, 0.6]])
-    assert policy.choose(reach, live) == K
-    assert policy.choose(reach, live, widths=[1, 5, 9, 13, 17]) == 2  # four nodes per level
+    policy.acceptance[:] = torch.tensor([0.9, 0.9, 0.9, 0.9])
+    assert policy.choose(None, live, CHAIN) == K
+    assert policy.choose(None, live, [1, 5, 9, 13, 17]) == 2  # four nodes per level
+
+
+def wide_tree():
+    """8 children of the root (probabilities 0.5, 0.2, 0.1, 0.05, ...), the first with a chain of 3
+    below it whose drafts are sure (probability 1: joint-probability ties with their ancestors)."""
+    parents = torch.tensor([[-1] * 8 + [0, 8, 9]])
+    probs = torch.tensor([[0.5, 0.2, 0.1, 0.05, 0.05, 0.04, 0.03, 0.03, 1.0, 1.0, 1.0]])
+    return parents, probs
+
+
+def test_the_menu_holds_the_likeliest_nodes_closed_under_ancestors():
+    parents, probs = wide_tree()
+    menu, tokens = nested_subtrees(parents, probs, 4, by_depth=False)
+    assert menu.shape == (12, 1, 11) and not menu[0].any() and menu[11].all()
+    for m in range(12):
+        kept = menu[m, 0]
+        assert int(kept.sum()) == m
+        assert all(kept[p] for i, p in enumerate(parents[0].tolist()) if kept[i] and p >= 0)  # closed
+    # the sure chain below the likeliest draft comes right after it, shallowest first (ties)
+    assert torch.nonzero(menu[4, 0])[:, 0].tolist() == [0, 8, 9, 10]
+    assert tokens[0, :5].tolist() == pytest.approx([1, 1.5, 2, 2.5, 3])
+    # a chain's menu is its depths
+    chain_menu, chain_expected = nested_subtrees(torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0.9, 0.5, 0.5, 0.9]]),
+                                                 4, by_depth=False)
+    assert [int(m.sum()) for m in chain_menu] == [0, 1, 2, 3, 4]
+    assert all(m[0, :int(m.sum())].all() for m in chain_menu)
+    assert chain_expected[0].tolist() == pytest.approx(expected_chain := [1, 1.9, 2.35, 2.575, 2.7775])
+    assert expected(torch.tensor([[0.9, 0.5, 0.5, 0.9]]))[0].tolist() == pytest.approx(expected_chain)
+    # sampling: by depth, whatever the drafts
+    by_depth, none = nested_subtrees(parents, probs, 4, by_depth=True)
+    assert none is None and [int(m.sum()) for m in by_depth] == [0, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize(("slope", "nodes"), [(0.5, [0, 8, 9, 10]), (0.0, list(range(11)))], ids=["steep", "flat"])
+def test_a_wide_tree_keeps_its_likeliest_nodes_where_width_costs(slope, nodes):
+    """Verify cost rising with width (a CPU): the policy keeps the likeliest draft and the sure chain
+    under it, 4 nodes, not a depth cut (depth 1 alone is 8 nodes); flat cost (a GPU at batch 1) keeps
+    the whole tree."""
+    parents, probs = wide_tree()
+    costs = CostCurves({1: {t: 1 + slope * (t - 1) for t in range(1, 13)}}, {1: {w: 0.1 for w in range(1, 6)}})
+    policy = GoodputDepth(4, costs)
+    policy.start(1)
+    menu, tokens = nested_subtrees(parents, probs, 4, by_depth=False)
+    j = policy.choose(tokens, torch.ones(1, dtype=torch.bool), (1 + menu.sum(-1).max(-1).values).tolist())
+    assert torch.nonzero(menu[j, 0])[:, 0].tolist() == nodes

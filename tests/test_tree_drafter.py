@@ -188,4 +188,6 @@ def test_drafted_trees_verified_in_one_call_are_lossless(target, drafter, specul
     runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, depth_policy="fixed")
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
     assert [r.tokens for r in results] == [target.generate_greedy(p, 24) for p in prompts]
-    assert all(max(r.stats.depths) == speculation.depth for r in results)
+    # every round verifies the whole tree: its deepest node (a dynamic tree's best nodes may all be shallow)
+    static = isinstance(speculation, TreeShape)
+    assert all(d == speculation.depth if static else 1 <= d <= speculation.depth for r in results for d in r.stats.depths)
