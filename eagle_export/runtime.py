@@ -36,6 +36,7 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -179,6 +180,7 @@ class SpeculativeRuntime:
             raise EagleExportError("CUDA graphs read the caches they were captured with, so they need static caches",
                                    "leave static_cache unset (or True) with cuda_graphs")
         self._static_caches: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> caches at max_context
+        self._streaming: set[int] = set()  # static mode: batch sizes whose caches a stream is using
         self.vocab_size = vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.depth_policy = depth_policy
         check_policy(depth_policy)  # an unknown name fails here, not mid-generation
@@ -256,25 +258,47 @@ class SpeculativeRuntime:
     def stream(self, prompts: list[list[int]], config: GenerationConfig, depth_policy=None) -> Iterator[Event]:
         """Speculative decoding, yielding tokens as each round accepts them. `depth_policy` overrides
         the runtime's for this call ("goodput", "fixed", or a policy object)."""
-        state = self._start(prompts, config, depth_policy or self.depth_policy)
-        policy = state.policy
-        yield from self._prefill(state)
-        while state.active.any():
-            near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
-            spec = state.active & ~near_limit
-            if spec.any():
-                yield from self._round(state, spec, policy, policy.should_draft(spec))
-            if near_limit.any():  # a full round no longer fits: finish token by token, exactly
-                yield from self._round(state, near_limit)
-        self.timings.total += time.perf_counter() - state.started
+        with self._caches_in_use(len(prompts)):
+            state = self._start(prompts, config, depth_policy or self.depth_policy)
+            policy = state.policy
+            yield from self._prefill(state)
+            while state.active.any():
+                near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
+                spec = state.active & ~near_limit
+                if spec.any():
+                    yield from self._round(state, spec, policy, policy.should_draft(spec))
+                if near_limit.any():  # a full round no longer fits: finish token by token, exactly
+                    yield from self._round(state, near_limit)
+            self.timings.total += time.perf_counter() - state.started
 
     def stream_autoregressive(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
         """Target-only decoding on the same backend: the baseline `bench` compares against."""
-        state = self._start(prompts, config)
-        yield from self._prefill(state, draft=False)
-        while state.active.any():
-            yield from self._round(state, state.active)
-        self.timings.total += time.perf_counter() - state.started
+        with self._caches_in_use(len(prompts)):
+            state = self._start(prompts, config)
+            yield from self._prefill(state, draft=False)
+            while state.active.any():
+                yield from self._round(state, state.active)
+            self.timings.total += time.perf_counter() - state.started
+
+    @contextlib.contextmanager
+    def _caches_in_use(self, batch: int):
+        """Static mode: one stream at a time per batch size, as every stream of that size writes the
+        same caches (a second one would overwrite the first's rows and both would decode garbage).
+        Released when the stream ends, is closed or is dropped."""
+        if not self.static_cache:
+            yield
+            return
+        if batch in self._streaming:
+            raise EagleExportError(f"a stream of batch {batch} started while another of batch {batch} on this "
+                                   "runtime is still running: with static caches (CUDA graphs) both would write "
+                                   "the same caches",
+                                   "finish or close() the first stream before starting the next, or open a second "
+                                   "runtime for concurrent streams")
+        self._streaming.add(batch)
+        try:
+            yield
+        finally:
+            self._streaming.discard(batch)
 
     # ------------------------------------------------------------ the loop
 

@@ -147,6 +147,31 @@ def test_sampling_in_static_mode_draws_what_the_growing_caches_draw(target, draf
     assert sum(r.stats.new_tokens for r in graphed) == 32
 
 
+def test_one_stream_at_a_time_per_batch_size_uses_the_static_caches(target, drafter):
+    """Two streams of one batch size on one static-cache runtime would write the same caches: the
+    second is refused while the first runs, and runs once the first is closed; another batch size, or
+    growing caches, interleave freely and stay lossless."""
+    config = GenerationConfig(max_new_tokens=12)
+    runtime = make_runtime(target, drafter, 3, static_cache=True)
+    first = runtime.stream(PROMPTS[:2], config)
+    next(first)
+    with pytest.raises(EagleExportError, match="a stream of batch 2 started while another of batch 2") as err:
+        next(runtime.stream(PROMPTS[1:3], config))
+    assert "close()" in err.value.fix
+    other_size = runtime.generate(PROMPTS[:1], config)  # batch 1 has caches of its own
+    assert other_size[0].tokens == target.generate_greedy(PROMPTS[0], 12)
+    first.close()
+    assert [r.tokens for r in runtime.generate(PROMPTS[1:3], config)] == [
+        target.generate_greedy(p, 12) for p in PROMPTS[1:3]]
+    growing = make_runtime(target, drafter, 3)
+    a, b = growing.stream(PROMPTS[:2], config), growing.stream(PROMPTS[:2], config)
+    tokens = {0: [], 1: []}
+    for event_a, event_b in zip(a, b):
+        assert event_a.index == event_b.index and event_a.tokens == event_b.tokens
+        tokens[event_a.index] += event_a.tokens
+    assert [tokens[0], tokens[1]] == [target.generate_greedy(p, 12) for p in PROMPTS[:2]]
+
+
 # ------------------------------------------------------------ the real capture
 
 @pytest.mark.cuda
