@@ -86,7 +86,8 @@ def output_shapes(session, feeds: dict[str, torch.Tensor], step_rows: int, nodes
     declared, the contract's axes (batch, tokens, past) sized from the inputs. The drafter's new K/V
     rows are its input rows plus `step_rows` (its later steps' rows: K-1 for a chain,
     tree.TreeShape.step_rows for a tree), and its draft outputs hold `nodes` drafts (K for a chain).
-    A dim the exporter left named but static (new_key's head size comes out as
+    Graphs exported now declare the contract's shapes (`passes.PinOutputShapesPass`); in builds made
+    before, a dim the exporter left named but static (new_key's head size comes out as
     'Concatnew_key_dim_4', a dynamic tree's node count as a TopK's) is, for the draft outputs, the
     node count, and otherwise the cache input's at the same position: the new K/V rows have the
     cache's layout."""

@@ -77,7 +77,7 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
     rewrites = {}
     if quantized:
         model, rewrites = finish_quantized(model, fp8_weight_codes(module))
-    result = onnx_pipeline()(ir.from_proto(model))
+    result = onnx_pipeline(spec)(ir.from_proto(model))
     findings = [str(f) for f in lint_model(result.model).findings]
     model = ir.to_proto(result.model)
     passes_seconds = time.perf_counter() - start

@@ -15,12 +15,12 @@ from .onnx_cleanup import (
     TopologicalSortPass,
     onnx_pipeline,
 )
-from .onnx_pin import ONNX_IR_VERSION, PinIrVersionPass
+from .onnx_pin import ONNX_IR_VERSION, PinIrVersionPass, PinOutputShapesPass
 from .trt_lint import Finding, LintReport, TensorRTLintPass, lint_model
 
 __all__ += [
     "CastCleanupPass", "CommonSubexpressionEliminationPass", "ConstantFoldingPass",
     "DeadCodeEliminationPass", "IdentityEliminationPass", "InitializerDeduplicationPass",
-    "TopologicalSortPass", "onnx_pipeline", "ONNX_IR_VERSION", "PinIrVersionPass",
+    "TopologicalSortPass", "onnx_pipeline", "ONNX_IR_VERSION", "PinIrVersionPass", "PinOutputShapesPass",
     "Finding", "LintReport", "TensorRTLintPass", "lint_model",
 ]

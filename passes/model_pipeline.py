@@ -19,7 +19,7 @@ from .fuse_projections import FuseGateUp, FuseQKV
 from .onnx_cleanup import (CastCleanupPass, CommonSubexpressionEliminationPass, ConstantFoldingPass,
                            DeadCodeEliminationPass, IdentityEliminationPass, InitializerDeduplicationPass,
                            TopologicalSortPass)
-from .onnx_pin import PinIrVersionPass
+from .onnx_pin import PinIrVersionPass, PinOutputShapesPass
 from .trt_lint import TensorRTLintPass
 
 __all__ = ["EagleModels", "FC_NORM_PLACEMENTS", "DEFAULT_FC_NORM_PLACEMENT", "PassInfo", "all_passes",
@@ -66,8 +66,8 @@ def _summary(cls: type) -> str:
 # (both fc_norm placements), then the ONNX passes in the clean-up pipeline's order, then the lint.
 MODEL_PASSES = (ShareEmbeddings, FoldFcNorm, FoldFcNormIntoTarget, FoldNormGains, FuseQKV, FuseGateUp, ApplyDraftVocab)
 ONNX_PASSES = (ConstantFoldingPass, DeadCodeEliminationPass, IdentityEliminationPass, CastCleanupPass,
-               InitializerDeduplicationPass, CommonSubexpressionEliminationPass, TopologicalSortPass, PinIrVersionPass,
-               TensorRTLintPass)
+               InitializerDeduplicationPass, CommonSubexpressionEliminationPass, TopologicalSortPass, PinOutputShapesPass,
+               PinIrVersionPass, TensorRTLintPass)
 
 
 def all_passes() -> list[PassInfo]:

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as onnx_ir_common
 
 from .base import PassBase, PassManager, PassResult
-from .onnx_pin import PinIrVersionPass
+from .onnx_pin import PinIrVersionPass, PinOutputShapesPass
 from .onnx_types import infer_value_dtypes
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -294,8 +294,9 @@ class TopologicalSortPass(_DelegatingPass):
         return result
 
 
-def onnx_pipeline() -> PassManager:
-    """The clean-up passes in the order that lets each feed the next, then the IR version pin."""
+def onnx_pipeline(spec=None) -> PassManager:
+    """The clean-up passes in the order that lets each feed the next, then the pins: the outputs'
+    shapes to `spec` (the graph's contract.GraphSpec, when given) and the IR version."""
     return PassManager([
         ConstantFoldingPass(),
         DeadCodeEliminationPass(),
@@ -304,6 +305,7 @@ def onnx_pipeline() -> PassManager:
         InitializerDeduplicationPass(),
         CommonSubexpressionEliminationPass(),
         TopologicalSortPass(),
+        *([PinOutputShapesPass(spec)] if spec is not None else []),
         PinIrVersionPass(),
     ])
 

@@ -1,8 +1,12 @@
-"""The ONNX IR version every graph this project writes declares, and the pass that sets it."""
+"""What every graph this project writes declares exactly: its ONNX IR version, and its outputs' shapes
+(the graph contract's), with the passes that set them."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
+
+from eagle_export import contract as C
+from eagle_export.errors import EagleExportError
 
 from .base import PassBase, PassResult
 
@@ -30,3 +34,33 @@ class PinIrVersionPass(PassBase):
             return PassResult(model, modified=False)
         model.ir_version = ONNX_IR_VERSION
         return PassResult(model, modified=True, changes={"previous_ir_version": previous})
+
+
+class PinOutputShapesPass(PassBase):
+    """Declare each graph output's shape as the graph contract gives it: its fixed sizes and named axes.
+
+    Rewrite: `output.shape = spec[output.name].shape` for every graph output. Exact: declared shapes
+    are metadata; no node, value or weight changes. The exporter names each dim it cannot prove
+    static after the node that made it ('Concatnew_key_dim_4' for new_key's head size, a TopK's output
+    for a dynamic tree's node count), which tells a reader of the graph (ONNX Runtime's IO binding,
+    TensorRT users, other tools) nothing the contract does not know. A fixed size the exporter
+    declared that differs from the contract's is a bug in the export, and an error.
+    """
+
+    name = "pin_output_shapes"
+
+    def __init__(self, spec: C.GraphSpec):
+        self.spec = spec
+
+    def call(self, model: ir.Model) -> PassResult:
+        renamed = 0
+        for value in model.graph.outputs:
+            want = self.spec[value.name].shape
+            have = tuple(value.shape) if value.shape is not None else (None,) * len(want)
+            clash = [(h, w) for h, w in zip(have, want) if isinstance(h, int) and h != w]
+            if len(have) != len(want) or clash:
+                raise EagleExportError(f"the exported {value.name} has shape {list(have)}, the graph contract "
+                                       f"says {list(want)}", "this is a bug in the export: report it")
+            renamed += sum(not isinstance(h, type(w)) or h != w for h, w in zip(have, want))
+            value.shape = ir.Shape(list(want))
+        return PassResult(model, modified=renamed > 0, changes={"dims_pinned": renamed} if renamed else {})

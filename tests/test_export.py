@@ -357,6 +357,12 @@ def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkey
 
 # ---------------------------------------------------------------- export_models and the command
 
+def declared_shapes(path) -> dict:
+    """Each graph output's declared shape: ints for fixed sizes, names for symbolic ones."""
+    return {o.name: tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in o.type.tensor_type.shape.dim)
+            for o in onnx.load(str(path), load_external_data=False).graph.output}
+
+
 def test_export_command_writes_both_graphs(tmp_path, dirs):
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
@@ -365,9 +371,10 @@ def test_export_command_writes_both_graphs(tmp_path, dirs):
     assert "exporting target.onnx" in result.output and "exporting drafter.onnx" in result.output
     summary = json.loads((out / "export_summary.json").read_text())
     assert summary["depth"] == 2 and summary["aux_layer_ids"] == list(AUX)
-    drafter = onnx.load(str(out / "drafter.onnx"))
-    assert [o.name for o in drafter.graph.output] == C.drafter_graph(load_pair(dirs, "3")[1].config, 2,
-                                                                      False).output_names
+    target, drafter_model = load_pair(dirs, "3")
+    for name, spec in (("target.onnx", C.target_graph(target.config, len(target.aux_layer_ids), False)),
+                       ("drafter.onnx", C.drafter_graph(drafter_model.config, 2, False))):
+        assert declared_shapes(out / name) == {t.name: t.shape for t in spec.outputs}, name  # names and shapes
     again = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
                                       "--depth", "2", "-o", str(out)])
     assert again.exit_code == 2 and "--force" in again.output

@@ -17,6 +17,7 @@ from eagle_export.export import export_graph
 from eagle_export.backends import run_graph
 from eagle_export.tree import DynamicTree, TreeShape
 from eagle_export.unrolled import UnrolledDrafter
+from test_export import declared_shapes
 from test_unrolled import random_inputs
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -163,6 +164,8 @@ def test_tree_graphs_export_and_match_torch_in_onnx_runtime(drafter, speculation
         if name in want:
             assert (got[name] - want[name]).abs().max() <= 1e-5, name
     assert sampling == (C.DRAFT_PROBS in got)
+    # declared as the contract says (the exporter named a dynamic tree's node count after a TopK)
+    assert declared_shapes(tmp_path / "drafter.onnx") == {t.name: t.shape for t in spec.outputs}
 
 
 def test_trees_out_of_range_are_refused(drafter):
