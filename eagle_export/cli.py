@@ -263,11 +263,15 @@ def _target_of(manifest: dict) -> tuple:
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--remeasure", is_flag=True,
+              help="Measure the cost curves again, replacing those cached in each build for this backend and machine "
+                   "(after the machine's load, clocks or drivers changed).")
 @click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(needs eagle-export[plot]).")
-def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, json_file, plot_file):
+def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, remeasure, json_file,
+          plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
 
@@ -277,6 +281,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     from .bench import bench as run_bench
     from .bench import plot, pyplot
     from .build_dir import open_build
+    from .costs import CostCurves
     from .prompts import chat_prompts
     from .runtime import GenerationConfig
 
@@ -292,6 +297,9 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     for build_dir in build_dirs:
         name = build_dir if build_dir not in opened else f"{build_dir} ({len(opened) + 1})"
         opened[name] = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
+    if remeasure:  # what is measured next replaces the cache's entry
+        for o in opened.values():
+            o.runtime.costs = CostCurves()
     first = next(iter(opened.values()))
     for name, other in opened.items():
         if _target_of(other.manifest.data) != _target_of(first.manifest.data):

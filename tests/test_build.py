@@ -289,6 +289,17 @@ def test_bench_json_and_plot(built, tmp_path):
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
+    # A cached cost is used as it is until --remeasure replaces it.
+    cache = json.loads((out / "costs.json").read_text())
+    for entry in cache["entries"].values():
+        entry["verify_s"]["1"]["1"] = 9.0
+    (out / "costs.json").write_text(json.dumps(cache))
+    for flags, stale in (([], True), (["--remeasure"], False)):
+        args = ["bench", str(out), "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4",
+                "--json", str(tmp_path / "c.json"), *flags]
+        assert CliRunner().invoke(main, args).exit_code == 0
+        verify_ms = json.loads((tmp_path / "c.json").read_text())["builds"][str(out)]["costs"]["verify_ms"]
+        assert (verify_ms["1"] == 9000.0) == stale, flags
 
 
 def test_inspect_says_what_a_build_holds(built):
