@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from eagle_export.build import conformance_prompts
-from eagle_export.build_dir import open_build
+from eagle_export.build_dir import OpenBuild, open_build
 from eagle_export.manifest import write_manifest_hash
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
@@ -300,6 +300,29 @@ def test_bench_json_and_plot(built, tmp_path):
         assert CliRunner().invoke(main, args).exit_code == 0
         verify_ms = json.loads((tmp_path / "c.json").read_text())["builds"][str(out)]["costs"]["verify_ms"]
         assert (verify_ms["1"] == 9000.0) == stale, flags
+
+
+@pytest.mark.slow
+def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, monkeypatch):
+    """`selftest --gpu`'s tree step on a CPU (ONNX Runtime): the build's twin drafting a dynamic tree
+    is built from the same sources (greedy, though the build samples), and both run side by side,
+    every output equal to plain decoding."""
+    import eagle_export.prompts
+    from eagle_export import selftest
+
+    out, _ = built
+    opened = open_build(out)
+    prompts = [opened.encode(t) for t in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13", "w14")]
+    monkeypatch.setattr(eagle_export.prompts, "chat_prompts", lambda template, name, count: prompts[:count])
+    monkeypatch.setattr(OpenBuild, "chat_template", lambda self: None)  # the tiny build has none
+    state = {"build_dir": out}
+    ok, fact = selftest.tree_vs_chain(state)
+    assert ok is True, fact
+    figures = state["tree_vs_chain"]
+    assert set(figures) == {f"onnxruntime batch {b} {name} {p}" for b in (1, 4) for name in ("chain", "tree")
+                            for p in ("goodput", "fixed")}
+    assert figures["onnxruntime batch 1 tree fixed"]["verify_width"] == 17  # the 16-node tree, whole
+    assert figures["onnxruntime batch 1 chain fixed"]["verify_width"] == 4
 
 
 def test_inspect_says_what_a_build_holds(built):

@@ -57,7 +57,7 @@ def test_a_build_without_engines_still_runs_the_steps_that_need_none(tmp_path, m
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(selftest, "STEPS", steps)
     report = selftest.selftest(tmp_path, tmp_path / "r.json", echo=lambda line: None)
-    assert ran == ["environment", "NVFP4 gating", "torch CUDA graphs lossless", "bench"]
+    assert ran == ["environment", "NVFP4 gating", "torch CUDA graphs lossless", "bench", "tree vs chain"]
     skipped = [s["step"] for s in report["steps"] if s["fact"] == "skipped: the build has no TensorRT engines"]
     assert skipped == ["engine I/O", "TensorRT vs ONNX Runtime CPU", "lossless loop x50", "out-of-profile input",
                        "FP8 tactics", "ONNX Runtime CUDA"]
