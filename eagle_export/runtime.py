@@ -52,6 +52,7 @@ from .depth_policy import check_policy, make_policy
 from .errors import EagleExportError
 from .layers import causal_mask
 from .reference import acceptance_by_depth, mean_accepted_length
+from .synthetic import SyntheticDrafts
 from .tree import greedy_accepted_path
 
 STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
@@ -244,10 +245,10 @@ class SpeculativeRuntime:
     # ------------------------------------------------------------ public API
 
     def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True,
-                 depth_policy=None) -> list[SequenceResult]:
+                 depth_policy=None, synthetic: SyntheticDrafts | None = None) -> list[SequenceResult]:
         results = [[] for _ in prompts]
         finished = [None] * len(prompts)
-        stream = (self.stream(prompts, config, depth_policy) if speculative
+        stream = (self.stream(prompts, config, depth_policy, synthetic) if speculative
                   else self.stream_autoregressive(prompts, config))
         for event in stream:
             results[event.index].extend(event.tokens)
@@ -255,11 +256,18 @@ class SpeculativeRuntime:
         return [SequenceResult(tokens, last.finish_reason, last.stats, self._decode(tokens, config))
                 for tokens, last in zip(results, finished)]
 
-    def stream(self, prompts: list[list[int]], config: GenerationConfig, depth_policy=None) -> Iterator[Event]:
+    def stream(self, prompts: list[list[int]], config: GenerationConfig, depth_policy=None,
+               synthetic: SyntheticDrafts | None = None) -> Iterator[Event]:
         """Speculative decoding, yielding tokens as each round accepts them. `depth_policy` overrides
-        the runtime's for this call ("goodput", "fixed", or a policy object)."""
+        the runtime's for this call ("goodput", "fixed", or a policy object). `synthetic` replaces
+        each drafter call's drafts by ones of known quality (`synthetic.py`: a measurement and proof
+        tool; the drafter graph still runs)."""
         with self._caches_in_use(len(prompts)):
             state = self._start(prompts, config, depth_policy or self.depth_policy)
+            if synthetic is not None and state.sampling:
+                raise EagleExportError("synthetic drafts are defined for greedy decoding only",
+                                       "use temperature 0 with synthetic drafts")
+            state.synthetic = synthetic
             policy = state.policy
             yield from self._prefill(state)
             while state.active.any():
@@ -452,7 +460,11 @@ class SpeculativeRuntime:
         nodes = out[C.DRAFT_IDS].cpu()
         parents = (out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out
                    else _chain(nodes.shape[1]).expand(len(nodes), -1))
-        return nodes, parents, out[C.DRAFT_TOKEN_PROBS].cpu(), out.get(C.DRAFT_PROBS)
+        token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
+        if state.synthetic is not None:
+            nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
+                                                         [len(g) for g in state.generated])
+        return nodes, parents, token_probs, out.get(C.DRAFT_PROBS)
 
     @property
     def device(self):
@@ -523,6 +535,7 @@ class _State:
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None
         self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
+        self.synthetic: SyntheticDrafts | None = None  # replaces the drafter's drafts (measurement only)
         self.active = torch.ones(b, dtype=torch.bool)
         self.sampling = config.temperature > 0
         self.rng = torch.Generator().manual_seed(config.seed)
