@@ -30,6 +30,7 @@ from .errors import EagleExportError
 from .progress import track
 from .reference import acceptance_by_depth, mean_accepted_length
 from .runtime import GenerationConfig, SpeculativeRuntime
+from .synthetic import SyntheticDrafts, label
 from .tree import describe
 
 
@@ -43,13 +44,45 @@ def device_name(runtime: SpeculativeRuntime) -> str:
     return f"{platform.processor() or platform.machine()} CPU"
 
 
+def model_speedup(costs, batch: int, depth: int, verify_width: int, acceptance, policy: str) -> float:
+    """What the cost model promises at synthetic acceptance a_1..a_D along the spine: greedy rounds
+    yield E_k = 1 + sum_{i<=k} prod_{j<=i} a_j tokens verifying k spine drafts, against one token per
+    plain step of c_verify(1):
+        fixed     E_D * c_v(1) / (c_draft + c_v(verify_width))     (the whole chain or tree)
+        goodput   max(1, max_k E_k * c_v(1) / (c_draft + c_v(k + 1)))   (k = 0: plain steps)"""
+    step, draft = costs.verify(batch, 1), costs.draft(batch)
+    reach = [1.0]
+    for a in acceptance[:depth]:
+        reach.append(reach[-1] * a)
+    expected = [sum(reach[:k + 1]) for k in range(depth + 1)]
+    if policy == "fixed":
+        return expected[depth] * step / (draft + costs.verify(batch, verify_width))
+    return max([1.0] + [expected[k] * step / (draft + costs.verify(batch, k + 1)) for k in range(1, depth + 1)])
+
+
+def break_even(costs, batch: int, depth: int, verify_width: int) -> float | None:
+    """The smallest acceptance a (the same at every depth) at which drafting pays on these costs:
+    the goodput model's best k beats plain decoding. None: not even a = 1 pays."""
+    def pays(a):
+        return model_speedup(costs, batch, depth, verify_width, [a] * depth, "goodput") > 1.0
+    if not pays(1.0):
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        low, high = (low, (low + high) / 2) if pays((low + high) / 2) else ((low + high) / 2, high)
+    return round(high, 4)
+
+
 def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], batch: int, config: GenerationConfig,
-          warmup: int = 1) -> dict:
-    """runtimes: the builds to compare, by name, all of one target (plain decoding runs on the first)."""
+          warmup: int = 1, acceptances: list | None = None) -> dict:
+    """runtimes: the builds to compare, by name, all of one target (plain decoding runs on the first).
+    acceptances: None, the real drafters; else synthetic settings (`synthetic.py`), one run of each
+    build and policy per setting, the drafts of each batch replaced after the real drafter call."""
     plain = next(iter(runtimes))
-    runs = [(name, p) for name in runtimes for p in POLICIES] + [(plain, None)]  # None: plain decoding
+    settings = acceptances or [None]
+    runs = [(name, p, a) for name in runtimes for a in range(len(settings)) for p in POLICIES] + [(plain, None, None)]
     for chunk in _batches(prompts, batch)[:warmup]:  # first calls pay for allocation and kernel selection
-        for name, policy in runs:
+        for name, policy in dict.fromkeys((name, policy) for name, policy, _ in runs):
             runtimes[name].generate(chunk, GenerationConfig(max_new_tokens=8, eos_ids=config.eos_ids),
                                     speculative=policy is not None, depth_policy=policy)
     for runtime in runtimes.values():
@@ -59,12 +92,17 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     stats = {run: [] for run in runs[:-1]}
     per_batch = {run: [] for run in runs[:-1]}
     for i, chunk in enumerate(track(_batches(prompts, batch), f"batch {batch}")):
+        synthetic = [None] * len(settings)
+        if acceptances:  # one continuation for every setting (target-only decoding: the same for every build)
+            base = SyntheticDrafts.for_prompts(runtimes[plain], chunk, config, "oracle")
+            synthetic = [SyntheticDrafts(a, base.continuations, base.vocab_size, seed=i) for a in settings]
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         rates, tokens = {}, {}
         for run in order:
-            runtime, policy = runtimes[run[0]], run[1]
+            runtime, policy, setting = runtimes[run[0]], run[1], run[2]
             start = time.perf_counter()
-            results = runtime.generate(chunk, config, speculative=policy is not None, depth_policy=policy)
+            results = runtime.generate(chunk, config, speculative=policy is not None, depth_policy=policy,
+                                       synthetic=None if setting is None else synthetic[setting])
             seconds, t = time.perf_counter() - start, runtime.timings
             if policy is not None:
                 totals[run]["rounds"] += max(r.stats.rounds for r in results)  # a batch advances in lock step
@@ -83,15 +121,18 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             totals[run]["differing"] += sum(a != b for a, b in zip(tokens[run], tokens[runs[-1]]))
 
     ar = totals[runs[-1]]
-    ar_tps = ar["tokens"] / ar["seconds"]
     t_ar_step = ar["verify"] / ar["steps"]
     first = runtimes[plain]
     result = {
         "backend": first.backend.name, "device": device_name(first), "batch": batch,
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
-        "ar_tokens_per_s": round(ar_tps, 2), "ar_step_ms": round(1000 * t_ar_step, 3), "builds": {},
+        "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
+        "builds": {},
     }
+    if acceptances:
+        result["synthetic"] = {"acceptance": [label(a) for a in settings],
+                               "note": "synthetic acceptance: the real drafter call runs, its drafts are replaced"}
     for name, runtime in runtimes.items():
         curves, backend = runtime.costs, runtime.backend
         build = result["builds"][name] = {
@@ -99,38 +140,59 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             "verify_width": backend.verify_width,
             "costs": {"verify_ms": {t: round(1000 * s, 3) for t, s in curves.verify_s[batch].items()},
                       "draft_ms": {w: round(1000 * s, 3) for w, s in curves.draft_s[batch].items()}},
-            "policies": {}}
-        for p in POLICIES:
-            s, seqs = totals[(name, p)], stats[(name, p)]
-            accepted = [a for q in seqs for a in q.accepted]
-            depths = [k for q in seqs for k in q.depths]
-            widths = [w for q in seqs for w in q.widths]
-            spec_tps = s["tokens"] / s["seconds"]
-            decode_speedup = (s["tokens"] / (s["seconds"] - s["prefill"])) / (ar["tokens"] / (ar["seconds"] - ar["prefill"]))
-            tau = mean_accepted_length(accepted)
-            round_graph_s = (s["draft"] + s["verify"]) / s["rounds"]
-            ideal = tau * t_ar_step / round_graph_s
-            host = s["seconds"] - s["prefill"] - s["draft"] - s["verify"]
-            build["policies"][p] = {
-                "tau": round(tau, 4),
-                "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, runtime.depth, 0.0,
-                                                                                 verified=depths)],
-                "depth_histogram": {k: depths.count(k) for k in range(runtime.depth + 1)},
-                "verify_width_mean": round(statistics.mean(widths), 3),
-                "round_cost_in_steps": round(round_graph_s / t_ar_step, 3),
-                "rounds": s["rounds"], "draft_calls": s["draft_calls"],
-                "identical_to_autoregressive": s["differing"] == 0,
-                "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / ar_tps, 4),
-                "speedup_median_over_batches": round(statistics.median(per_batch[(name, p)]), 4),
-                "time_split": {"prefill": round(s["prefill"], 4), "draft": round(s["draft"], 4),
-                               "verify": round(s["verify"], 4), "host": round(host, 4),
-                               "draft_per_round_ms": round(1000 * s["draft"] / s["rounds"], 3),
-                               "verify_per_round_ms": round(1000 * s["verify"] / s["rounds"], 3),
-                               "host_per_round_ms": round(1000 * host / s["rounds"], 3)},
-                "decode_speedup": round(decode_speedup, 4), "ideal_speedup": round(ideal, 4),
-                "efficiency": round(decode_speedup / ideal, 4),
-            }
+        }
+        records = []
+        for a, setting in enumerate(settings):
+            policies = {p: _policy_record(totals[(name, p, a)], stats[(name, p, a)], per_batch[(name, p, a)], ar,
+                                          t_ar_step, runtime.depth) for p in POLICIES}
+            if setting is not None:
+                acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
+                for p, record in policies.items():
+                    record["model_speedup"] = round(model_speedup(curves, batch, runtime.depth, backend.verify_width,
+                                                                  acceptance, p), 4)
+                    record["efficiency_vs_model"] = round(record["decode_speedup"] / record["model_speedup"], 4)
+            records.append({"acceptance": label(setting) if setting is not None else "drafter",
+                            "policies": policies})
+        build["policies"] = records[0]["policies"]
+        if len(records) > 1:
+            build["sweep"] = records
+        if acceptances:
+            build["break_even_acceptance"] = break_even(curves, batch, runtime.depth, backend.verify_width)
     return result
+
+
+def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, t_ar_step: float, depth: int) -> dict:
+    """One policy's figures over the bench: tau, depths, widths, speedups, efficiency, time split."""
+    accepted = [a for q in seqs for a in q.accepted]
+    depths = [k for q in seqs for k in q.depths]
+    widths = [w for q in seqs for w in q.widths]
+    spec_tps = s["tokens"] / s["seconds"]
+    decode_speedup = (s["tokens"] / (s["seconds"] - s["prefill"])) / (ar["tokens"] / (ar["seconds"] - ar["prefill"]))
+    tau = mean_accepted_length(accepted)
+    round_graph_s = (s["draft"] + s["verify"]) / s["rounds"]
+    ideal = tau * t_ar_step / round_graph_s
+    host = s["seconds"] - s["prefill"] - s["draft"] - s["verify"]
+    return {
+        "tau": round(tau, 4),
+        "acceptance_by_depth": [round(a, 4) for a in acceptance_by_depth(accepted, depth, 0.0, verified=depths)],
+        "depth_histogram": {k: depths.count(k) for k in range(depth + 1)},
+        "verify_width_mean": round(statistics.mean(widths), 3),
+        "round_cost_in_steps": round(round_graph_s / t_ar_step, 3),
+        "rounds": s["rounds"], "draft_calls": s["draft_calls"],
+        "identical_to_autoregressive": s["differing"] == 0,
+        "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / (ar["tokens"] / ar["seconds"]), 4),
+        "speedup_median_over_batches": round(statistics.median(per_batch), 4),
+        "time_split": {"prefill": round(s["prefill"], 4), "draft": round(s["draft"], 4),
+                       "verify": round(s["verify"], 4), "host": round(host, 4),
+                       "draft_per_round_ms": round(1000 * s["draft"] / s["rounds"], 3),
+                       "verify_per_round_ms": round(1000 * s["verify"] / s["rounds"], 3),
+                       "host_per_round_ms": round(1000 * host / s["rounds"], 3)},
+        "decode_speedup": round(decode_speedup, 4), "ideal_speedup": round(ideal, 4),
+        "efficiency": round(decode_speedup / ideal, 4),
+    }
+
+
+SWEEP = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 def pyplot():
@@ -194,6 +256,37 @@ def plot(results: list[dict], path) -> None:
     speed.set_xticks(batches, [str(b) for b in batches])
     speed.minorticks_off()
     speed.legend(fontsize=7)
+    if "synthetic" in first:
+        fig.suptitle(f"SYNTHETIC acceptance {', '.join(first['synthetic']['acceptance'])}: the real drafter call "
+                     "runs, its drafts are replaced", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(results: list[dict], path) -> None:
+    """Speedup against synthetic acceptance, per build, policy and batch, beside the cost model's
+    promise, with each batch's break-even acceptance, as a PNG."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.5), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for name, build in r["builds"].items():
+            flat = [rec for rec in build["sweep"] if "/" not in rec["acceptance"]]  # one value for every depth
+            xs = [float(rec["acceptance"]) for rec in flat]
+            for p, marker in (("goodput", "o"), ("fixed", "s")):
+                line, = ax.plot(xs, [rec["policies"][p]["decode_speedup"] for rec in flat], marker=marker,
+                                label=f"{p}, measured" + (f" ({name})" if len(r["builds"]) > 1 else ""))
+                ax.plot(xs, [rec["policies"][p]["model_speedup"] for rec in flat], linestyle="--",
+                        color=line.get_color(), label=f"{p}, cost model")
+            if build.get("break_even_acceptance") is not None:
+                ax.axvline(build["break_even_acceptance"], color="gray", linestyle=":",
+                           label=f"break-even {build['break_even_acceptance']:.2f}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        first = next(iter(r["builds"].values()))
+        ax.set(xlabel="synthetic acceptance per draft", ylabel="decode speedup over plain decoding",
+               title=f"{r['backend']} on {r['device']}, batch {r['batch']}, {first['speculation']}", xlim=(0, 1))
+        ax.legend(fontsize=7)
+    fig.suptitle("synthetic acceptance: the real drafter call runs, its drafts are replaced", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

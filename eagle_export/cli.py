@@ -250,6 +250,38 @@ def _target_of(manifest: dict) -> tuple:
     return manifest.get("source_files", {}).get("target"), manifest["models"]["target"]["precision"]
 
 
+@main.command("gpu-kit")
+@click.option("--shapes", default="llama-3.2-1b,llama-3.1-8b,qwen3-8b", show_default=True,
+              help="Real configs to make with random weights (llama-3.2-1b, llama-3.1-8b, qwen3-8b), or tiny (a CPU run).")
+@click.option("--report", default="gpu-kit.json", show_default=True, type=click.Path(), help="The JSON report.")
+@click.option("--plot", "plot_file", default="gpu-kit.png", show_default=True, type=click.Path(),
+              help="Speedup against synthetic acceptance per shape and batch (needs eagle-export[plot]).")
+@click.option("--budget-s", default=480.0, show_default=True, type=float,
+              help="Stop starting steps after this many seconds; the report keeps what was measured.")
+def gpu_kit(shapes, report, plot_file, budget_s):
+    """Real-size shapes on a GPU with nothing but this package and torch: random-weight Llama-3.2-1B,
+    Llama-3.1-8B and Qwen3-8B targets with EAGLE-3 drafters of the real shape, made on the machine;
+    lossless at batch 1 and 4 (eager and CUDA graphs), cost curves at batch 1, 4, 16, the synthetic
+    acceptance sweep, and the real-width graphs exported to ONNX. One JSON, one PNG."""
+    import torch
+
+    from .gpu_kit import check_shapes, run_kit
+
+    chosen = check_shapes(shapes)
+    if chosen != ["tiny"] and not torch.cuda.is_available():
+        click.echo("gpu-kit: no CUDA GPU here, so nothing was run (the real-size shapes need one); "
+                   "--shapes tiny runs every step on this CPU")
+        return
+    plot = None
+    if plot_file:
+        from .bench import pyplot
+
+        pyplot()  # a missing matplotlib fails now, not after the kit
+        plot = Path(plot_file)
+    run_kit(chosen, Path(report), plot, budget_s, echo=click.echo)
+    click.echo(f"wrote {report}" + (f" and {plot_file}" if plot else ""))
+
+
 @main.command()
 @click.argument("build_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--dataset", default="mt-bench", show_default=True, callback=utf8,
@@ -266,20 +298,27 @@ def _target_of(manifest: dict) -> tuple:
 @click.option("--remeasure", is_flag=True,
               help="Measure the cost curves again, replacing those cached in each build for this backend and machine "
                    "(after the machine's load, clocks or drivers changed).")
+@click.option("--acceptance", help="Synthetic acceptance (a measurement, not generation): each round the real drafter "
+              "runs and its drafts are replaced, draft k right with this probability given drafts 1..k-1 were; one "
+              "value for every depth or one per depth (0.73,0.52,0.35).")
+@click.option("--acceptance-sweep", is_flag=True,
+              help="Synthetic acceptance 0, 0.1, ..., 0.9, 0.95: speedup per policy beside the cost model's, and the "
+                   "break-even acceptance of this machine.")
 @click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
-                   "(needs eagle-export[plot]).")
-def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, remeasure, json_file,
-          plot_file):
+                   "(with --acceptance-sweep: speedup against acceptance; needs eagle-export[plot]).")
+def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, remeasure,
+          acceptance, acceptance_sweep, json_file, plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
 
     BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
     turns on the same prompts."""
 
+    from .bench import SWEEP, plot, plot_sweep, pyplot
     from .bench import bench as run_bench
-    from .bench import plot, pyplot
+    from .synthetic import parse_acceptance
     from .build_dir import open_build
     from .costs import CostCurves
     from .prompts import chat_prompts
@@ -291,6 +330,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                                "pass whole numbers of 1 or more, comma-separated, e.g. --batch 1,4,16")
     if num_prompts < 1:
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
+    if acceptance is not None and acceptance_sweep:
+        raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the bench
     opened = {}
@@ -306,14 +347,25 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
             raise EagleExportError(f"{name} and {first.path} are builds of different targets (checkpoint files or "
                                    "precision differ): bench compares speculation on one target",
                                    "pass builds made from the same target checkpoint at the same target precision")
+    acceptances = None
+    if acceptance is not None:  # checked against every build's depth before anything is measured
+        acceptances = [parse_acceptance(acceptance, min(o.runtime.depth for o in opened.values()))]
+    elif acceptance_sweep:
+        acceptances = [(a,) * min(o.runtime.depth for o in opened.values()) for a in SWEEP]
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=first.eos_ids)
     results = []
     for size in sizes:
-        result = run_bench({name: o.runtime for name, o in opened.items()}, prompts, size, config)
+        result = run_bench({name: o.runtime for name, o in opened.items()}, prompts, size, config,
+                           acceptances=acceptances)
         result["dataset"] = dataset
         results.append(result)
-        click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s")
+        click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s"
+                   + (f"; SYNTHETIC acceptance {', '.join(result['synthetic']['acceptance'])} (the real drafter "
+                      "runs, its drafts are replaced)" if acceptances else ""))
+        if acceptance_sweep:
+            _echo_sweep(result)
+            continue
         for build_name, build in result["builds"].items():
             verify = build["costs"]["verify_ms"]
             click.echo(f"{build_name} ({build['speculation']}): verify of T=1..{len(verify)} tokens "
@@ -329,7 +381,22 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
-        plot(results, plot_file)
+        (plot_sweep if acceptance_sweep else plot)(results, plot_file)
+
+
+def _echo_sweep(result: dict) -> None:
+    """The sweep as a table per build: acceptance -> measured decode speedup and the model's, per policy."""
+    for name, build in result["builds"].items():
+        even = build["break_even_acceptance"]
+        click.echo(f"{name} ({build['speculation']}), synthetic acceptance sweep; break-even acceptance "
+                   + (f"{even:.2f}" if even is not None else "none (drafting never pays on these costs)"))
+        click.echo("  acceptance  goodput (model)   fixed (model)   tau fixed  identical")
+        for rec in build["sweep"]:
+            g, f = rec["policies"]["goodput"], rec["policies"]["fixed"]
+            same = g["identical_to_autoregressive"] and f["identical_to_autoregressive"]
+            click.echo(f"  {rec['acceptance']:>10}  {g['decode_speedup']:.2f}x ({g['model_speedup']:.2f}x)  "
+                       f"{f['decode_speedup']:.2f}x ({f['model_speedup']:.2f}x)  {f['tau']:9.2f}  "
+                       + ("yes" if same else "NO: OUTPUT DIFFERS"))
 
 
 @main.command()
