@@ -258,7 +258,9 @@ def _target_of(manifest: dict) -> tuple:
               help="Speedup against synthetic acceptance per shape and batch (needs eagle-export[plot]).")
 @click.option("--budget-s", default=480.0, show_default=True, type=float,
               help="Stop starting steps after this many seconds; the report keeps what was measured.")
-def gpu_kit(shapes, report, plot_file, budget_s):
+@click.option("--export/--no-export", "export", default=True, show_default=True,
+              help="Export the first shape's real-width graphs (2 decoder layers) to ONNX and check them.")
+def gpu_kit(shapes, report, plot_file, budget_s, export):
     """Real-size shapes on a GPU with nothing but this package and torch: random-weight Llama-3.2-1B,
     Llama-3.1-8B and Qwen3-8B targets with EAGLE-3 drafters of the real shape, made on the machine;
     lossless at batch 1 and 4 (eager and CUDA graphs), cost curves at batch 1, 4, 16, the synthetic
@@ -278,7 +280,7 @@ def gpu_kit(shapes, report, plot_file, budget_s):
 
         pyplot()  # a missing matplotlib fails now, not after the kit
         plot = Path(plot_file)
-    run_kit(chosen, Path(report), plot, budget_s, echo=click.echo)
+    run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export)
     click.echo(f"wrote {report}" + (f" and {plot_file}" if plot else ""))
 
 

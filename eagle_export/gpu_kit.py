@@ -223,9 +223,10 @@ def export_check(shape: str, out_dir: Path) -> dict:
 
 
 def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
-            dtype: torch.dtype | None = None) -> dict:
+            dtype: torch.dtype | None = None, export: bool = True) -> dict:
     """Every step for every shape, in order, until `budget_s` runs out; the report after each step.
-    The export check runs after the first shape (it is the cheapest to lose to the budget last)."""
+    The first shape also runs eagerly in fp32 (on a GPU), which tells the verify width's rounding in
+    bf16 from a bug, and the export check follows it."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -277,18 +278,24 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
         if step("pair", record, make) is not None:
             target, drafter = pair.pop("models")
             prompts = random_prompts(target.config.vocab_size, count)
-            runtimes = {"eager": make_runtime(target, drafter, device, cuda_graphs=False)}
+            runtimes = {"eager": make_runtime(target, drafter, device, cuda_graphs=False)} if n == 0 or not cuda else {}
             if cuda:
                 runtimes["cuda_graphs"] = make_runtime(target, drafter, device, cuda_graphs=True)
             for mode, runtime in runtimes.items():
                 step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
-            fast = runtimes.get("cuda_graphs", runtimes["eager"])
+            fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
             step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16)))
             step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values))
             del runtimes, fast, runtime, target, drafter
             if cuda:
                 torch.cuda.empty_cache()
-        if n == 0:
+        if n == 0 and cuda and dtype != torch.float32:
+            def fp32():
+                target32, drafter32 = random_pair(shape, device, torch.float32)
+                return lossless(make_runtime(target32, drafter32, device, cuda_graphs=False), prompts, new_tokens)
+            step("lossless (eager, fp32: no bf16 rounding)", record, fp32)
+            torch.cuda.empty_cache()
+        if n == 0 and export:
             with tempfile.TemporaryDirectory() as tmp:
                 step(f"export ({shape}, {EXPORT_LAYERS} layers, fp32, CPU)", result,
                      lambda: export_check(shape, Path(tmp)))

@@ -116,6 +116,16 @@ class UnrolledDrafter(nn.Module):
                                    "use a narrower tree")
         self.drafter, self.sampling = drafter, sampling
         self.levels = [] if self.dynamic else self._static_levels()
+        self._constants: dict = {}  # (values, device) -> tensor; see _const
+
+    def _const(self, values, device) -> torch.Tensor:
+        """A static tree's index list as a tensor on `device`, made once: a CUDA graph capture may not
+        copy from the host, and its warm-up calls make every constant first (an ONNX trace records it
+        as a constant either way)."""
+        key = (str(values), str(device))
+        if key not in self._constants:
+            self._constants[key] = torch.tensor(values, device=device)
+        return self._constants[key]
 
     @property
     def depth(self) -> int:
@@ -146,7 +156,7 @@ class UnrolledDrafter(nn.Module):
         logits, probs = self._distribution(normed, temperature)
         one_per_parent = level.slot == list(range(normed.shape[1]))
         if not one_per_parent:
-            slot = torch.tensor(level.slot, device=normed.device)
+            slot = self._const(level.slot, normed.device)
             logits, probs = logits[:, slot], probs[:, slot]
         if self.sampling:
             noise = uniform_noise[:, level.nodes].float()[..., None]                    # [B,n,1]
@@ -156,7 +166,7 @@ class UnrolledDrafter(nn.Module):
             token = logits.argmax(-1)
         else:  # node j holds its parent's rank-j draft
             q, index = torch.topk(probs, level.top, dim=-1)                           # [B,n,top]
-            pick = torch.tensor(level.rank, device=normed.device)[None, :, None]
+            pick = self._const(level.rank, normed.device)[None, :, None]
             return index.gather(2, pick.expand(index.shape[0], -1, -1))[..., 0], \
                 q.gather(2, pick.expand(q.shape[0], -1, -1))[..., 0], probs
         chosen = torch.arange(probs.shape[-1], device=probs.device) == token[..., None]
@@ -256,32 +266,32 @@ class UnrolledDrafter(nn.Module):
             token_probs.append(prob)
             dists.append(dist)
             if not self.is_chain:
-                joint = prob if joint is None else joint[:, torch.tensor(level.slot, device=prob.device)] * prob
+                joint = prob if joint is None else joint[:, self._const(level.slot, prob.device)] * prob
                 joint_probs.append(joint)
             if level.frontier:  # the nodes with children run one step: own token, parent's feedback
                 if level.frontier != list(range(len(level.nodes))):
-                    frontier = torch.tensor(level.frontier, device=token.device)
+                    frontier = self._const(level.frontier, token.device)
                     target_token, slot = target_token[:, frontier], [level.slot[j] for j in level.frontier]
                 else:
                     slot = level.slot
                 if slot != list(range(feedback.shape[1])):
-                    feedback = feedback[:, torch.tensor(slot, device=token.device)]
-                step_mask = torch.tensor(level.step_mask, device=token.device)
+                    feedback = feedback[:, self._const(slot, token.device)]
+                step_mask = self._const(level.step_mask, token.device)
                 # Every row sees every earlier step row in a chain: no constant mask needed.
                 step_mask = (cache_lens >= 0)[:, None, None] & step_mask[None] if not step_mask.all() \
                     else (cache_lens >= 0)[:, None, None].expand(-1, *step_mask.shape)
                 normed, feedback = run_step(depth, target_token, feedback, step_mask)
                 if not self.is_chain:
-                    joint = joint[:, torch.tensor(level.frontier, device=joint.device)] \
+                    joint = joint[:, self._const(level.frontier, joint.device)] \
                         if level.frontier != list(range(len(level.nodes))) else joint
 
         order = [i for level in self.levels for i in level.nodes]
         outputs = [ids, token_probs] + ([] if self.is_chain else [joint_probs]) + ([dists] if self.sampling else [])
         outputs = [torch.cat(o, dim=1) for o in outputs]
         if order != list(range(len(order))):  # back to the shape's node order
-            inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=input_ids.device)
+            inverse = self._const(sorted(range(len(order)), key=order.__getitem__), input_ids.device)
             outputs = [o[:, inverse] for o in outputs]
         if not self.is_chain:
-            parents = (cache_lens >= 0)[:, None] * self.tree.parent_tensor().to(input_ids.device)[None]
+            parents = (cache_lens >= 0)[:, None] * self._const(list(self.tree.parents), input_ids.device)[None]
             outputs.insert(1, parents)
         return (*outputs, keys[None], values[None])
