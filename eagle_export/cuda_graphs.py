@@ -79,6 +79,6 @@ class ShapeGraphs:
             replay, outputs = self.capture(self.fn, inputs)
         except RuntimeError as e:  # an op that syncs with the host or allocates on the CPU inside the graph
             raise EagleExportError(f"CUDA graph capture failed for input shapes {key}: {str(e).splitlines()[0]}",
-                                   "run without CUDA graphs (--no-cuda-graphs, or cuda_graphs=False)") from None
+                                   "run without CUDA graphs (--no-cuda-graphs, or cuda_graphs=False)") from e
         return inputs, replay, tuple(outputs)
 

@@ -277,8 +277,10 @@ class UnrolledDrafter(nn.Module):
                 if slot != list(range(feedback.shape[1])):
                     feedback = feedback[:, self._const(slot, token.device)]
                 step_mask = self._const(level.step_mask, token.device)
-                # Every row sees every earlier step row in a chain: no constant mask needed.
-                step_mask = (cache_lens >= 0)[:, None, None] & step_mask[None] if not step_mask.all() \
+                # Every row sees every earlier step row in a chain: no constant mask needed. (Decided on
+                # the host's list: a tensor's truth value would sync with the device mid-capture.)
+                step_mask = (cache_lens >= 0)[:, None, None] & step_mask[None] \
+                    if not all(all(row) for row in level.step_mask) \
                     else (cache_lens >= 0)[:, None, None].expand(-1, *step_mask.shape)
                 normed, feedback = run_step(depth, target_token, feedback, step_mask)
                 if not self.is_chain:
