@@ -117,8 +117,12 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             rates[run] = count / seconds
         for run in runs[:-1]:
             per_batch[run].append(rates[run] / rates[runs[-1]])
-            # Greedy speculation must reproduce plain decoding token for token: bench checks it on every batch.
+            # Greedy speculation must reproduce plain decoding token for token: bench checks it on every batch,
+            # and synthetic runs also against the verify-width continuation their drafts were read from.
             totals[run]["differing"] += sum(a != b for a, b in zip(tokens[run], tokens[runs[-1]]))
+            if run[2] is not None:
+                wide = [c[:config.max_new_tokens] for c in synthetic[run[2]].continuations]
+                totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
 
     ar = totals[runs[-1]]
     t_ar_step = ar["verify"] / ar["steps"]
@@ -148,6 +152,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             if setting is not None:
                 acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
                 for p, record in policies.items():
+                    record["identical_to_verify_width"] = totals[(name, p, a)]["differing_wide"] == 0
                     record["model_speedup"] = round(model_speedup(curves, batch, runtime.depth, backend.verify_width,
                                                                   acceptance, p), 4)
                     record["efficiency_vs_model"] = round(record["decode_speedup"] / record["model_speedup"], 4)

@@ -40,7 +40,7 @@ from .errors import EagleExportError
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .runtime import GenerationConfig, SpeculativeRuntime
-from .synthetic import SyntheticDrafts
+from .synthetic import SyntheticDrafts, verify_width_continuations
 from .target import Target
 from .unrolled import TargetGraph, UnrolledDrafter
 
@@ -152,21 +152,25 @@ def _first_difference(runtime, prompt, plain, spec) -> dict:
 
 
 def lossless(runtime, prompts, new_tokens: int) -> dict:
-    """Plain decoding against speculative decoding with the real drafter and with synthetic acceptance 0.7."""
+    """Speculative decoding with the real drafter and with synthetic acceptance 0.7 against plain
+    decoding (width 1) and against greedy decoding through the verify graph at width K+1."""
     config = GenerationConfig(max_new_tokens=new_tokens)
     record = {}
     for batch in (1, 4):
-        plain = [r.tokens for chunk in _chunks(prompts, batch) for r in runtime.generate(chunk, config, speculative=False)]
+        chunks = _chunks(prompts, batch)
+        plain = [r.tokens for chunk in chunks for r in runtime.generate(chunk, config, speculative=False)]
+        wide = [c[:new_tokens] for chunk in chunks for c in verify_width_continuations(runtime, chunk, config)]
         for drafts in ("drafter", 0.7):
             spec, taus = [], []
-            for chunk in _chunks(prompts, batch):
+            for chunk in chunks:
                 synthetic = (None if drafts == "drafter" else
                              SyntheticDrafts.for_prompts(runtime, chunk, config, (drafts,) * DEPTH))
                 results = runtime.generate(chunk, config, synthetic=synthetic)
                 spec += [r.tokens for r in results]
                 taus += [r.stats.tau for r in results]
             same = [p == s for p, s in zip(plain, spec)]
-            entry = {"identical": sum(same), "of": len(same), "tau": round(sum(taus) / len(taus), 3)}
+            entry = {"identical": sum(same), "of": len(same), "tau": round(sum(taus) / len(taus), 3),
+                     "identical_to_verify_width": sum(w == s for w, s in zip(wide, spec))}
             differing = [i for i, s in enumerate(same) if not s]
             if differing:
                 i = differing[0]

@@ -4,15 +4,22 @@ A measurement and proof tool, never a generation mode. Each round the runtime ca
 graph (so the round costs what a real round costs: same graph, same shapes) and then hands its tree
 to `SyntheticDrafts.replace`, which rewrites the node tokens and the draft probabilities:
 
-    right token at depth d   c[n + d - 1], where c is the sequence's continuation under target-only
-                             greedy decoding (a plain-decoding pass over the same prompts, first)
-                             and n the tokens the sequence has emitted (the last one is c[n-1])
+    right token at depth d   c[n + d - 1], where c is the sequence's greedy continuation through
+                             the verify graph at its full width (a pass with random drafts and the
+                             fixed policy over the same prompts, first) and n the tokens the
+                             sequence has emitted (the last one is c[n-1])
     a node is right          iff it is on the spine, its parent is the root or right, and a
                              uniform draw falls below a_d; the spine runs from the root through,
                              at each node, the child with the deepest subtree (ties: the lowest
                              index), so it reaches the tree's full depth (a chain is all spine)
     every other node         a certainly wrong token: (right + 1 + i) mod V for node i, distinct
                              from its siblings and from the right token
+
+The continuation is decoded at the verify width, not one token at a time, because that is what a
+speculative round's argmax is computed at: where the target's kernels round differently at width 1
+and at width K+1 (bf16 on a GPU: measured by `eagle-export gpu-kit`), a width-1 continuation parts
+from the speculative text at the first near-tie, and every later synthetic draft would be wrong.
+Where the widths agree (fp32; every CPU test) the two continuations are the same.
 
 So, greedy, draft d of a chain is accepted with probability exactly a_d given drafts 1..d-1 were
 (`acceptance` a_1..a_K, one value for every depth when given one), and a tree's level d is reached
@@ -34,6 +41,16 @@ import torch
 from .errors import EagleExportError
 
 MODES = ("oracle", "anti", "random")
+
+
+def verify_width_continuations(runtime, prompts, config, seed: int = 0) -> list[list[int]]:
+    """Greedy decoding through the verify graph at its full width: random drafts (accepted only
+    where one happens to be the argmax), the fixed policy, so every round is one call of width K+1
+    (a tree's nodes + 1). `runtime.depth` tokens longer than `config` asks, so a round near the end
+    still knows its right tokens."""
+    longer = dataclasses.replace(config, max_new_tokens=config.max_new_tokens + runtime.depth)
+    random = SyntheticDrafts("random", [], runtime.vocab_size, seed)
+    return [r.tokens for r in runtime.generate(prompts, longer, depth_policy="fixed", synthetic=random)]
 
 
 def parse_acceptance(text: str, depth: int) -> tuple[float, ...]:
@@ -78,15 +95,12 @@ class SyntheticDrafts:
 
     @classmethod
     def for_prompts(cls, runtime, prompts, config, acceptance, seed: int = 0) -> SyntheticDrafts:
-        """The continuation from a plain-decoding pass over `prompts` on `runtime` itself."""
+        """The continuation from a pass over `prompts` on `runtime` itself at the verify width."""
         if config.temperature > 0:
             raise EagleExportError("synthetic drafts are defined for greedy decoding only",
                                    "use temperature 0 (the default) with synthetic acceptance")
-        # depth tokens further than the run itself, so a round near the end still knows its right tokens
-        longer = dataclasses.replace(config, max_new_tokens=config.max_new_tokens + runtime.depth)
-        continuations = ([] if acceptance == "random" else
-                         [r.tokens for r in runtime.generate(prompts, longer, speculative=False)])
-        return cls(acceptance, continuations, runtime.vocab_size, seed)
+        return cls(acceptance, [] if acceptance == "random" else verify_width_continuations(runtime, prompts, config),
+                   runtime.vocab_size, seed)
 
     def probabilities(self, depth: int) -> torch.Tensor:
         """[depth]: a_d for d = 1..depth."""
