@@ -774,3 +774,52 @@ def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
     every = load_recipe(write_recipe(tmp_path / "r2.yaml", sources), overrides={"calibration.num_samples": 80})
     with pytest.raises(EagleExportError, match="leaving none to evaluate"):
         evaluation_prompts(every, template, calibration_prompts(every, template))
+
+
+def test_bench_synthetic_acceptance_and_its_sweep(built, tmp_path):
+    """--acceptance: the real drafter runs, its drafts are replaced; every line and field says synthetic, the
+    output is plain decoding's, and the cost model's promise stands beside the measurement."""
+    out, _ = built
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\nw8 w9\n")
+    common = ["bench", str(out), "--dataset", str(prompts), "--max-new-tokens", "12"]
+    result = CliRunner().invoke(main, [*common, "--acceptance", "0.9,0.6", "--json", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    assert "SYNTHETIC acceptance 0.9/0.6/0.6" in result.output
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert r["synthetic"]["acceptance"] == ["0.9/0.6/0.6"]
+    b = r["builds"][str(out)]
+    assert 0 <= b["break_even_acceptance"] <= 1 or b["break_even_acceptance"] is None
+    for p in b["policies"].values():
+        assert p["identical_to_autoregressive"] and p["identical_to_verify_width"]
+        assert p["model_speedup"] > 0 and p["efficiency_vs_model"] > 0
+    assert b["policies"]["fixed"]["tau"] > 1.5  # the synthetic drafts were accepted (the trained drafter's are rarely)
+    result = CliRunner().invoke(main, [*common, "--batch", "1,2", "--acceptance-sweep", "--num-prompts", "2",
+                                       "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])
+    assert result.exit_code == 0, result.output
+    assert "break-even acceptance" in result.output and "NO: OUTPUT DIFFERS" not in result.output
+    for r in json.loads((tmp_path / "s.json").read_text()):
+        sweep = r["builds"][str(out)]["sweep"]
+        assert [rec["acceptance"] for rec in sweep] == ["0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8",
+                                                       "0.9", "0.95"]
+        assert sweep[0]["policies"]["fixed"]["tau"] == 1.0  # acceptance 0: nothing accepted
+        model = [rec["policies"]["fixed"]["model_speedup"] for rec in sweep]
+        assert model == sorted(model)  # the model's promise grows with acceptance
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("args", "problem"), [
+    (["--acceptance", "1.2"], "outside [0, 1]"), (["--acceptance", "0.5,0.5,0.5,0.5"], "drafts to depth 3"),
+    (["--acceptance", "x"], "not a number"), (["--acceptance", "0.5", "--acceptance-sweep"], "both given")])
+def test_bad_acceptance_is_refused_before_anything_is_measured(built, args, problem):
+    out, _ = built
+    result = CliRunner().invoke(main, ["bench", str(out), *args])
+    assert result.exit_code == 2 and problem in result.output and "fix:" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_run_has_no_synthetic_acceptance(built):
+    """A measurement tool, never a generation mode: run refuses the option as unknown."""
+    out, _ = built
+    result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5", "--acceptance", "0.7"])
+    assert result.exit_code == 2 and "No such option: --acceptance" in result.output
