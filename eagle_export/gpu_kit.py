@@ -13,7 +13,8 @@ through the same model passes a build applies. Per shape, each step one record i
                 output differs, the first differing position and the plain run's top-2 logit margin
                 there (a near-tie that the verify width's rounding can flip, or a bug)
     costs       the measured cost curves (verify T = 1..K+1, drafter) at batch 1, 4, 16, CUDA graphs
-    sweep       `bench` at synthetic acceptance 0 .. 0.9 and 0.73/0.52/0.35/0.25 per depth (vLLM CI's Llama-3.1-8B pair), both
+    sweep       `bench` at synthetic acceptance 0 .. 0.9 and 0.73/0.52/0.35/0.25 per depth (vLLM CI's Llama-3.1-8B pair)
+                in fp32 (SWEEP_DTYPE, why there), both
                 policies, batch 1 and 4, beside the cost model, and the break-even acceptance
     export      the real-width graphs (EXPORT_LAYERS decoder layers) exported to ONNX and run in ONNX
                 Runtime against torch on one prefill
@@ -74,6 +75,11 @@ TARGETS = {
 }
 REAL_SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
 SWEEP = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9)
+# The sweep runs in fp32: on an H200 in bf16 the speculative text parted from every continuation at
+# its first near-tie (a 5-token verify call rounds differently from a 1-token step, and a row's result
+# depends on its place in the call), after which every synthetic draft is wrong; in fp32 speculative
+# and plain decoding were identical there. The cost curves and lossless checks stay in bf16.
+SWEEP_DTYPE = torch.float32
 # Llama-3.1-8B's EAGLE-3 per position in vLLM's CI (K = 3), and 0.25 for a fourth draft
 REAL_ACCEPTANCE = (0.73, 0.52, 0.35, 0.25)
 
@@ -289,8 +295,16 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
             fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
             step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16)))
+            if dtype != torch.float32:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
+                del runtimes, fast, runtime, target, drafter
+                if cuda:
+                    torch.cuda.empty_cache()
+                target, drafter = random_pair(shape, device, SWEEP_DTYPE)
+                fast = make_runtime(target, drafter, device, cuda_graphs=cuda)
+            record["sweep dtype"] = str(SWEEP_DTYPE if dtype != torch.float32 else dtype).removeprefix("torch.")
             step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values))
-            del runtimes, fast, runtime, target, drafter
+            del fast, target, drafter
+            runtimes = runtime = None
             if cuda:
                 torch.cuda.empty_cache()
         if n == 0 and cuda and dtype != torch.float32:
