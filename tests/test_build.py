@@ -822,4 +822,4 @@ def test_run_has_no_synthetic_acceptance(built):
     """A measurement tool, never a generation mode: run refuses the option as unknown."""
     out, _ = built
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5", "--acceptance", "0.7"])
-    assert result.exit_code == 2 and "No such option: --acceptance" in result.output
+    assert result.exit_code == 2 and "No such option '--acceptance'" in result.output
