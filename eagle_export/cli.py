@@ -220,12 +220,14 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if bool(prompt) == bool(chat):
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
-    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
-        opened.runtime.cost_curves(1)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
     runtime = opened.runtime
+    for ids in requests:  # a refused run writes nothing (not even the cost cache)
+        runtime.check_requests([ids], config)
+    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
+        runtime.cost_curves(1)
     for i, ids in enumerate(requests):
         if as_json:
             [result] = runtime.generate([ids], config)
