@@ -27,44 +27,45 @@ def _free_bytes(path: Path) -> str:
     return "free space unknown"
 
 
-def file_error(path, error: OSError, restore: str = RESTORE, needed: int | None = None) -> EagleExportError:
-    """The EagleExportError for `error`, raised on `path` (the error's own file name when it has one).
-    `needed`: the bytes a write needed, for a full disk."""
+def file_error(path, error: OSError, restore: str = RESTORE, needed: int | None = None,
+               cls=EagleExportError) -> EagleExportError:
+    """The error (of class `cls`) for `error`, raised on `path` (the error's own file name when it has
+    one). `needed`: the bytes a write needed, for a full disk."""
     path = Path(error.filename if isinstance(error.filename, str) else path)
     code = error.errno
     if code in (errno.EACCES, errno.EPERM):
-        return EagleExportError(f"{path} cannot be read or written by this user (permission denied)",
+        return cls(f"{path} cannot be read or written by this user (permission denied)",
                                 "fix its permissions (chmod u+rw for a file, u+rwx for a directory and those "
                                 "above it), or run as its owner")
     if code == errno.ELOOP:
-        return EagleExportError(f"{path} is a symbolic link loop (it leads back to itself)",
+        return cls(f"{path} is a symbolic link loop (it leads back to itself)",
                                 "point the link at the real file or directory (ls -l shows where it leads)")
     if code == errno.ENOTDIR:
-        return EagleExportError(f"{path}: a part of this path is a file, not a directory",
+        return cls(f"{path}: a part of this path is a file, not a directory",
                                 "pass a path whose parents are directories")
     if code == errno.EISDIR:
-        return EagleExportError(f"{path} is a directory where a file was expected", restore)
+        return cls(f"{path} is a directory where a file was expected", restore)
     if code == errno.ENOENT and os.path.islink(path):
-        return EagleExportError(f"{path} is a symbolic link to a file that does not exist ({os.readlink(path)})",
+        return cls(f"{path} is a symbolic link to a file that does not exist ({os.readlink(path)})",
                                 "point the link at the real file")
     if code == errno.ENOENT:
-        return EagleExportError(f"{path} does not exist", restore)
+        return cls(f"{path} does not exist", restore)
     if code in (errno.ENOSPC, errno.EDQUOT):
         need = f"; {needed / 2**20:.0f} MiB were needed" if needed else ""
-        return EagleExportError(f"no space left on the device holding {path} ({_free_bytes(path)}{need})",
+        return cls(f"no space left on the device holding {path} ({_free_bytes(path)}{need})",
                                 "free space on that device, or write the output elsewhere (-o)")
     if code == errno.EROFS:
-        return EagleExportError(f"{path} is on a read-only file system", "write the output elsewhere (-o)")
-    return EagleExportError(f"{path} cannot be read ({error.strerror or type(error).__name__})", restore)
+        return cls(f"{path} is on a read-only file system", "write the output elsewhere (-o)")
+    return cls(f"{path} cannot be read ({error.strerror or type(error).__name__})", restore)
 
 
 @contextlib.contextmanager
-def reading(path, restore: str = RESTORE):
-    """Any OSError in the body is `path`'s problem, named with its cause and fix."""
+def reading(path, restore: str = RESTORE, cls=EagleExportError):
+    """Any OSError in the body is `path`'s problem, named with its cause and fix (an error of class `cls`)."""
     try:
         yield
     except OSError as e:
-        raise file_error(path, e, restore) from None
+        raise file_error(path, e, restore, cls=cls) from None
 
 
 def read_bytes(path, restore: str = RESTORE) -> bytes:
@@ -81,10 +82,10 @@ def read_text(path, restore: str = RESTORE) -> str:
 
 
 def read_json(path, restore: str = RESTORE):
-    text = read_text(path, restore)
+    data = read_bytes(path, restore)
     try:
-        return json.loads(text)
-    except ValueError as e:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # not JSON, or not UTF-8
         raise EagleExportError(f"{path} is not valid JSON ({e})", restore) from None
 
 
