@@ -236,7 +236,14 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> list[str
     bad = [i for i in ids if not 0 <= i <= target_cfg.num_layers]
     if bad:
         problems.append(f"aux layer ids {bad} lie beyond the target's {target_cfg.num_layers} layers")
+    problems += repeated_aux_ids(ids)
     return problems
+
+
+def repeated_aux_ids(ids) -> list[str]:
+    """A layer named twice among the aux ids (no drafter is trained on one state twice: a typo)."""
+    repeated = sorted({i for i in ids if list(ids).count(i) > 1})
+    return [f"aux layer ids {list(ids)} name layer(s) {repeated} more than once"] if repeated else []
 
 
 def check_state_against_config(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: str) -> None:

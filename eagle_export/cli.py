@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -15,18 +18,30 @@ from .contract import MAX_DEPTH
 from .errors import EagleExportError
 
 
+def _refuse(e: EagleExportError):
+    click.echo(f"error: {e.problem}", err=True)
+    if e.fix:
+        click.echo(f"  fix: {e.fix}", err=True)
+    sys.exit(2)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except EagleExportError as e:
-            click.echo(f"error: {e.problem}", err=True)
-            if e.fix:
-                click.echo(f"  fix: {e.fix}", err=True)
-            sys.exit(2)
+            _refuse(e)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors, --help, Ctrl-C at a prompt
+        except BrokenPipeError:  # `eagle-export inspect BUILD | head`: the reader has all it wanted
+            with contextlib.suppress(Exception):  # (no flush of what is left at exit: it would fail again)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)  # 128 + SIGPIPE, as a shell reports a writer whose reader left
         except Exception as e:  # the last line only: bad input is caught where it enters, as EagleExportError
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's state, not a bug
+                from .files import file_error
+
+                _refuse(file_error(e.filename or "the output", e))
             with tempfile.NamedTemporaryFile("w", prefix="eagle-export-error-", suffix=".log", delete=False) as log:
                 traceback.print_exc(file=log)
             click.echo(f"error: internal error ({type(e).__name__}: {str(e)[:300]})", err=True)
@@ -410,7 +425,8 @@ def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
 
     export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
                   progress=click.echo)
-    click.echo(f"wrote {out_dir}/target.onnx, drafter.onnx, export_summary.json")
+    click.echo(f"wrote {out_dir}/target.onnx, drafter.onnx, {'drafter_sampling.onnx, ' if sampling else ''}"
+               "export_summary.json")
 
 
 @main.command("passes")

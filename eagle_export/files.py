@@ -20,11 +20,12 @@ from .errors import EagleExportError
 RESTORE = "restore the file (or pass the right path)"
 
 
-def _free_bytes(path: Path) -> str:
-    for place in (path, *path.parents):
+def free_bytes(path) -> int:
+    """Free bytes on the device holding `path` (or its nearest existing parent); unbounded if unknown."""
+    for place in (Path(path), *Path(path).parents):
         with contextlib.suppress(OSError):
-            return f"{shutil.disk_usage(place).free / 2**20:.0f} MiB free there"
-    return "free space unknown"
+            return shutil.disk_usage(place).free
+    return 1 << 62
 
 
 def file_error(path, error: OSError, restore: str = RESTORE, needed: int | None = None,
@@ -51,8 +52,8 @@ def file_error(path, error: OSError, restore: str = RESTORE, needed: int | None 
     if code == errno.ENOENT:
         return cls(f"{path} does not exist", restore)
     if code in (errno.ENOSPC, errno.EDQUOT):
-        need = f"; {needed / 2**20:.0f} MiB were needed" if needed else ""
-        return cls(f"no space left on the device holding {path} ({_free_bytes(path)}{need})",
+        need = f", about {needed / 2**20:.0f} MiB needed" if needed else ""
+        return cls(f"no space left on the device holding {path} ({free_bytes(path) / 2**20:.0f} MiB free{need})",
                                 "free space on that device, or write the output elsewhere (-o)")
     if code == errno.EROFS:
         return cls(f"{path} is on a read-only file system", "write the output elsewhere (-o)")

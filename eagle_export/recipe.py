@@ -331,6 +331,6 @@ def parse_override(text: str) -> tuple[str, object]:
     try:
         return key.strip(), safe_yaml(value, f"--set {key.strip()}")[1]
     except RecipeError as e:  # a tag such as !!python/object, or an alias, is refused here too
-        raise EagleExportError(f"override {shown(text)}: the value is not a plain YAML scalar "
+        raise EagleExportError(f"--set {shown(text)}: the value is not a plain YAML scalar "
                                f"({'; '.join(e.problems)})",
                                "write a plain value, e.g. --set precision.target=fp8") from None
