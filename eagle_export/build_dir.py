@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from tokenizers import Tokenizer
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from .checkpoint import load_drafter, load_target
@@ -17,7 +17,7 @@ from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
-from .files import load_int_array
+from .files import load_int_array, load_tokenizer
 from .manifest import (MANIFEST, Manifest, contradictions, old_format_note, read_manifest, verify_artifacts,
                        verify_sources)
 from .nvfp4 import use_graph_weights
@@ -151,7 +151,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json")) if (path / "tokenizer.json").is_file() else None
+    tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,

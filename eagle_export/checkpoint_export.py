@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -39,7 +40,8 @@ from . import quantize as Q
 from .checkpoint import DTYPES, drafter_state_for_saving, load_drafter, load_target, resolve_dtype
 from .drafter import Drafter
 from .errors import EagleExportError
-from .manifest import MANIFEST, Manifest, atomic_build_dir
+from .config import read_config_json
+from .manifest import MANIFEST, Manifest, atomic_build_dir, check_output, output_place
 from .modelopt_hf import export_quantized, quantization_config, unify_fused_scales
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
@@ -77,7 +79,7 @@ def resolve_source(source, target=None) -> dict:
     """{target_dir, drafter_dir, precision, calibration, depth, conformance} from a build directory
     (its manifest) or from a drafter directory and `target`."""
     source = Path(source)
-    if (source / MANIFEST).is_file():
+    if os.path.lexists(source / MANIFEST):  # (one that cannot be read is named by Manifest.read)
         manifest = Manifest.read(source)
         recipe = manifest.data["recipe"]
         return {"target_dir": Path(manifest.target.source), "drafter_dir": Path(manifest.drafter.source),
@@ -191,6 +193,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if fmt not in FORMATS:
         raise EagleExportError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     src = resolve_source(source, target)
+    inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
+    check_output(output_place(out_dir), inputs, force, EXPORT_OUTPUT)  # before any work; again at the rename
     # A build's fp16/bf16/fp32 is its engines' precision; a checkpoint keeps the drafter's own dtype.
     precision = precision or (src["precision"] if src["precision"] in QUANTIZED else None)
     quantized = precision in QUANTIZED
@@ -205,7 +209,7 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         raise EagleExportError(f"unknown embeddings choice {embeddings!r}", "use store or share")
 
     target_model = load_target(src["target_dir"], dtype="float32")
-    drafter_cfg_dtype = json.loads((Path(src["drafter_dir"]) / "config.json").read_text()).get("torch_dtype")
+    drafter_cfg_dtype = read_config_json(src["drafter_dir"]).get("torch_dtype")
     out_dtype = resolve_dtype(dtype or (precision if precision in DTYPES else None) or drafter_cfg_dtype or "float32")
     # fp32 for everything computed here (calibration, logits); `out_dtype` only for what is written.
     drafter = load_drafter(src["drafter_dir"], target=target_model, dtype="float32")
@@ -266,7 +270,6 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if hf_quant_config is not None:
         config["quantization_config"] = quantization_config(hf_quant_config)
 
-    inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
     with atomic_build_dir(out_dir, force, inputs, replaceable=EXPORT_OUTPUT, warn=progress) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weight_names(fmt, state), str(tmp / "model.safetensors"), metadata={"format": "pt"})

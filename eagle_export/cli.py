@@ -94,7 +94,7 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
-    is_build = (Path(path) / MANIFEST).is_file()
+    is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
     if is_build and check:
         raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
     report = inspect_build(path) if is_build else inspect_checkpoint(path, target)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointError, EagleExportError
-from .files import is_dir, read_json
+from .files import is_dir, list_dir, read_json
 
 # architecture name -> (family, attention_bias default, q/k norm)
 TARGET_ARCHITECTURES = {
@@ -34,7 +33,7 @@ def read_config_json(path: str | Path) -> dict:
             raise CheckpointError(f"{path} is not a directory",
                                   "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
         config_file = path / "config.json"
-        if not os.path.lexists(config_file):
+        if config_file not in list_dir(path):  # (an unreadable directory is named here)
             raise CheckpointError(f"{path} has no config.json",
                                   "pass the checkpoint directory itself, the one holding config.json")
         cfg = read_json(config_file, "restore the file from the checkpoint")

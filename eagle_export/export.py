@@ -34,6 +34,7 @@ from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
 from .files import file_error, free_bytes, reading
+from .manifest import output_place
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
 from .qdq import EXPORT_OPSET, finish_quantized, fp8_weight_codes
@@ -125,7 +126,7 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
     progress = progress or (lambda message: None)
     check_depth(depth)
     torch_dtype = resolve_export_dtype(dtype)
-    out_dir = Path(out_dir)
+    out_dir = output_place(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not force or not out_dir.is_dir():
             raise EagleExportError(f"{out_dir} exists and is not an empty directory",

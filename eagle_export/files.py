@@ -18,6 +18,9 @@ import numpy as np
 from .errors import EagleExportError
 
 RESTORE = "restore the file (or pass the right path)"
+# No JSON, YAML, text or tokenizer file a command reads comes near this: a larger one is refused
+# before it is read whole (a huge or sparse file would exhaust memory, not fail).
+MAX_READ_BYTES = 256 << 20
 
 
 def free_bytes(path) -> int:
@@ -71,7 +74,34 @@ def reading(path, restore: str = RESTORE, cls=EagleExportError):
 
 def read_bytes(path, restore: str = RESTORE) -> bytes:
     with reading(path, restore):
+        size = os.stat(path).st_size
+        if size > MAX_READ_BYTES:
+            raise EagleExportError(f"{path} is {size / 2**20:.0f} MiB, beyond what such a file can hold "
+                                   f"({MAX_READ_BYTES >> 20} MiB at most)", restore)
         return Path(path).read_bytes()
+
+
+def resolved(path) -> Path:
+    """Path(path).resolve(), with a symbolic link loop named (Python < 3.13 raises RuntimeError)."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError:
+        raise file_error(path, OSError(errno.ELOOP, "Too many levels of symbolic links")) from None
+    except OSError as e:
+        raise file_error(path, e) from None
+
+
+def load_tokenizer(path):
+    """A tokenizer.json, read through this module, refused by name when the tokenizers library cannot
+    parse it (its own errors are a bare Exception)."""
+    from tokenizers import Tokenizer
+
+    text = read_text(path, "restore tokenizer.json from the checkpoint")
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises plain Exception for every parse error
+        raise EagleExportError(f"{path} is not a tokenizer the tokenizers library reads ({str(e)[:200]})",
+                               "restore tokenizer.json from the checkpoint") from None
 
 
 def read_text(path, restore: str = RESTORE) -> str:

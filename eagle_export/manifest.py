@@ -27,7 +27,7 @@ from . import __version__
 from .costs import COSTS_FILE
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
-from .files import is_dir, list_dir, read_json, read_text, reading
+from .files import is_dir, list_dir, read_json, read_text, reading, resolved
 from .recipe import QUANTIZED
 
 MANIFEST = "manifest.json"
@@ -276,7 +276,10 @@ def _inside(build_dir: Path, name) -> bool:
     """A plain relative name that stays inside the build (no absolute path, no .., no link out)."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
         return False
-    return (build_dir / name).resolve().is_relative_to(build_dir.resolve())
+    try:
+        return (build_dir / name).resolve().is_relative_to(build_dir.resolve())
+    except RuntimeError:  # a link loop: inside, and named as a loop where the file is read
+        return True
 
 
 def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
@@ -338,12 +341,26 @@ def is_build_dir(path: Path) -> bool:
 BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
 
 
+def output_place(out_dir) -> Path:
+    """`out_dir` resolved, once its nearest existing parent is known to be a directory this user may
+    write in (a file, a link loop or a locked directory there is named before any work)."""
+    out_dir = resolved(out_dir)
+    above = next(d for d in (out_dir.parent, *out_dir.parents) if os.path.lexists(d))
+    if not is_dir(above):
+        raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
+                               "choose an -o whose parent is a directory")
+    if not os.access(above, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise EagleExportError(f"cannot write the output in {above} (permission denied)",
+                               "choose an output directory you can write to (-o)")
+    return out_dir
+
+
 def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
     """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
     only what `replaceable` = (description, test) recognises as this tool's own output, never an
     input of the build or a directory holding one (`-o ''` is the current directory)."""
     for source in inputs:
-        source = Path(source).resolve()
+        source = resolved(source)
         if out_dir == source or out_dir in source.parents:
             what = "is" if out_dir == source else f"holds {source}, which is"
             raise EagleExportError(f"the output {out_dir} {what} an input of this build",
@@ -356,7 +373,7 @@ def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUIL
             raise EagleExportError(f"{out_dir} exists and is not {description}: --force replaces only those",
                                    "choose another -o, or move that directory away yourself")
     return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
-            for source in map(lambda s: Path(s).resolve(), inputs) if source in out_dir.parents]
+            for source in map(resolved, inputs) if source in out_dir.parents]
 
 
 def _process_alive(pid: int) -> bool:
@@ -426,15 +443,11 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
     existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
     only once the new build is complete. Without `force` the final rename cannot replace a build that
     another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
-    out_dir = Path(out_dir).resolve()
+    out_dir = output_place(out_dir)
     for message in check_output(out_dir, inputs, force, replaceable):
         (warn or print)(f"warning: {message}")
     parent = out_dir.parent
     created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
-    above = next(d for d in (parent, *parent.parents) if d not in created)
-    if not is_dir(above):
-        raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
-                               "choose an -o whose parent is a directory")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         sweep_leftovers(out_dir)

@@ -105,14 +105,12 @@ def _wrong_type_inside(path: Path):
 
 
 def _huge(path: Path):
-    """A sparse file of 64 GiB: no disk used, but no reader may load it whole."""
-    if path.is_dir():
-        for f in path.iterdir():
-            if f.is_file():
-                _huge(f)
-        return
+    """A sparse file past the largest a command reads whole (files.MAX_READ_BYTES): no disk used, and
+    small enough that hashing it stays quick."""
+    from eagle_export.files import MAX_READ_BYTES
+
     with open(path, "r+b" if path.exists() else "wb") as f:
-        f.truncate(64 << 30)
+        f.truncate(MAX_READ_BYTES + (16 << 20))
 
 
 def _remove(path: Path):
