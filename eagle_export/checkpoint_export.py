@@ -126,6 +126,36 @@ def eagle_flags(cfg) -> dict:
     return flags
 
 
+# How third-party readers served our exports of the sample drafters, as measured against an
+# independent EAGLE forward (docs: the shared INTEROP notes, 2026-11-26): speculators 0.9.0 and
+# SpecForge 0.2.0 on CPU; written into the exported config and printed.
+MEASURED_READERS = "speculators 0.9.0, SpecForge 0.2.0 (measured 2026-11-26)"
+
+
+def reader_notes(fmt: str, eagle_version: str, quantized: bool) -> dict:
+    """{exact, mis_serve, refuse}: the readers measured to serve this export exactly, those known to
+    mis-serve it (reader, version, how and how much), and those that refuse it."""
+    if quantized:  # FP8 measured; NVFP4 not measured by any reader
+        return {"exact": [], "refuse": ["speculators 0.9.0 (--format speculators --precision fp8/nvfp4 is refused "
+                                        "here)"] if fmt == "speculators" else [],
+                "mis_serve": [
+                    "transformers 5.19 and speculators 0.9.0's Eagle3Converter load the FP8 codes without their "
+                    "scales, with a warning only (top-1 agreement 2.6% EAGLE-3, ~39% EAGLE-3.1)",
+                    "SpecForge 0.2.0 likewise loads the codes without their scales"]}
+    if eagle_version != "3.1":
+        return {"exact": ["speculators 0.9.0 (through its Eagle3Converter unless --format speculators; it stores "
+                          "no embedding table: supply the target's)", "SpecForge 0.2.0"],
+                "mis_serve": [], "refuse": []}
+    if fmt == "speculators":
+        return {"exact": ["speculators 0.9.0 (as-is)"], "mis_serve": [], "refuse": ["SpecForge 0.2.0 (not its format)"]}
+    return {"exact": [], "refuse": ["speculators 0.9.0 as-is (only through its Eagle3Converter)"],
+            "mis_serve": [
+                "speculators 0.9.0's Eagle3Converter drops fc_norm.N.weight (EAGLE-3.1's per-aux norms), logging only "
+                "\"Unexpected keys\": top-1 agreement 92.8% at step 0, 92.7/89.0/89.2% at steps 1-3",
+                "SpecForge 0.2.0 feeds back the pre-norm state: step 0 exact, steps 1-3 agree 24.1/13.3/10.1%",
+                "SGLang releases without EAGLE-3.1 support skip fc_norm.* silently (read from source, not run)"]}
+
+
 def checkpoint_config(fmt: str, cfg, aux_ids: tuple[int, ...], dtype: torch.dtype, provenance: dict,
                       verifier: str, target_architecture: str, depth: int) -> dict:
     """config.json for `fmt`; `aux_ids` in vLLM numbering."""
@@ -262,9 +292,11 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
                                   for k, v in drafter_state_for_saving(reference).items()}, None
     if embeddings == "store":
         state["embed_tokens.weight"] = table.weight.to(out_dtype)
+    summary["readers"] = reader_notes(fmt, drafter.config.eagle_version, quantized)
     provenance = {"exported_by": f"eagle-export {__version__}", "format": fmt,
                   "embeddings": "stored" if embeddings == "store" else "shared with the target (not stored)",
-                  "passes_applied": passes, "passes_not_applied": PASSES_NOT_APPLIED}
+                  "passes_applied": passes, "passes_not_applied": PASSES_NOT_APPLIED,
+                  "readers": {**summary["readers"], "measured": MEASURED_READERS}}
     config = checkpoint_config(fmt, drafter.config, aux_ids, out_dtype, provenance, verifier or str(src["target_dir"]),
                                target_model.config.architecture, src["depth"])
     if hf_quant_config is not None:

@@ -501,3 +501,7 @@ def export_checkpoint_command(source, out_dir, fmt, target, precision, embedding
     click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids_vllm']} in vLLM "
                f"numbering, embeddings {summary['embeddings']}d); loaded back: max abs logit diff "
                f"{trip['max_abs_logit_diff']:.3g} (tolerance {trip['tolerance']})")
+    readers = summary["readers"]
+    click.echo(f"readers measured to serve it exactly: {'; '.join(readers['exact']) or 'none'}")
+    for line in readers["mis_serve"]:
+        click.echo(f"warning: known to mis-serve it: {line}")
