@@ -39,25 +39,25 @@ def file_error(path, error: OSError, restore: str = RESTORE, needed: int | None 
     code = error.errno
     if code in (errno.EACCES, errno.EPERM):
         return cls(f"{path} cannot be read or written by this user (permission denied)",
-                                "fix its permissions (chmod u+rw for a file, u+rwx for a directory and those "
-                                "above it), or run as its owner")
+                   "fix its permissions (chmod u+rw for a file, u+rwx for a directory and those "
+                   "above it), or run as its owner")
     if code == errno.ELOOP:
         return cls(f"{path} is a symbolic link loop (it leads back to itself)",
-                                "point the link at the real file or directory (ls -l shows where it leads)")
+                   "point the link at the real file or directory (ls -l shows where it leads)")
     if code == errno.ENOTDIR:
         return cls(f"{path}: a part of this path is a file, not a directory",
-                                "pass a path whose parents are directories")
+                   "pass a path whose parents are directories")
     if code == errno.EISDIR:
         return cls(f"{path} is a directory where a file was expected", restore)
     if code == errno.ENOENT and os.path.islink(path):
         return cls(f"{path} is a symbolic link to a file that does not exist ({os.readlink(path)})",
-                                "point the link at the real file")
+                   "point the link at the real file")
     if code == errno.ENOENT:
         return cls(f"{path} does not exist", restore)
     if code in (errno.ENOSPC, errno.EDQUOT):
         need = f", about {needed / 2**20:.0f} MiB needed" if needed else ""
         return cls(f"no space left on the device holding {path} ({free_bytes(path) / 2**20:.0f} MiB free{need})",
-                                "free space on that device, or write the output elsewhere (-o)")
+                   "free space on that device, or write the output elsewhere (-o)")
     if code == errno.EROFS:
         return cls(f"{path} is on a read-only file system", "write the output elsewhere (-o)")
     return cls(f"{path} cannot be read ({error.strerror or type(error).__name__})", restore)
