@@ -245,6 +245,13 @@ class OnnxRuntimeBackend(Backend):
 
         self.target_session, self.drafter_session = session(target_onnx), session(drafter_onnx)
         self.drafter_sampling_session = session(drafter_sampling_onnx) if drafter_sampling_onnx else None
+        for path, graph, sampling in ((drafter_onnx, self.drafter_session, False),
+                                      (drafter_sampling_onnx, self.drafter_sampling_session, True)):
+            if graph is not None and sampling != any(i.name == C.TEMPERATURE for i in graph.get_inputs()):
+                raise EagleExportError(f"{path} is a {'greedy' if sampling else 'sampling'} drafter graph, given "
+                                       f"where the {'sampling' if sampling else 'greedy'} one goes",
+                                       "pass the greedy drafter.onnx as the drafter and drafter_sampling.onnx "
+                                       "as the sampling drafter (`export --sampling` writes both)")
         target_outputs = [o.name for o in self.target_session.get_outputs()]
         past, drafter_past = (next(i for i in s.get_inputs() if i.name == C.PAST_KEY)
                               for s in (self.target_session, self.drafter_session))

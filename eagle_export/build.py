@@ -210,6 +210,12 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
             target = load_target(target_dir, dtype=target_dtype)
+            positions = target.config.max_position_embeddings
+            if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
+                raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "
+                                       f"target's {positions} positions (max_position_embeddings)",
+                                       "lower profiles.context.max to the target's position count or less "
+                                       "(--set profiles.context.max=N)")
             drafter = load_drafter(drafter_dir, target=target, dtype=drafter_dtype)
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
 
@@ -287,7 +293,8 @@ def model_summary(target, drafter, precision, target_dtype, drafter_dtype) -> di
         "target": {"architecture": t.architecture, "num_layers": t.num_layers, "hidden_size": t.hidden_size,
                    "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size,
                    "aux_layer_ids": list(target.aux_layer_ids), "precision": precision["target"],
-                   "dtype": target_dtype, "eos_token_id": t.eos_token_id},
+                   "dtype": target_dtype, "eos_token_id": t.eos_token_id,
+                   "max_position_embeddings": t.max_position_embeddings},
         "drafter": {"eagle_version": d.eagle_version, "hidden_size": d.hidden_size, "num_kv_heads": d.num_kv_heads,
                     "head_dim": d.head_dim, "draft_vocab_size": d.draft_vocab_size, "precision": precision["drafter"],
                     "dtype": drafter_dtype},

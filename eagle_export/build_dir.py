@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from tokenizers import Tokenizer
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from .checkpoint import load_drafter, load_target
@@ -17,7 +17,9 @@ from .costs import CostCache, cache_path, cost_key
 from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
-from .manifest import MANIFEST, Manifest, read_manifest, verify_artifacts, verify_sources
+from .files import load_int_array, load_tokenizer
+from .manifest import (MANIFEST, Manifest, contradictions, old_format_note, read_manifest, verify_artifacts,
+                       verify_sources)
 from .nvfp4 import use_graph_weights
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
@@ -141,10 +143,15 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
             raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
                                    "rebuild it with `eagle-export build --force`")
     manifest = Manifest.from_json(data, path / MANIFEST)
+    draft_to_target = load_int_array(path / "draft_to_target.npy", "rebuild with `eagle-export build --force`")
+    problems = contradictions(manifest) + vocab_map_problems(manifest, draft_to_target)
+    if problems:
+        raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
+                               "rebuild it with `eagle-export build --force`")
     chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
     t, d = manifest.target, manifest.drafter
-    draft_to_target = torch.from_numpy(np.load(path / "draft_to_target.npy"))
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json")) if (path / "tokenizer.json").is_file() else None
+    draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
+    tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
@@ -152,6 +159,19 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
                                                       cost_key(chosen, threads, static_cache)),
                                  vocab_size=t.vocab_size, static_cache=static_cache)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
+
+
+def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[str]:
+    """draft_to_target.npy against the manifest: one target id per draft id, each inside the vocabulary."""
+    size = manifest.data["models"]["drafter"].get("draft_vocab_size")
+    vocab = manifest.target.vocab_size
+    problems = []
+    if draft_to_target.ndim != 1 or isinstance(size, int) and len(draft_to_target) != size:
+        problems.append(f"draft_to_target.npy has shape {draft_to_target.shape}, the drafter's vocabulary is {size}")
+    elif isinstance(vocab, int) and len(draft_to_target) and not (
+            0 <= draft_to_target.min() and draft_to_target.max() < vocab):
+        problems.append(f"draft_to_target.npy maps to ids outside the target's vocabulary [0, {vocab})")
+    return problems
 
 
 def inspect_build(path: str | Path) -> dict:
@@ -176,6 +196,6 @@ def inspect_build(path: str | Path) -> dict:
         "lossless_eps": data.get("quantization", {}).get("eps", {}).get("eps"),
         "validation": f"{sum(c['ok'] for c in validation.get('checks', []))}/{len(validation.get('checks', []))} "
                       f"checks passed" + ("" if validation.get("ok") else ", FAILED"),
-        "warnings": [],
+        "warnings": [note for note in [old_format_note(data)] if note] + contradictions(manifest),
     }
     return report

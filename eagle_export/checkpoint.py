@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from .drafter import Drafter
 from .errors import CheckpointError
+from .files import reading
 from .layers import rope_inv_freq
 from .modelopt_hf import checkpoint_precision, restore_quantized, split_quantized
 from .target import Target
@@ -52,12 +53,14 @@ def _load_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    # A loop, mode 000, a directory: named with their own fix, not "re-download".
+    with reading(file, "re-download the file", CheckpointError), open(file, "rb"):
+        pass
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with reading(file, "re-download the file", CheckpointError), safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
-    except PermissionError as e:  # not "re-download": the file is there, this user may not read it
-        raise CheckpointError(f"{file} cannot be read ({e.strerror or 'permission denied'})",
-                              "make it readable to this user (check its permissions)") from None
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"{file} is not a readable safetensors file ({e})",
                               "re-download the file; a truncated or corrupted file cannot be loaded") from None
@@ -233,7 +236,14 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> list[str
     bad = [i for i in ids if not 0 <= i <= target_cfg.num_layers]
     if bad:
         problems.append(f"aux layer ids {bad} lie beyond the target's {target_cfg.num_layers} layers")
+    problems += repeated_aux_ids(ids)
     return problems
+
+
+def repeated_aux_ids(ids) -> list[str]:
+    """A layer named twice among the aux ids (no drafter is trained on one state twice: a typo)."""
+    repeated = sorted({i for i in ids if list(ids).count(i) > 1})
+    return [f"aux layer ids {list(ids)} name layer(s) {repeated} more than once"] if repeated else []
 
 
 def check_state_against_config(cfg: DrafterConfig, state: dict[str, torch.Tensor], where: str) -> None:

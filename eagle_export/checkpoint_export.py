@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -39,7 +40,8 @@ from . import quantize as Q
 from .checkpoint import DTYPES, drafter_state_for_saving, load_drafter, load_target, resolve_dtype
 from .drafter import Drafter
 from .errors import EagleExportError
-from .manifest import MANIFEST, Manifest, atomic_build_dir
+from .config import read_config_json
+from .manifest import MANIFEST, Manifest, atomic_build_dir, check_output, output_place
 from .modelopt_hf import export_quantized, quantization_config, unify_fused_scales
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
@@ -77,7 +79,7 @@ def resolve_source(source, target=None) -> dict:
     """{target_dir, drafter_dir, precision, calibration, depth, conformance} from a build directory
     (its manifest) or from a drafter directory and `target`."""
     source = Path(source)
-    if (source / MANIFEST).is_file():
+    if os.path.lexists(source / MANIFEST):  # (one that cannot be read is named by Manifest.read)
         manifest = Manifest.read(source)
         recipe = manifest.data["recipe"]
         return {"target_dir": Path(manifest.target.source), "drafter_dir": Path(manifest.drafter.source),
@@ -122,6 +124,36 @@ def eagle_flags(cfg) -> dict:
         if getattr(cfg, key):
             flags[key] = True
     return flags
+
+
+# How third-party readers served our exports of the sample drafters, as measured against an
+# independent EAGLE forward (docs: the shared INTEROP notes, 2026-11-26): speculators 0.9.0 and
+# SpecForge 0.2.0 on CPU; written into the exported config and printed.
+MEASURED_READERS = "speculators 0.9.0, SpecForge 0.2.0 (measured 2026-11-26)"
+
+
+def reader_notes(fmt: str, eagle_version: str, quantized: bool) -> dict:
+    """{exact, mis_serve, refuse}: the readers measured to serve this export exactly, those known to
+    mis-serve it (reader, version, how and how much), and those that refuse it."""
+    if quantized:  # FP8 measured; NVFP4 not measured by any reader
+        return {"exact": [], "refuse": ["speculators 0.9.0 (--format speculators --precision fp8/nvfp4 is refused "
+                                        "here)"] if fmt == "speculators" else [],
+                "mis_serve": [
+                    "transformers 5.19 and speculators 0.9.0's Eagle3Converter load the FP8 codes without their "
+                    "scales, with a warning only (top-1 agreement 2.6% EAGLE-3, ~39% EAGLE-3.1)",
+                    "SpecForge 0.2.0 likewise loads the codes without their scales"]}
+    if eagle_version != "3.1":
+        return {"exact": ["speculators 0.9.0 (through its Eagle3Converter unless --format speculators; it stores "
+                          "no embedding table: supply the target's)", "SpecForge 0.2.0"],
+                "mis_serve": [], "refuse": []}
+    if fmt == "speculators":
+        return {"exact": ["speculators 0.9.0 (as-is)"], "mis_serve": [], "refuse": ["SpecForge 0.2.0 (not its format)"]}
+    return {"exact": [], "refuse": ["speculators 0.9.0 as-is (only through its Eagle3Converter)"],
+            "mis_serve": [
+                "speculators 0.9.0's Eagle3Converter drops fc_norm.N.weight (EAGLE-3.1's per-aux norms), logging only "
+                "\"Unexpected keys\": top-1 agreement 92.8% at step 0, 92.7/89.0/89.2% at steps 1-3",
+                "SpecForge 0.2.0 feeds back the pre-norm state: step 0 exact, steps 1-3 agree 24.1/13.3/10.1%",
+                "SGLang releases without EAGLE-3.1 support skip fc_norm.* silently (read from source, not run)"]}
 
 
 def checkpoint_config(fmt: str, cfg, aux_ids: tuple[int, ...], dtype: torch.dtype, provenance: dict,
@@ -191,6 +223,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if fmt not in FORMATS:
         raise EagleExportError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     src = resolve_source(source, target)
+    inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
+    check_output(output_place(out_dir), inputs, force, EXPORT_OUTPUT)  # before any work; again at the rename
     # A build's fp16/bf16/fp32 is its engines' precision; a checkpoint keeps the drafter's own dtype.
     precision = precision or (src["precision"] if src["precision"] in QUANTIZED else None)
     quantized = precision in QUANTIZED
@@ -205,7 +239,7 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         raise EagleExportError(f"unknown embeddings choice {embeddings!r}", "use store or share")
 
     target_model = load_target(src["target_dir"], dtype="float32")
-    drafter_cfg_dtype = json.loads((Path(src["drafter_dir"]) / "config.json").read_text()).get("torch_dtype")
+    drafter_cfg_dtype = read_config_json(src["drafter_dir"]).get("torch_dtype")
     out_dtype = resolve_dtype(dtype or (precision if precision in DTYPES else None) or drafter_cfg_dtype or "float32")
     # fp32 for everything computed here (calibration, logits); `out_dtype` only for what is written.
     drafter = load_drafter(src["drafter_dir"], target=target_model, dtype="float32")
@@ -258,15 +292,16 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
                                   for k, v in drafter_state_for_saving(reference).items()}, None
     if embeddings == "store":
         state["embed_tokens.weight"] = table.weight.to(out_dtype)
+    summary["readers"] = reader_notes(fmt, drafter.config.eagle_version, quantized)
     provenance = {"exported_by": f"eagle-export {__version__}", "format": fmt,
                   "embeddings": "stored" if embeddings == "store" else "shared with the target (not stored)",
-                  "passes_applied": passes, "passes_not_applied": PASSES_NOT_APPLIED}
+                  "passes_applied": passes, "passes_not_applied": PASSES_NOT_APPLIED,
+                  "readers": {**summary["readers"], "measured": MEASURED_READERS}}
     config = checkpoint_config(fmt, drafter.config, aux_ids, out_dtype, provenance, verifier or str(src["target_dir"]),
                                target_model.config.architecture, src["depth"])
     if hf_quant_config is not None:
         config["quantization_config"] = quantization_config(hf_quant_config)
 
-    inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
     with atomic_build_dir(out_dir, force, inputs, replaceable=EXPORT_OUTPUT, warn=progress) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weight_names(fmt, state), str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import check_pair, load_state_dict
+from .checkpoint import check_pair, load_state_dict, repeated_aux_ids
 from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 
 
@@ -40,6 +40,8 @@ def inspect_checkpoint(path: str | Path, target: str | Path | None = None) -> di
     }
     if cfg.aux_layer_ids is None:
         warnings.append("config.json names no aux layer ids: the target's default (2, L//2, L-3) is used")
+    if target is None and cfg.aux_layer_ids is not None:
+        warnings.extend(repeated_aux_ids(cfg.aux_layer_ids))
     if not report["has_embeddings"] and target is None:
         warnings.append("the drafter has no embedding table: it shares the target's (pass --target to check the fit)")
     if target is not None:

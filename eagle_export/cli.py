@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -15,18 +18,30 @@ from .contract import MAX_DEPTH
 from .errors import EagleExportError
 
 
+def _refuse(e: EagleExportError):
+    click.echo(f"error: {e.problem}", err=True)
+    if e.fix:
+        click.echo(f"  fix: {e.fix}", err=True)
+    sys.exit(2)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except EagleExportError as e:
-            click.echo(f"error: {e.problem}", err=True)
-            if e.fix:
-                click.echo(f"  fix: {e.fix}", err=True)
-            sys.exit(2)
+            _refuse(e)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors, --help, Ctrl-C at a prompt
+        except BrokenPipeError:  # `eagle-export inspect BUILD | head`: the reader has all it wanted
+            with contextlib.suppress(Exception):  # (no flush of what is left at exit: it would fail again)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)  # 128 + SIGPIPE, as a shell reports a writer whose reader left
         except Exception as e:  # the last line only: bad input is caught where it enters, as EagleExportError
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's state, not a bug
+                from .files import file_error
+
+                _refuse(file_error(e.filename or "the output", e))
             with tempfile.NamedTemporaryFile("w", prefix="eagle-export-error-", suffix=".log", delete=False) as log:
                 traceback.print_exc(file=log)
             click.echo(f"error: internal error ({type(e).__name__}: {str(e)[:300]})", err=True)
@@ -79,7 +94,7 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
-    is_build = (Path(path) / MANIFEST).is_file()
+    is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
     if is_build and check:
         raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
     report = inspect_build(path) if is_build else inspect_checkpoint(path, target)
@@ -220,12 +235,14 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if bool(prompt) == bool(chat):
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
-    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
-        opened.runtime.cost_curves(1)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
     runtime = opened.runtime
+    for ids in requests:  # a refused run writes nothing (not even the cost cache)
+        runtime.check_requests([ids], config)
+    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
+        runtime.cost_curves(1)
     for i, ids in enumerate(requests):
         if as_json:
             [result] = runtime.generate([ids], config)
@@ -477,7 +494,8 @@ def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
 
     export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
                   progress=click.echo)
-    click.echo(f"wrote {out_dir}/target.onnx, drafter.onnx, export_summary.json")
+    click.echo(f"wrote {out_dir}/target.onnx, drafter.onnx, {'drafter_sampling.onnx, ' if sampling else ''}"
+               "export_summary.json")
 
 
 @main.command("passes")
@@ -552,3 +570,7 @@ def export_checkpoint_command(source, out_dir, fmt, target, precision, embedding
     click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids_vllm']} in vLLM "
                f"numbering, embeddings {summary['embeddings']}d); loaded back: max abs logit diff "
                f"{trip['max_abs_logit_diff']:.3g} (tolerance {trip['tolerance']})")
+    readers = summary["readers"]
+    click.echo(f"readers measured to serve it exactly: {'; '.join(readers['exact']) or 'none'}")
+    for line in readers["mis_serve"]:
+        click.echo(f"warning: known to mis-serve it: {line}")

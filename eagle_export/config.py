@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, EagleExportError
+from .files import is_dir, list_dir, read_json
 
 # architecture name -> (family, attention_bias default, q/k norm)
 TARGET_ARCHITECTURES = {
@@ -27,20 +28,19 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def read_config_json(path: str | Path) -> dict:
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory",
-                              "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.json",
-                              "pass the checkpoint directory itself, the one holding config.json")
     try:
-        cfg = json.loads(config_file.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise CheckpointError(f"{config_file} cannot be read ({e.strerror})",
-                              "make it readable to this user (check its permissions)") from None
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise CheckpointError(f"{config_file} is not valid JSON ({e})", "restore the file from the checkpoint") from None
+        if not is_dir(path):
+            raise CheckpointError(f"{path} is not a directory",
+                                  "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+        config_file = path / "config.json"
+        if config_file not in list_dir(path):  # (an unreadable directory is named here)
+            raise CheckpointError(f"{path} has no config.json",
+                                  "pass the checkpoint directory itself, the one holding config.json")
+        cfg = read_json(config_file, "restore the file from the checkpoint")
+    except CheckpointError:
+        raise
+    except EagleExportError as e:  # unreadable, a loop, a directory, not JSON: named by files.py
+        raise CheckpointError(e.problem, e.fix) from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{config_file} holds a JSON {type(cfg).__name__}, not an object of keys",
                               "restore the file from the checkpoint")

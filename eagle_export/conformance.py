@@ -26,15 +26,16 @@ norm_before_residual were true"); a drafter near zero under every reading matche
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
+from .files import load_tokenizer, read_text
 from .prompts import ChatTemplate, chat_prompts
 from .reference import parallel_drafts
 from .target import Target
@@ -197,14 +198,15 @@ def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tok
     if source in ("mt-bench", "sharegpt"):
         return list(chat_prompts(ChatTemplate(target_dir), source, count, max_tokens))
     path = Path(source)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise EagleExportError(f"prompt source {source!r} is neither mt-bench, sharegpt nor a file",
                                "pass mt-bench, sharegpt, or a text file with one prompt per line")
-    if not (Path(target_dir) / "tokenizer.json").is_file():
+    if not os.path.lexists(Path(target_dir) / "tokenizer.json"):
         raise EagleExportError(f"{target_dir} has no tokenizer.json to tokenize {path}",
                                "use a target directory that holds its tokenizer")
-    tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:count]
+    tokenizer = load_tokenizer(Path(target_dir) / "tokenizer.json")
+    text = read_text(path, "save it as UTF-8 text, one prompt a line, readable to this user")
+    lines = [line for line in text.splitlines() if line.strip()][:count]
     return [tokenizer.encode(line, add_special_tokens=False).ids[:max_tokens] for line in lines]
 
 

@@ -19,6 +19,7 @@ A model above 2 GB (the protobuf limit) is saved with its weights in one externa
 
 from __future__ import annotations
 
+import errno
 import json
 import tempfile
 import time
@@ -32,6 +33,8 @@ import torch
 from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .errors import EagleExportError
+from .files import file_error, free_bytes, reading
+from .manifest import output_place
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
 from .qdq import EXPORT_OPSET, finish_quantized, fp8_weight_codes
@@ -123,13 +126,11 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
     progress = progress or (lambda message: None)
     check_depth(depth)
     torch_dtype = resolve_export_dtype(dtype)
-    out_dir = Path(out_dir)
+    out_dir = output_place(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not force or not out_dir.is_dir():
             raise EagleExportError(f"{out_dir} exists and is not an empty directory",
                                    "choose a new output directory, or pass --force to overwrite its files")
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     progress(f"loading target {target_dir} ({DTYPE_NAMES[torch_dtype]})")
     target = load_target(target_dir, dtype=torch_dtype)
     progress(f"loading drafter {drafter_dir}")
@@ -137,16 +138,37 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
     aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
     if tuple(aux_ids) != target.aux_layer_ids:
         target.aux_layer_ids = tuple(aux_ids)  # the target must expose the states this drafter was trained on
+    # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
+    # named before, not discovered as a truncated file after.
+    needed = sum(t.numel() * t.element_size() for m in (target, drafter, *[drafter] * sampling)
+                 for t in m.state_dict().values())
+    if free_bytes(out_dir) < needed:
+        raise file_error(out_dir, OSError(errno.ENOSPC, "No space left on device"), needed=needed)
+    with reading(out_dir, "choose an output directory you can write to (-o)"):
+        out_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs loaded: a refused export leaves nothing
+    try:
+        return _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise file_error(out_dir, e, needed=needed) from None
 
+
+def _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress) -> dict:
     summary = {"dtype": DTYPE_NAMES[torch_dtype], "depth": depth, "sampling": sampling,
                "opset": C.ONNX_OPSET, "ir_version": ONNX_IR_VERSION, "aux_layer_ids": list(aux_ids)}
     progress("exporting target.onnx")
     summary["target"] = export_target(target, out_dir / "target.onnx", return_logits=sampling)
     progress(f"  target: {summary['target']['nodes_exported']} nodes exported, "
              f"{summary['target']['nodes_after_passes']} after passes, {summary['target']['export_seconds']:.1f} s")
-    progress(f"exporting drafter.onnx (depth {depth}, {'sampling' if sampling else 'greedy'})")
-    summary["drafter"] = export_drafter(drafter, depth, sampling, out_dir / "drafter.onnx")
-    progress(f"  drafter: {summary['drafter']['nodes_exported']} nodes exported, "
-             f"{summary['drafter']['nodes_after_passes']} after passes, {summary['drafter']['export_seconds']:.1f} s")
+    # The greedy drafter is always drafter.onnx (what greedy decoding runs); --sampling adds the
+    # sampling one beside it, as a build lays them out.
+    for key, file, sample in (("drafter", "drafter.onnx", False), ("drafter_sampling", "drafter_sampling.onnx", True)):
+        if sample and not sampling:
+            continue
+        progress(f"exporting {file} (depth {depth}, {'sampling' if sample else 'greedy'})")
+        summary[key] = export_drafter(drafter, depth, sample, out_dir / file)
+        progress(f"  {key}: {summary[key]['nodes_exported']} nodes exported, "
+                 f"{summary[key]['nodes_after_passes']} after passes, {summary[key]['export_seconds']:.1f} s")
     (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

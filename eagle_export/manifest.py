@@ -27,6 +27,7 @@ from . import __version__
 from .costs import COSTS_FILE
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
+from .files import is_dir, list_dir, read_json, read_text, reading, resolved
 from .recipe import QUANTIZED
 
 MANIFEST = "manifest.json"
@@ -34,12 +35,16 @@ MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its f
 # Not artifacts: the manifest, its hash, and the runtime's per-machine cost cache (timings only: it
 # steers the depth policy's speed, never which tokens come out).
 UNHASHED = (MANIFEST, MANIFEST_HASH, COSTS_FILE)
-MANIFEST_FORMAT = 1
+# 2: the manifest's own sha256 belongs to the format (a format-2 manifest without it is refused), and
+# the target's position count is recorded. 1: before the self-hash (every build reported version
+# 0.1.0, so the format number is what tells an old build from one whose hash was stripped).
+MANIFEST_FORMAT = 2
+OLD_FORMATS = (1,)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with reading(path), open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -51,8 +56,8 @@ SOURCE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".npy")
 
 def source_hashes(checkpoint_dir: str | Path) -> dict[str, str]:
     """sha256 of each file of a checkpoint directory that loading it may read (manifest.source_files)."""
-    return {p.name: sha256_file(p) for p in sorted(Path(checkpoint_dir).iterdir())
-            if p.is_file() and p.suffix in SOURCE_SUFFIXES}
+    return {p.name: sha256_file(p) for p in list_dir(checkpoint_dir)
+            if p.suffix in SOURCE_SUFFIXES and not is_dir(p)}
 
 
 def artifact_hashes(build_dir: Path) -> dict[str, dict]:
@@ -89,22 +94,31 @@ def write_manifest_hash(build_dir: Path) -> None:
 def read_manifest(build_dir: str | Path) -> dict:
     build_dir = Path(build_dir)
     path = build_dir / MANIFEST
-    if not path.is_file():
+    if not is_dir(build_dir):
+        raise EagleExportError(f"{build_dir} is not a directory", "pass a directory made by `eagle-export build`")
+    if not os.path.lexists(path):
         raise EagleExportError(f"{build_dir} has no {MANIFEST}: it is not a build directory",
                                "pass a directory made by `eagle-export build`")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise EagleExportError(f"{path} cannot be read ({e.strerror})", "make it readable to this user") from None
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise EagleExportError(f"{path} is corrupt ({e})", "rebuild with `eagle-export build --force`") from None
+        manifest = read_json(path, "rebuild with `eagle-export build --force`")
+    except EagleExportError as e:
+        raise EagleExportError(e.problem.replace("is not valid JSON", "is corrupt"), e.fix) from None
     if not isinstance(manifest, dict):
         raise EagleExportError(f"{path} holds a JSON {type(manifest).__name__}, not a manifest",
                                "rebuild with `eagle-export build --force`")
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise EagleExportError(f"{path} has manifest format {manifest.get('format')}, this tool reads "
-                               f"{MANIFEST_FORMAT}", "rebuild with this version of eagle-export")
+    if manifest.get("format") not in (MANIFEST_FORMAT, *OLD_FORMATS):
+        raise EagleExportError(f"{path} has manifest format {str(manifest.get('format'))[:40]}, this tool reads "
+                               f"{', '.join(map(str, (MANIFEST_FORMAT, *OLD_FORMATS)))}",
+                               "rebuild with this version of eagle-export")
     return manifest
+
+
+def old_format_note(manifest: dict) -> str | None:
+    """What `validate` and `inspect` say of a manifest of an older format: its fields are trusted as old."""
+    if manifest.get("format") == MANIFEST_FORMAT:
+        return None
+    return (f"manifest format {manifest.get('format')} (an older eagle-export, before builds hashed their own "
+            f"manifest): its fields are not covered by a hash; rebuild to get format {MANIFEST_FORMAT}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,7 @@ class BuiltModel:
     eos_token_id: int | tuple[int, ...] | None = None
     agreement: Agreement | None = None  # quantized models only
     vocab_size: int | None = None  # recorded for the target only
+    max_positions: int | None = None  # the target's max_position_embeddings (recorded since format 2)
 
     @property
     def quantized(self) -> bool:
@@ -198,7 +213,7 @@ class Manifest:
                     m["head_dim"], m.get("num_layers", 1), tuple(m.get("aux_layer_ids", ())),
                     tuple(m["eos_token_id"]) if isinstance(m.get("eos_token_id"), list) else m.get("eos_token_id"),
                     Agreement(measured["top1_agreement"], measured["positions"]) if measured else None,
-                    m.get("vocab_size"))
+                    m.get("vocab_size"), m.get("max_position_embeddings"))
 
             def graph(name: str) -> GraphFile | None:
                 g = data["graphs"].get(name)
@@ -235,11 +250,36 @@ class Manifest:
         return eos if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
 
 
+def contradictions(manifest: Manifest) -> list[str]:
+    """Values of a manifest that contradict its graphs or its model, whatever any hash says: a context
+    limit beyond the graphs' context profile (what the engines were built for) or the target's
+    position count, end-of-sequence ids outside the target's vocabulary. Empty when consistent."""
+    problems = []
+    context = manifest.max_context
+    profile = ((manifest.data.get("recipe") or {}).get("profiles") or {}).get("context") or {}
+    positions = manifest.target.max_positions
+    if not isinstance(context, int) or isinstance(context, bool) or context < 2:
+        problems.append(f"max_context {str(context)[:40]} is not a context length")
+    else:
+        if isinstance(profile.get("max"), int) and context > profile["max"]:
+            problems.append(f"max_context {context} exceeds the graphs' context profile (max {profile['max']})")
+        if isinstance(positions, int) and context > positions:
+            problems.append(f"max_context {context} exceeds the target's {positions} positions")
+    vocab = manifest.target.vocab_size
+    bad = [i for i in manifest.eos_ids if not isinstance(i, int) or isinstance(vocab, int) and not 0 <= i < vocab]
+    if bad:
+        problems.append(f"eos_token_id {str(bad)[:80]} lies outside the target's vocabulary [0, {vocab})")
+    return problems
+
+
 def _inside(build_dir: Path, name) -> bool:
     """A plain relative name that stays inside the build (no absolute path, no .., no link out)."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
         return False
-    return (build_dir / name).resolve().is_relative_to(build_dir.resolve())
+    try:
+        return (build_dir / name).resolve().is_relative_to(build_dir.resolve())
+    except RuntimeError:  # a link loop: inside, and named as a loop where the file is read
+        return True
 
 
 def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
@@ -248,9 +288,14 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
     written (its own sha256 beside it). Empty when intact."""
     build_dir = Path(build_dir)
     problems = []
-    if manifest.get("manifest_hash") or (build_dir / MANIFEST_HASH).exists():  # recorded since 0.2
-        recorded = (build_dir / MANIFEST_HASH).read_text().strip() if (build_dir / MANIFEST_HASH).is_file() else None
-        if recorded != sha256_file(build_dir / MANIFEST):
+    hash_file = build_dir / MANIFEST_HASH
+    # Format 2 carries its hash whatever the manifest says: deleting both cannot switch the check off.
+    if manifest.get("format") == MANIFEST_FORMAT or manifest.get("manifest_hash") or hash_file.exists():
+        recorded = read_text(hash_file).strip() if os.path.lexists(hash_file) else None
+        if recorded is None:
+            problems.append(f"{MANIFEST_HASH}: missing (a format-{MANIFEST_FORMAT} manifest carries its own "
+                            "sha256: removed after the build)")
+        elif recorded != sha256_file(build_dir / MANIFEST):
             problems.append(f"{MANIFEST}: its sha256 is not the one in {MANIFEST_HASH} (edited after the build, "
                             "or the hash file removed)")
     artifacts = manifest.get("artifacts")
@@ -272,11 +317,14 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
         path = build_dir / name
         if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int):
             problems.append(f"{name}: its manifest entry is not {{sha256, bytes}}")
-        elif not path.is_file():
+            continue
+        if not os.path.lexists(path):
             problems.append(f"{name}: missing")
-        elif path.stat().st_size != meta["bytes"]:
-            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated "
-                            f"or modified)")
+            continue
+        with reading(path, "rebuild it with `eagle-export build --force`"):  # a loop, a directory, mode 000: named
+            size = path.stat().st_size
+        if size != meta["bytes"]:
+            problems.append(f"{name}: {size} bytes, the manifest says {meta['bytes']} (truncated or modified)")
         elif sha256_file(path) != meta["sha256"]:
             problems.append(f"{name}: sha256 differs from the manifest (modified)")
     return problems
@@ -293,12 +341,26 @@ def is_build_dir(path: Path) -> bool:
 BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
 
 
+def output_place(out_dir) -> Path:
+    """`out_dir` resolved, once its nearest existing parent is known to be a directory this user may
+    write in (a file, a link loop or a locked directory there is named before any work)."""
+    out_dir = resolved(out_dir)
+    above = next(d for d in (out_dir.parent, *out_dir.parents) if os.path.lexists(d))
+    if not is_dir(above):
+        raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
+                               "choose an -o whose parent is a directory")
+    if not os.access(above, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise EagleExportError(f"cannot write the output in {above} (permission denied)",
+                               "choose an output directory you can write to (-o)")
+    return out_dir
+
+
 def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
     """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
     only what `replaceable` = (description, test) recognises as this tool's own output, never an
     input of the build or a directory holding one (`-o ''` is the current directory)."""
     for source in inputs:
-        source = Path(source).resolve()
+        source = resolved(source)
         if out_dir == source or out_dir in source.parents:
             what = "is" if out_dir == source else f"holds {source}, which is"
             raise EagleExportError(f"the output {out_dir} {what} an input of this build",
@@ -311,7 +373,7 @@ def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUIL
             raise EagleExportError(f"{out_dir} exists and is not {description}: --force replaces only those",
                                    "choose another -o, or move that directory away yourself")
     return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
-            for source in map(lambda s: Path(s).resolve(), inputs) if source in out_dir.parents]
+            for source in map(resolved, inputs) if source in out_dir.parents]
 
 
 def _process_alive(pid: int) -> bool:
@@ -339,6 +401,13 @@ def sweep_leftovers(out_dir: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _remove_empty(directories) -> None:
+    """Remove these directories (deepest first) where still empty: those a failed build created."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _terminate(signum, frame):
@@ -374,15 +443,17 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
     existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
     only once the new build is complete. Without `force` the final rename cannot replace a build that
     another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
-    out_dir = Path(out_dir).resolve()
+    out_dir = output_place(out_dir)
     for message in check_output(out_dir, inputs, force, replaceable):
         (warn or print)(f"warning: {message}")
     parent = out_dir.parent
+    created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
     try:
         parent.mkdir(parents=True, exist_ok=True)
         sweep_leftovers(out_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=parent))
     except OSError as e:
+        _remove_empty(created)
         raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
                                "choose an output directory you can write to (-o)") from None
     umask = os.umask(0)
@@ -409,6 +480,7 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
                                        "pass --force to replace it, or choose another -o") from None
     except BaseException:  # includes KeyboardInterrupt and SIGTERM: the partial build goes, whatever stopped it
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)  # and the parent directories it made for the output
         raise
     finally:
         if main_thread:

@@ -18,6 +18,7 @@ import gzip
 import importlib.metadata
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -27,9 +28,9 @@ from typing import Iterable, Iterator
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
 
 from .errors import EagleExportError
+from .files import load_tokenizer, read_json, read_text
 from .sample import cache_root
 
 # name -> (distribution, pinned version for downloads, path of the data file inside the distribution)
@@ -148,15 +149,14 @@ class ChatTemplate:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
-        if not config_file.is_file() or not tokenizer_file.is_file():
+        if not os.path.lexists(config_file) or not os.path.lexists(tokenizer_file):
             raise EagleExportError(f"{model_dir} lacks tokenizer_config.json or tokenizer.json",
                                    "pass the target checkpoint directory with its tokenizer files")
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-            template = config.get("chat_template")
-        except (OSError, ValueError, AttributeError) as e:
-            raise EagleExportError(f"{config_file} cannot be read as a JSON object ({e})",
-                                   "restore the file from the checkpoint") from None
+        config = read_json(config_file, "restore the file from the checkpoint")
+        if not isinstance(config, dict):
+            raise EagleExportError(f"{config_file} holds a JSON {type(config).__name__}, not an object of keys",
+                                   "restore the file from the checkpoint")
+        template = config.get("chat_template")
         if not template:
             raise EagleExportError(f"{config_file} has no chat_template", "use a chat (instruct) checkpoint")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -173,7 +173,7 @@ class ChatTemplate:
             raise EagleExportError(f"{config_file}: the chat template does not parse ({e})",
                                    "restore the checkpoint's chat_template") from None
         self.special_tokens = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer = load_tokenizer(tokenizer_file)
 
     def render(self, messages: list[dict], add_generation_prompt: bool | None = None) -> str:
         """The conversation as the model reads it. The generation prompt (the header of the
@@ -247,13 +247,12 @@ def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
         source = humaneval_messages()
     elif name == "sharegpt":
         source = sharegpt_conversations()
-    elif Path(name).is_file():
-        try:
-            text = Path(name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise EagleExportError(f"prompt file {name} cannot be read as UTF-8 text ({e})",
-                                   "save it as UTF-8 text, one prompt a line, readable to this user") from None
-        source = user_turns([line for line in text.splitlines() if line.strip()])
+    elif os.path.lexists(name):
+        text = read_text(name, "save it as UTF-8 text, one prompt a line, readable to this user")
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:  # nothing to measure or check on
+            raise EagleExportError(f"prompt file {name} holds no prompt", "write one prompt a line, as UTF-8 text")
+        source = user_turns(lines)
     else:
         raise EagleExportError(f"prompt set {name!r} is neither {', '.join(PROMPT_SETS)} nor a file",
                                f"pass one of {', '.join(PROMPT_SETS)}, or a text file with one prompt a line")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from .contract import MAX_DEPTH, MAX_TREE_NODES
 from .errors import EagleExportError
+from .files import is_dir, read_text
 from .tree import TreeShape
 
 SPECULATION_KINDS = ("chain", "static_tree", "dynamic_tree")
@@ -117,11 +119,44 @@ def _lines(node: yaml.Node, prefix: tuple = (), out: dict | None = None) -> dict
     return out
 
 
+SHOWN_CHARS = 200  # a value in an error message is cut here: a recipe's value may be any size
+
+
+def shown(value) -> str:
+    """repr(value), at most SHOWN_CHARS characters (a long list is never rendered whole)."""
+    if isinstance(value, (list, tuple, dict)) and len(value) > 20:
+        items = list(value)[:20]
+        return f"{shown(items)[:-1]}, ... ({len(value)} items)]"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + f"... ({len(text)} characters)"
+
+
+def _at(lines: dict, path: tuple) -> str:
+    """Where a key came from: its recipe line, or the --set argument that gave it (or a key inside it)."""
+    for key, where in lines.items():
+        if isinstance(where, str) and (key[:len(path)] == path or path[:len(key)] == key):
+            return where
+    return f"line {lines.get(path, '?')}"
+
+
+def safe_yaml(text: str, source: str):
+    """yaml.safe_load, refusing aliases first: `*alias` nests one node many times, and a few lines of
+    them expand to billions of items (a "billion laughs" bomb) before any check could look."""
+    try:
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text)):
+            raise RecipeError(source, ["uses a YAML alias (*name): recipes take plain values only"])
+        return yaml.compose(text), yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "somewhere"
+        raise RecipeError(source, [f"{where}: not valid YAML ({getattr(e, 'problem', e)})"]) from None
+
+
 def _check(data: dict, schema: dict, lines: dict, prefix: tuple, problems: list[str]) -> dict:
     result = {}
     for key, value in data.items():
         path = prefix + (key,)
-        where = f"line {lines.get(path, '?')}: {'.'.join(map(str, path))}"
+        where = f"{_at(lines, path)}: {'.'.join(map(str, path))}"
         if key not in schema:
             close = difflib.get_close_matches(str(key), list(schema), n=1)
             hint = f" (did you mean {'.'.join(map(str, prefix + (close[0],)))}?)" if close else ""
@@ -136,11 +171,11 @@ def _check(data: dict, schema: dict, lines: dict, prefix: tuple, problems: list[
             continue
         kind, _, check = spec
         if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-            problems.append(f"{where}: must be {kind.__name__}, found {type(value).__name__} {value!r}")
+            problems.append(f"{where}: must be {kind.__name__}, found {type(value).__name__} {shown(value)}")
             continue
         verdict = check(value) if check else True
         if verdict is not True:
-            problems.append(f"{where}: {value!r} {verdict}")
+            problems.append(f"{where}: {shown(value)} {verdict}")
             continue
         result[key] = value
     return result
@@ -160,12 +195,11 @@ def _check_ranges(data: dict, lines: dict, problems: list[str]) -> None:
     for axis in ("batch", "context"):
         r = data["profiles"][axis]
         if not 1 <= r["min"] <= r["opt"] <= r["max"]:
-            line = lines.get(("profiles", axis), "?")
-            problems.append(f"line {line}: profiles.{axis}: needs 1 <= min <= opt <= max, found "
+            problems.append(f"{_at(lines, ('profiles', axis))}: profiles.{axis}: needs 1 <= min <= opt <= max, found "
                             f"min={r['min']} opt={r['opt']} max={r['max']}")
     width = verify_width(data["speculation"])
     if data["profiles"]["context"]["max"] <= width:
-        problems.append(f"line {lines.get(('profiles', 'context'), '?')}: profiles.context.max must exceed "
+        problems.append(f"{_at(lines, ('profiles', 'context'))}: profiles.context.max must exceed "
                         f"the verify width ({width}: the last token and every draft): a verify step alone "
                         "needs that many positions")
 
@@ -180,7 +214,7 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
     depth from its own block."""
     block, raw = data["speculation"], given.get("speculation") or {}
     kind = block["kind"]
-    where = f"line {lines.get(('speculation',), '?')}: speculation"
+    where = f"{_at(lines, ('speculation',))}: speculation"
     extra = {"chain": ("branching", "paths", "top_k", "nodes"), "static_tree": ("depth", "top_k", "nodes"),
              "dynamic_tree": ("branching", "paths")}[kind]
     for key in extra:
@@ -193,7 +227,7 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
         data["speculation"], data["depth"] = {"kind": "chain", "depth": depth}, depth
         return
     if "depth" in given:
-        problems.append(f"line {lines.get(('depth',), '?')}: depth: is the chain shorthand; a {kind} takes its "
+        problems.append(f"{_at(lines, ('depth',))}: depth: is the chain shorthand; a {kind} takes its "
                         "depth from the speculation block")
     if kind == "static_tree":
         if (block["branching"] is None) == (block["paths"] is None):
@@ -230,13 +264,7 @@ def verify_width(speculation: dict) -> int:
 
 def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None,
                  overrides: dict | None = None) -> Recipe:
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "somewhere"
-        raise RecipeError(source, [f"{where}: not valid YAML ({getattr(e, 'problem', e)})"]) from None
+    node, data = safe_yaml(text, source)
     if not isinstance(data, dict):
         raise RecipeError(source, ["line 1: a recipe is a YAML mapping of keys to values"])
     lines = _lines(node)
@@ -249,6 +277,7 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
         data.pop("speculation" if "depth" in overrides else "depth", None)
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
+        lines[tuple(dotted.split("."))] = f"--set {dotted}={shown(value)}"  # not a line of the recipe file
     problems: list[str] = []
     checked = _check(data, SCHEMA, lines, (), problems)
     for key in REQUIRED:
@@ -282,19 +311,15 @@ def shipped_recipes() -> list[str]:
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
     """A recipe file, or the name of a shipped recipe (`qwen3-8b-eagle3.1`); the sample when None."""
     path = Path(path) if path else SAMPLE_RECIPE
-    if path.is_dir():
-        raise EagleExportError(f"recipe {path} is a directory", "pass the recipe's YAML file itself")
-    if not path.is_file() and str(path) in shipped_recipes():
+    if not os.path.lexists(path) and str(path) in shipped_recipes():
         path = RECIPES_DIR / f"{path}.yaml"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise EagleExportError(f"recipe {path} does not exist",
                                "pass the path of a YAML recipe, or the name of a shipped one: "
                                + ", ".join(shipped_recipes()))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise EagleExportError(f"recipe {path} cannot be read as UTF-8 text ({e})",
-                               "save the recipe as UTF-8 YAML, readable to this user") from None
+    if is_dir(path):  # (a symbolic link loop, or a directory above it that is unreadable, is named here)
+        raise EagleExportError(f"recipe {path} is a directory", "pass the recipe's YAML file itself")
+    text = read_text(path, "save the recipe as UTF-8 YAML, readable to this user")
     return parse_recipe(text, str(path), path.parent, overrides)
 
 
@@ -304,8 +329,8 @@ def parse_override(text: str) -> tuple[str, object]:
         raise EagleExportError(f"override {text!r} lacks '='", "write --set key.path=value, e.g. --set depth=6")
     key, _, value = text.partition("=")
     try:
-        return key.strip(), yaml.safe_load(value)
-    except yaml.YAMLError as e:  # a tag such as !!python/object is refused here too
-        raise EagleExportError(f"override {text!r}: the value is not a plain YAML scalar "
-                               f"({getattr(e, 'problem', None) or e})",
+        return key.strip(), safe_yaml(value, f"--set {key.strip()}")[1]
+    except RecipeError as e:  # a tag such as !!python/object, or an alias, is refused here too
+        raise EagleExportError(f"--set {shown(text)}: the value is not a plain YAML scalar "
+                               f"({'; '.join(e.problems)})",
                                "write a plain value, e.g. --set precision.target=fp8") from None

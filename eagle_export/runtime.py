@@ -310,7 +310,8 @@ class SpeculativeRuntime:
 
     # ------------------------------------------------------------ the loop
 
-    def _start(self, prompts, config, depth_policy=None):
+    def check_requests(self, prompts, config) -> None:
+        """Refuse requests this build cannot serve, before anything is measured, cached or generated."""
         if not prompts:
             raise EagleExportError("no prompts given", "pass at least one prompt")
         if config.temperature > 0 and not (self.backend.has_logits and self.backend.has_sampling):
@@ -328,6 +329,9 @@ class SpeculativeRuntime:
                 raise EagleExportError(
                     f"prompt {i} has {len(p)} tokens, the context limit is {self.max_context}",
                     "shorten the prompt, or build with a larger profiles.context.max")
+
+    def _start(self, prompts, config, depth_policy=None):
+        self.check_requests(prompts, config)
         policy = None
         if depth_policy is not None:  # (measuring the costs of a new batch size is not generation time)
             check_policy(depth_policy)

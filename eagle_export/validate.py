@@ -31,7 +31,8 @@ from .backends import ort_session, run_graph, run_onnx
 from .build_dir import open_build, torch_models
 from .errors import EagleExportError
 from .layers import causal_mask
-from .manifest import MANIFEST, Agreement, Manifest, read_manifest, verify_artifacts, verify_sources
+from .manifest import (MANIFEST, Agreement, Manifest, contradictions, old_format_note, read_manifest, verify_artifacts,
+                       verify_sources)
 from .progress import track
 from .quantize import drafter_calibration_batches
 from .reference import draft_chain
@@ -265,11 +266,15 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     data = read_manifest(build_dir)
     checks = []
     problems = verify_artifacts(build_dir, data)  # before any field is read: an edited manifest is not trusted
+    old = old_format_note(data)
     checks.append(("artifact hashes", not problems, "; ".join(problems) or
-                   f"{len(data['artifacts'])} files and the manifest match"))
+                   f"{len(data['artifacts'])} files and the manifest match" + (f"; {old}" if old else "")))
     if problems:  # nothing else is trustworthy
         return _summary(checks)
     manifest = Manifest.from_json(data, build_dir / MANIFEST)
+    contradicting = contradictions(manifest)
+    if contradicting:  # whatever the hashes say, these values cannot run
+        return _summary(checks + [("manifest values", False, "; ".join(contradicting))])
     quantized = manifest.quantized_roles
     if reference is None:
         changed, unavailable = verify_sources(manifest)

@@ -266,7 +266,7 @@ def test_unreadable_weights_are_not_called_missing(tmp_path, tiny_target_dir, mo
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(checkpoint, "safe_open", denied)  # chmod does not stop root, which runs CI here
-    with pytest.raises(CheckpointError, match="cannot be read \\(Permission denied\\)") as e:
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read .*permission denied") as e:
         load_target(tiny_target_dir)
     assert "permissions" in e.value.fix and "re-download" not in e.value.fix
 
@@ -364,3 +364,107 @@ def test_an_unexpected_exception_prints_error_and_a_log_not_a_traceback(monkeypa
     log = result.output.split("traceback in ")[1].split()[0]
     assert "Traceback" not in result.output and "RuntimeError" in open(log).read()
     os.unlink(log)
+
+
+# ---------------------------------------------------------------- second pass (issue 34): bounded, named, nothing left behind
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, tiny_target_dir):
+    """Repro: a 9^9-item alias bomb as passes.skip ran out of memory rendering the expanded list."""
+    import time
+
+    bomb = "".join(f"    - &l{i} [{', '.join([f'*l{i - 1}' if i else '1'] * 9)}]\n" for i in range(9))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny_target_dir}\ndrafter: {tiny_target_dir}\npasses:\n  skip:\n{bomb}")
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "uses a YAML alias" in result.output and time.perf_counter() - start < 5
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "--set", "passes.skip=[&a [1, 1], *a]"])
+    assert result.exit_code == 2 and "--set 'passes.skip=" in result.output and "alias" in result.output
+    # A long value without aliases is shown cut, never whole.
+    recipe.write_text(f"target: {tiny_target_dir}\ndrafter: {tiny_target_dir}\npasses:\n  skip: {list(range(10**5))}\n")
+    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe)])
+    assert result.exit_code == 2 and "(100000 items)" in result.output and len(result.output) < 2000
+
+
+def test_set_errors_name_the_set_argument_not_a_recipe_line(tmp_path, tiny_target_dir):
+    """Repro: `--set depth=...` errors cited "line 4" of a recipe the user never wrote."""
+    for value, problem in (("99", "--set depth=99: depth: 99 must be between 1 and"),
+                           ("deep", "--set depth='deep': depth: must be int")):
+        result = CliRunner().invoke(main, ["build", "--set", f"depth={value}", "-o", str(tmp_path / "out")])
+        assert result.exit_code == 2 and problem in result.output and "line 4" not in result.output, result.output
+    result = CliRunner().invoke(main, ["build", "--set", "profiles.context.max=4", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--set profiles.context.max=4: profiles.context.max must exceed" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_symlink_loops_and_file_parents_are_named_as_such(tmp_path, tiny_target_dir):
+    """Repro: a symlink-loop model.safetensors said "No such file" with the fix "re-download"; a
+    symlink-loop config.json said "has no config.json"; `-o /dev/null/build` said "File exists"."""
+    for name, wrong in (("model.safetensors", "re-download"), ("config.json", "has no config.json")):
+        path = copy_with(tiny_target_dir, tmp_path / name.split(".")[0])
+        (path / name).unlink()
+        (path / name).symlink_to(name)
+        result = CliRunner().invoke(main, ["inspect", str(path)] if name == "config.json"
+                                    else ["export", "--target", str(path), "--draft", str(path), "-o", str(tmp_path / "o")])
+        assert result.exit_code == 2 and f"{name} is a symbolic link loop" in result.output, result.output
+        assert wrong not in result.output and "fix: point the link at the real file" in result.output
+    (tmp_path / "afile").write_text("x")
+    for out in ("/dev/null/build", str(tmp_path / "afile" / "deeper" / "build")):
+        result = CliRunner().invoke(main, ["build", "--target", str(tiny_target_dir), "--drafter", str(tmp_path),
+                                           "-o", out])
+        assert result.exit_code == 2 and "is a file, not a directory" in result.output, result.output
+        assert "File exists" not in result.output
+
+
+def test_a_failed_build_removes_the_parent_directories_it_created(tmp_path, tiny_target_dir):
+    """Repro: `-o new/deeper/build` with a bad target left new/deeper behind."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    result = CliRunner().invoke(main, ["build", "--target", str(bad), "--drafter", str(bad),
+                                       "-o", str(tmp_path / "new" / "deeper" / "build")])
+    assert result.exit_code == 2 and "has no config.json" in result.output, result.output
+    assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """Repro: `eagle-export inspect BUILD | head` reported an internal error and left a log each time."""
+    import subprocess
+    import sys
+    import tempfile
+
+    logs = set(Path(tempfile.gettempdir()).glob("eagle-export-error-*.log"))
+    proc = subprocess.Popen([sys.executable, "-c", "from eagle_export.cli import main; main()", "passes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before anything is written
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141) and "internal error" not in stderr and "Traceback" not in stderr, stderr
+    assert set(Path(tempfile.gettempdir()).glob("eagle-export-error-*.log")) == logs
+
+
+def test_a_full_disk_is_named_with_the_space_needed_not_a_bug(tmp_path, tiny_target_dir, monkeypatch):
+    """Repro: a full disk during an export was reported as an eagle-export bug."""
+    import errno
+
+    import eagle_export.export as export
+    import eagle_export.files as files
+
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1")
+    out = tmp_path / "out"
+
+    def full(model, path, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(export, "export_target", full)
+    result = CliRunner().invoke(main, ["export", "--target", str(tiny_target_dir), "--draft", str(drafter), "-o", str(out)])
+    assert result.exit_code == 2 and f"no space left on the device holding {out}/target.onnx" in result.output
+    assert "MiB needed" in result.output and "bug" not in result.output, result.output
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil_usage(0))  # no room at all: refused before
+    result = CliRunner().invoke(main, ["export", "--target", str(tiny_target_dir), "--draft", str(drafter),
+                                       "-o", str(tmp_path / "out2")])
+    assert result.exit_code == 2 and "0 MiB free, about" in result.output and not (tmp_path / "out2").exists()
+
+
+def shutil_usage(free):
+    import shutil
+
+    return shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free)

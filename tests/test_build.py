@@ -20,6 +20,7 @@ from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.recipe import load_recipe
 from eagle_export.runtime import GenerationConfig
+from hostile import share, snapshot, unprivileged, world_dir
 from random_policy import RandomDepth
 from tiny_models import write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
@@ -221,6 +222,91 @@ def test_run_refuses_nonsense_generation_settings(built):
                           (["--max-new-tokens", "-1"], "max_new_tokens is -1")):
         result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5 w6", "--backend", "onnxruntime", *args])
         assert result.exit_code == 2 and f"error: {problem}" in result.output and "fix:" in result.output, args
+
+
+def test_a_refused_run_writes_nothing_into_the_build(built, tmp_path):
+    """Repro: `run --temperature nan` measured the costs and wrote costs.json before refusing."""
+    copy = _copy_build(built[0], tmp_path)
+    (copy / "costs.json").unlink(missing_ok=True)
+    before = snapshot(copy)
+    for args in (["--temperature", "nan"], ["--prompt", "w1 " * 200]):
+        result = CliRunner().invoke(main, ["run", str(copy), "--prompt", "w5 w6", "--backend", "onnxruntime", *args])
+        assert result.exit_code == 2 and "fix:" in result.output, result.output
+        assert snapshot(copy) == before, args
+
+
+def test_a_stripped_manifest_hash_is_refused_and_contradicting_values_are_named(built, tmp_path):
+    """Repro: deleting manifest.sha256 and the manifest_hash key switched the self-check off, and an
+    edited context limit and eos ids then ran. Format 2 carries its hash; an older format is accepted
+    only as old (and said so), and values that contradict the graphs or the model are refused anyway."""
+    copy = _copy_build(built[0], tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["format"] == 2 and manifest["models"]["target"]["max_position_embeddings"] == 512
+
+    def write(**edits):
+        (copy / "manifest.json").write_text(json.dumps({**manifest, **edits}))
+
+    del manifest["manifest_hash"]
+    (copy / "manifest.sha256").unlink()
+    target = {**manifest["models"]["target"], "eos_token_id": list(range(1, 11))}
+    write(max_context=100000, models={**manifest["models"], "target": target})
+    result = CliRunner().invoke(main, ["validate", str(copy)])
+    assert result.exit_code == 1 and "manifest.sha256: missing" in result.output, result.output
+    with pytest.raises(EagleExportError, match="manifest.sha256: missing"):
+        open_build(copy, backend="onnxruntime")
+    write(format=1, max_context=100000)  # passed off as an older build: the values are still checked
+    result = CliRunner().invoke(main, ["validate", str(copy)])
+    assert result.exit_code == 1 and "FAIL  manifest values: max_context 100000 exceeds the graphs' context " \
+                                     "profile (max 96)" in result.output, result.output
+    with pytest.raises(EagleExportError, match="contradicts its graphs or its model: max_context 100000"):
+        open_build(copy, backend="onnxruntime")
+    write(format=1, models={**manifest["models"], "target": {**target, "eos_token_id": [5, 320]}})
+    with pytest.raises(EagleExportError, match=r"eos_token_id \[320\] lies outside the target's vocabulary"):
+        open_build(copy, backend="onnxruntime")
+    write(format=1)  # an honest older build: opens, and validate and inspect say it is old
+    open_build(copy, backend="onnxruntime")
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(copy), "--json"]).output)
+    assert any(w.startswith("manifest format 1 (an older eagle-export") for w in report["warnings"])
+    result = CliRunner().invoke(main, ["validate", str(copy), "--json"])
+    assert result.exit_code == 0 and "manifest format 1" in json.loads(result.output)["checks"][0]["detail"]
+
+
+def test_an_object_array_vocab_map_in_a_build_is_refused_by_name(built, tmp_path):
+    """Repro: draft_to_target.npy replaced by a pickled object array (hashes updated) made `run` exit 3."""
+    import numpy as np
+
+    from eagle_export.manifest import artifact_hashes
+
+    copy = _copy_build(built[0], tmp_path)
+    np.save(copy / "draft_to_target.npy", np.array([object()] * 96), allow_pickle=True)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "artifacts": artifact_hashes(copy)}))
+    write_manifest_hash(copy)  # a consistent build with a hostile file in it
+    result = CliRunner().invoke(main, ["run", str(copy), "--prompt", "w5", "--backend", "onnxruntime"])
+    assert result.exit_code == 2 and "draft_to_target.npy is not a plain .npy array" in result.output, result.output
+    assert "rebuild" in result.output and "Traceback" not in result.output
+
+
+def test_unreadable_checkpoint_files_and_artifacts_are_named(built, sources):
+    """Repro: config.json, model.safetensors or the checkpoint directory at mode 000 failed `build`
+    with an internal error (exit 3) in the source hashing; drafter.onnx at mode 000 failed `run`."""
+    with world_dir() as root:
+        shutil.copytree(built[0], root / "build")
+        for role, path in zip(("target", "drafter"), sources):
+            shutil.copytree(path, root / role)
+        recipe = write_recipe(root / "r.yaml", (root / "target", root / "drafter"))
+        share(root)
+        for locked in ("drafter/config.json", "drafter/model.safetensors", "target", "build/drafter.onnx"):
+            (root / locked).chmod(0)
+            args = (["run", str(root / "build"), "--prompt", "w5", "--backend", "onnxruntime"]
+                    if locked.startswith("build") else ["build", "--recipe", str(recipe), "-o", str(root / "out")])
+            with unprivileged():
+                result = CliRunner().invoke(main, args)
+            (root / locked).chmod(0o777 if (root / locked).is_dir() else 0o666)
+            assert result.exit_code == 2, (locked, result.output)
+            assert "permission denied" in result.output and locked.split("/")[-1] in result.output, result.output
+            assert "fix: fix its permissions" in result.output and "internal error" not in result.output
+            assert not (root / "out").exists()
 
 
 def test_the_torch_backend_refuses_sources_changed_since_the_build(built, sources, tmp_path):
@@ -732,6 +818,7 @@ def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_b
     manifest = json.loads((copy / "manifest.json").read_text())
     del manifest["quantization"]["evaluation"]["prompt_ids"]  # as an older eagle-export wrote it
     del manifest["manifest_hash"]
+    manifest["format"] = 1
     (copy / "manifest.json").write_text(json.dumps(manifest))
     (copy / "manifest.sha256").unlink()
     report = validate_build_dir(copy, quick=True)

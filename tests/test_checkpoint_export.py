@@ -197,6 +197,7 @@ def test_cli_exports_and_reports_the_round_trip(sources, tmp_path):
                                        "--format", "speculators", "--verifier", "org/tiny-target"])
     assert result.exit_code == 0, result.output
     assert "embeddings stored" in result.output and "max abs logit diff 0" in result.output
+    assert "serve it exactly: speculators 0.9.0 (as-is)" in result.output and "mis-serve" not in result.output
     summary = json.loads((out / "export_summary.json").read_text())
     assert summary["round_trip"]["max_abs_logit_diff"] == 0.0 and summary["embeddings"] == "store"
     assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
@@ -205,6 +206,11 @@ def test_cli_exports_and_reports_the_round_trip(sources, tmp_path):
     args = [str(drafters["3.1"]), "--target", str(target), "--force", "-o"]
     replaced = CliRunner().invoke(main, ["export-checkpoint", *args, str(out)])  # our own export: replaced
     assert replaced.exit_code == 0, replaced.output
+    # EAGLE-3.1 in the vLLM layout: the readers measured to mis-serve it are named, on the terminal and in the config.
+    assert "warning: known to mis-serve it: speculators 0.9.0's Eagle3Converter drops fc_norm" in replaced.output
+    assert "warning: known to mis-serve it: SpecForge 0.2.0 feeds back the pre-norm state" in replaced.output
+    readers = json.loads((out / "config.json").read_text())["eagle_export"]["readers"]
+    assert readers["exact"] == [] and len(readers["mis_serve"]) == 3 and "0.9.0" in readers["measured"]
     for theirs in (drafters["3.1"], drafters["3.1"].parent, target):
         refused = CliRunner().invoke(main, ["export-checkpoint", *args, str(theirs)])
         assert refused.exit_code == 2 and "an input of this build" in refused.output, refused.output
@@ -234,3 +240,12 @@ def test_sliding_window_and_qwen3_layer_drafters_export(sources, tmp_path):
                 out / "model.safetensors")
     with pytest.raises(EagleExportError, match="--format speculators"):
         export_checkpoint(qwen3, tmp_path / "x", "vllm", target=target, progress=lambda m: None)
+
+
+def test_reader_notes_follow_the_measured_table():
+    from eagle_export.checkpoint_export import reader_notes
+
+    assert reader_notes("speculators", "3.1", False)["mis_serve"] == []
+    assert any("without their scales" in line for line in reader_notes("vllm", "3.1", True)["mis_serve"])
+    assert reader_notes("sglang", "3", False) == reader_notes("vllm", "3", False)
+    assert not reader_notes("vllm", "3", False)["mis_serve"] and reader_notes("vllm", "3", False)["exact"]

@@ -143,7 +143,7 @@ def fp16_models(dirs, tmp_path_factory):
 
 def test_fp16_graphs_are_strongly_typed(fp16_models):
     out, summary = fp16_models
-    for name in ("target.onnx", "drafter.onnx"):
+    for name in ("target.onnx", "drafter.onnx", "drafter_sampling.onnx"):
         model = onnx.load(str(out / name))
         onnx.checker.check_model(model, full_check=True)
         assert model.ir_version == ONNX_IR_VERSION
@@ -170,7 +170,7 @@ def test_fp16_ort_agrees_with_fp32_torch(fp16_models, dirs):
     assert greedy_agreement(got["greedy_ids"], greedy) >= 0.995
 
     spec = C.drafter_graph(drafter16.config, 4, True)
-    session, module = ort_session(out / "drafter.onnx"), UnrolledDrafter(drafter32, 4, True)
+    session, module = ort_session(out / "drafter_sampling.onnx"), UnrolledDrafter(drafter32, 4, True)
     agree = []
     for seed in range(8):
         args = drafter_inputs(drafter16, 4, [5, 1, 3, 4], [3, 0, 8, 6], 9, True, seed, torch.float16)
@@ -381,6 +381,37 @@ def test_export_command_writes_both_graphs(tmp_path, dirs):
     deep = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
                                      "--depth", "9", "-o", str(tmp_path / "deep")])
     assert deep.exit_code == 2 and "depth" in deep.output and "Traceback" not in deep.output
+
+
+def test_export_sampling_writes_the_greedy_drafter_too_and_swapped_graphs_are_refused(fp16_models, dirs, tmp_path):
+    """Repro: `export --sampling` wrote only the sampling drafter, as drafter.onnx, and greedy decoding
+    on it failed with a bare KeyError: 'temperature'."""
+    from eagle_export.backends import OnnxRuntimeBackend
+    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+
+    out, summary = fp16_models
+    names = {i.name for i in ort_session(out / "drafter.onnx").get_inputs()}
+    assert C.TEMPERATURE not in names and summary["drafter_sampling"]["nodes_exported"] > 0
+    target = load_target(dirs["target"], dtype=torch.float16, aux_layer_ids=AUX)
+    drafter = load_drafter(dirs["3.1"], target=target, dtype=torch.float16)
+    backend = OnnxRuntimeBackend(out / "target.onnx", out / "drafter.onnx", out / "drafter_sampling.onnx")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64)
+    [result] = runtime.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=6))
+    assert len(result.tokens) == 6
+    with pytest.raises(EagleExportError, match="drafter_sampling.onnx is a sampling drafter graph, given where the "
+                                               "greedy one goes"):
+        OnnxRuntimeBackend(out / "target.onnx", out / "drafter_sampling.onnx")
+
+
+def test_duplicated_aux_ids_are_refused_where_they_enter(tmp_path, dirs):
+    """Repro: duplicated aux layer ids passed `inspect`, then `export` failed with "a bug in the export"."""
+    twice = write_tiny_drafter(tmp_path / "twice", "3", aux=(1, 3, 3))
+    result = CliRunner().invoke(main, ["inspect", str(twice), "--json"])
+    assert result.exit_code == 0 and "name layer(s) [3] more than once" in " ".join(json.loads(result.output)["warnings"])
+    result = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(twice),
+                                       "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "aux layer ids [1, 3, 3] name layer(s) [3] more than once" in result.output
+    assert "bug" not in result.output
 
 
 @pytest.mark.parametrize("quantized", [False, True])
