@@ -299,6 +299,10 @@ def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str
         report["tau_quantized"] = speculative_tau(measured_target, measured_drafter, tau_prompts, max_new_tokens,
                                                   depth)
         report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
+        if measured_target is not target and measured_drafter is not drafter:  # the drafter against its unquantized self
+            report["tau_unquantized_drafter"] = speculative_tau(measured_target, drafter, tau_prompts, max_new_tokens,
+                                                                depth)
+            report["tau_drafter_ratio"] = report["tau_quantized"] / report["tau_unquantized_drafter"]
     return qtarget, qdrafter, report
 
 
