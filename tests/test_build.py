@@ -75,6 +75,8 @@ def test_build_writes_a_complete_manifest(built):
     assert [r["name"] for r in manifest["passes"]["model"]][:2] == ["share_embeddings", "fold_fc_norm_into_target"]
     assert manifest["graphs"]["target"]["nodes_after_passes"] < manifest["graphs"]["target"]["nodes_exported"]
     assert manifest["validation"]["ok"] and len(manifest["validation"]["checks"]) >= 4
+    t0 = manifest["validation"]["lossless"]["t0"]  # unquantized: verify-width greedy is plain decoding
+    assert t0["ok"] and t0["tau"]["oracle_batch3"] == 4 and t0["tau"]["anti_batch1"] == 1
     conformance = manifest["conformance"]
     assert conformance["ok"] and conformance["readings"][0]["reading"] == "as configured"
     assert "drafter conventions: acc@1" in log
