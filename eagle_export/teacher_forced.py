@@ -106,6 +106,21 @@ def measure_delta(backend: Backend, cache_shape, prompts: list[list[int]], width
             "widths": [1, width], "prompts": len(prompts), "positions": counted, "backend": backend.name}
 
 
+@torch.no_grad()
+def position_variance(backend: Backend, cache_shape, prompt: list[int], width: int) -> float:
+    """max |logit difference| of the prompt's last tokens (at most `width`) computed each as row 0 of
+    a width-`width` call (the T1 reference) and all as the rows of one such call (a fully accepted
+    round): 0.0 where a row's result does not depend on its position within the call."""
+    start = max(1, len(prompt) - width)
+    base = TargetCalls(backend, cache_shape)
+    base(prompt[:start])
+    rest = prompt[start:]
+    row0 = base.fork()
+    one_by_one = torch.cat([row0([t], width) for t in rest])
+    together = base.fork()(rest, width)
+    return float((one_by_one - together).abs().max())
+
+
 def verify_width_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int], width: int):
     """The logits at position len(tokens) after `prompt` + `tokens`, as the T1 reference computes them:
     one prefill, then every token as row 0 of a width-`width` call."""

@@ -47,7 +47,7 @@ from .quantize import drafter_calibration_batches
 from .reference import draft_chain, mean_accepted_length
 from .runtime import GenerationConfig
 from .synthetic import MODES, SyntheticDrafts
-from .teacher_forced import agreement, explain_divergence
+from .teacher_forced import agreement, explain_divergence, position_variance
 from .tree import random_verify_mask
 from .unrolled import TargetGraph, UnrolledDrafter
 
@@ -287,24 +287,30 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
     runtime = opened.runtime
     backend = runtime.backend
     width = backend.verify_width  # every draft verified: the fixed policy's
+    shape = (manifest.target.num_layers, manifest.target.num_kv_heads, manifest.target.head_dim)
     first = [agreement(s.tokens, r)["first_divergence"] for s, r in zip(spec, reference)]
     t1 = all(d is None for d in first)
     t1_detail = (f"{detail}; speculative (real drafter) vs greedy through the verify graph at width {width} "
                  "(anti drafter): first differing token per prompt: " + ", ".join("-" if d is None else str(d)
                                                                                   for d in first))
-    if not t1:
-        t1_detail += (f"; a row's logits on {backend.name} depend on its position within the call or on the "
-                      "call's key length, or the loop is broken (README: the lossless contract)")
+    # Exactness at the verify width needs a row's result independent of its position within the call.
+    variance = position_variance(backend, shape, prompts[0], width)
+    if variance > 0:
+        t1 = None
+        t1_detail = (f"not applicable on {backend.name}: a row's logits depend on its position within a "
+                     f"width-{width} call (max |logit difference| {variance:.3g} between row 0 and rows 0..{width - 1} "
+                     f"of one call; README: the lossless contract); T2 and T3 carry the contract here; {t1_detail}")
+    elif not t1:
+        t1_detail += "; the backend is position-invariant for this build, so the loop is at fault"
     checks = [(f"T1 exact at the verify width ({backend.name})", t1, t1_detail)]
     record = {"contract": "tiered", "backend": backend.name, "verify_width": width,
-              "t1": {"ok": t1, "first_divergence": first}, "prompts": records}
+              "t1": {"ok": t1, "first_divergence": first, "position_variance": variance}, "prompts": records}
     delta = manifest.delta
     t2_name = f"T2 divergence from width-1 decoding explained ({backend.name})"
     if delta is None:
         checks.append((t2_name, None, "not run: the build recorded no delta (made before the tiered contract): "
                                       "rebuild to run T2"))
     else:
-        shape = (manifest.target.num_layers, manifest.target.num_kv_heads, manifest.target.head_dim)
         explained = [explain_divergence(backend, shape, p, s.tokens, a, width, delta)
                      for p, s, a in track(list(zip(prompts, spec, plain)), "T2 divergences", len(prompts))]
         for r, e in zip(records, explained):

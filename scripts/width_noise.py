@@ -11,7 +11,7 @@ teacher-forced, under several call layouts, each building its own cache of exact
   chunks, shifted    the chunks one position later (each token at another row of its call)
   chunks +64 slots   the chunks with 64 more masked slots
 and each pair that must agree for T1 is printed: bit-identical or not, max |logit difference|,
-argmax flips. Only width 1 against width W may differ for a quantized target.
+argmax flips (of the aux states, for a graph that returns no logits). Only width 1 against width W may differ for a quantized target.
 
 Run: python scripts/width_noise.py BUILD [--backend onnxruntime|torch|tensorrt] [--positions 16]
 """
@@ -49,7 +49,8 @@ def main():
                               C.PAST_KEY: past_key, C.PAST_VALUE: past_value,
                               C.CACHE_LENS: torch.tensor([n], device=device),
                               C.TREE_MASK: causal_mask(1, len(ids), device)}, need_logits=True)
-        return out[C.LOGITS][0].float().cpu(), out[C.NEW_KEY], out[C.NEW_VALUE]
+        values = out[C.LOGITS] if C.LOGITS in out else out[C.AUX_HIDDEN]  # a graph without logits: its aux states
+        return values[0].float().cpu(), out[C.NEW_KEY], out[C.NEW_VALUE]
 
     def layout(seq, start, chunk, live, pad=0, filler=0):
         """logits of seq[start:]: calls of `chunk` tokens, the first `live` real (the rest filler,

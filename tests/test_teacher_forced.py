@@ -12,7 +12,7 @@ from eagle_export.backends import TorchBackend
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.synthetic import SyntheticDrafts
-from eagle_export.teacher_forced import explain_divergence, margin_shift, measure_delta
+from eagle_export.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
 
@@ -75,3 +75,21 @@ def test_speculative_output_is_greedy_at_the_verify_width_and_its_divergences_ar
         assert e["explained"], e
         if e["d"] is not None:
             assert e["margin"] < NOISE and e["identical_prefix"] == e["d"] / 24
+
+
+def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_dependent_kernel(runtime, monkeypatch):
+    """T1 is exact only where a row's logits do not depend on its position within the call; validate
+    records T1 as not applicable where this probe finds they do."""
+    backend, prompt = runtime.backend, PROMPTS[1]
+    # fp32 torch on CPU: rounding-level only (the ONNX Runtime and NVFP4 tiny builds: exactly 0)
+    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) < 1e-5
+    target = backend.target
+
+    def row_dependent(feeds, need_logits=False):
+        out = dict(target(feeds, need_logits))
+        rows = torch.arange(out[C.LOGITS].shape[1], dtype=out[C.LOGITS].dtype)
+        out[C.LOGITS] = out[C.LOGITS] + 1e-3 * rows[None, :, None]
+        return out
+
+    monkeypatch.setattr(backend, "target", row_dependent)
+    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) >= 1e-3
