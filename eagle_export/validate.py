@@ -16,6 +16,8 @@
        builds, to the torch target's greedy ones);
    a quantized target (FP8, NVFP4), whose logits depend on the call width:
    T1  speculative tokens identical to that verify-width reference (the `anti` drafter's output);
+       "not applicable" (skipped, with the difference found) where the backend gives a row other
+       bits at another position within the call (`teacher_forced.position_variance`);
    T2  each prompt's first divergence from width-1 decoding explained (`teacher_forced.py`): a
        near-tie below the build's delta, the reference's second choice, the verify width's argmax;
    T3  tau of the quantized pair within 5% of the unquantized pair's, and of the quantized drafter

@@ -10,6 +10,7 @@ teacher-forced, under several call layouts, each building its own cache of exact
   chunks             W tokens per call, every row kept (a fully accepted round)
   chunks, shifted    the chunks one position later (each token at another row of its call)
   chunks +64 slots   the chunks with 64 more masked slots
+  ... view           the cache shown as the runtime shows it: a multiple of cache_step slots
 and each pair that must agree for T1 is printed: bit-identical or not, max |logit difference|,
 argmax flips (of the aux states, for a graph that returns no logits). Only width 1 against width W may differ for a quantized target.
 
@@ -40,8 +41,11 @@ def main():
     shape = (t.num_layers, 1, t.num_kv_heads, 0, t.head_dim)
 
     def call(ids, key, value, pad):
+        """pad: that many more masked slots, or "view" for the runtime's views (multiples of cache_step)."""
         n = key.shape[3]
-        slots = torch.zeros(*shape[:3], n + pad, shape[4], dtype=backend.model_dtype, device=device)
+        step = opened.runtime.cache_step
+        extra = -(-max(n, 1) // step) * step - n if pad == "view" else pad
+        slots = torch.zeros(*shape[:3], n + extra, shape[4], dtype=backend.model_dtype, device=device)
         past_key, past_value = slots.clone(), slots.clone()
         past_key[:, :, :, :n], past_value[:, :, :, :n] = key, value
         out = backend.target({C.INPUT_IDS: torch.tensor([ids], device=device),
@@ -71,12 +75,17 @@ def main():
     starts = [max(2, len(p) - args.positions) for p in prompts]
     layouts = {"w1": dict(chunk=1, live=1), "w1 +64 slots": dict(chunk=1, live=1, pad=64),
                "anti": dict(chunk=width, live=1), "anti, filler 5": dict(chunk=width, live=1, filler=5),
-               "chunks": dict(chunk=width, live=width), "chunks +64 slots": dict(chunk=width, live=width, pad=64)}
+               "chunks": dict(chunk=width, live=width), "chunks +64 slots": dict(chunk=width, live=width, pad=64),
+               "w1 view": dict(chunk=1, live=1, pad="view"), "anti view": dict(chunk=width, live=1, pad="view"),
+               "chunks view": dict(chunk=width, live=width, pad="view")}
     logits = {name: torch.cat([layout(p, s, **kw) for p, s in zip(prompts, starts)]) for name, kw in layouts.items()}
     logits["chunks, shifted"] = torch.cat([layout(p, s - 1, width, width)[1:] for p, s in zip(prompts, starts)])
+    logits["chunks view, shifted"] = torch.cat([layout(p, s - 1, width, width, "view")[1:]
+                                                for p, s in zip(prompts, starts)])
     print(f"{args.build} on {backend.name}, verify width {width}, {len(logits['w1'])} positions")
     for a, b in (("w1", "w1 +64 slots"), ("anti", "anti, filler 5"), ("chunks", "chunks, shifted"),
-                 ("anti", "chunks"), ("chunks", "chunks +64 slots"), ("w1", "anti"), ("w1", "chunks")):
+                 ("anti", "chunks"), ("chunks", "chunks +64 slots"), ("w1", "anti"), ("w1", "chunks"),
+                 ("anti view", "chunks view"), ("chunks view", "chunks view, shifted"), ("w1 view", "anti view")):
         x, y = logits[a], logits[b]
         flips = int((x.argmax(-1) != y.argmax(-1)).sum())
         print(f"  {a:>16} vs {b:<16} bit-identical {str(torch.equal(x, y)):5}  max |dlogit| "
