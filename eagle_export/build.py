@@ -33,7 +33,7 @@ from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe
 from .sample import sample_target_dir
-from .teacher_forced import measure_eps
+from .teacher_forced import measure_delta
 from .tree import speculation_of
 from .validate import lossless_backend, validate_build_dir
 
@@ -163,14 +163,15 @@ def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
     return graphs
 
 
-def eps_stage(recipe: Recipe, build_dir: Path, target_dir: Path) -> dict:
-    """A quantized target's teacher-forced tolerance, measured on the built graph through the backend
-    its lossless check runs on, at call widths 1 and K+1 over the calibration prompts."""
+def delta_stage(recipe: Recipe, build_dir: Path, target_dir: Path) -> dict:
+    """A quantized target's width noise (`teacher_forced.measure_delta`), measured on the built graph
+    through the backend its lossless checks run on, at call widths 1 and the verify width over the
+    calibration prompts."""
     opened = open_build(build_dir, backend=lossless_backend(recipe["precision"].values()), verify=False,
                         depth_policy="fixed")
-    t = opened.manifest.target
-    return measure_eps(opened.runtime.backend, (t.num_layers, t.num_kv_heads, t.head_dim),
-                       calibration_prompts(recipe, ChatTemplate(target_dir)), recipe["depth"])
+    t, backend = opened.manifest.target, opened.runtime.backend
+    return measure_delta(backend, (t.num_layers, t.num_kv_heads, t.head_dim),
+                         calibration_prompts(recipe, ChatTemplate(target_dir)), backend.verify_width)
 
 
 def tensorrt_available() -> tuple[bool, str]:
@@ -270,8 +271,10 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
         with log("validate"):
             write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
             if precision["target"] in QUANTIZED:
-                content["quantization"]["eps"] = eps_stage(recipe, tmp, target_dir)
-                echo(f"  eps {content['quantization']['eps']['eps']:.3g} (teacher-forced tolerance, measured)")
+                delta = content["quantization"]["delta"] = delta_stage(recipe, tmp, target_dir)
+                echo(f"  delta {delta['delta']:.3g} (p99.9 of the top-2 margin's shift between call widths "
+                     f"{delta['widths'][0]} and {delta['widths'][1]}; max |logit difference| "
+                     f"{delta['max_logit_difference']:.3g}, {delta['argmax_flips']} argmax flips in {delta['positions']})")
                 write_manifest(tmp, {**content, "stage_seconds": log.seconds})
             content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
             if not content["validation"]["ok"]:

@@ -193,7 +193,7 @@ def inspect_build(path: str | Path) -> dict:
         "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": data.get("backends"),
         "graphs": sorted(g["file"] for g in data.get("graphs", {}).values()),
         "engines": engines.get("skipped") or sorted(engines),
-        "lossless_eps": data.get("quantization", {}).get("eps", {}).get("eps"),
+        "lossless_delta": data.get("quantization", {}).get("delta", {}).get("delta"),
         "validation": f"{sum(c['ok'] for c in validation.get('checks', []))}/{len(validation.get('checks', []))} "
                       f"checks passed" + ("" if validation.get("ok") else ", FAILED"),
         "warnings": [note for note in [old_format_note(data)] if note] + contradictions(manifest),

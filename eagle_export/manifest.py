@@ -186,7 +186,7 @@ class Manifest:
     evaluation_prompts: tuple[tuple[int, ...], ...]  # a quantized build's held-out prompts (none before 0.1)
     artifacts: dict[str, dict]
     source_files: dict[str, dict[str, str]]  # role -> {file: sha256} of its checkpoint (none before 0.2)
-    eps: float | None = None  # a quantized target's teacher-forced tolerance (manifest.quantization.eps)
+    delta: float | None = None  # a quantized target's width noise in top-2 margins (manifest.quantization.delta)
 
     @property
     def speculation(self):
@@ -231,7 +231,7 @@ class Manifest:
                 tuple(data["passes"]["skipped_by_recipe"]),
                 tuple(tuple(p) for p in quantization.get("evaluation", {}).get("prompt_ids", ())),
                 data["artifacts"], data.get("source_files", {}),
-                float(quantization["eps"]["eps"]) if "eps" in quantization else None)
+                float(quantization["delta"]["delta"]) if "delta" in quantization else None)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
                                    "rebuild with `eagle-export build --force`") from None

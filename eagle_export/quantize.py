@@ -126,9 +126,31 @@ def quantize(model: nn.Module, precision: str, calib_batches: Iterable[tuple],
     finally:
         if shared is not None:
             model.embed_tokens = shared
+    check_row_local_activations(model)
     if nvfp4 and (fake_quant == "packed" or (fake_quant == "auto" and not on_cuda)):
         pack_nvfp4(model)
     return model
+
+
+def check_row_local_activations(model: nn.Module) -> None:
+    """Refuse an activation quantizer whose scale is computed at run time over the whole tensor
+    (dynamic per-tensor): each token's result would then depend on the other tokens of its call, and
+    speculative decoding could match neither one-token nor verify-width greedy decoding (the lossless
+    contract's T1). ModelOpt does so for an enabled quantizer calibration left without an amax; its
+    dynamic block quantizers (NVFP4's 16 elements along the input axis) are per row, and allowed."""
+    for name, module in model.named_modules():
+        if not name.endswith("input_quantizer") or not getattr(module, "is_enabled", False):
+            continue
+        blocks = getattr(module, "block_sizes", None) or {}
+        if blocks.get("type") == "dynamic" and set(k for k in blocks if isinstance(k, int)) == {-1}:
+            continue  # a scale per block of one row
+        if getattr(module, "amax", None) is None:
+            raise EagleExportError(
+                f"the activation quantizer {name} has no calibrated scale, so ModelOpt computes it at run time "
+                "over the whole tensor (dynamic per-tensor): every token's result would depend on the other "
+                "tokens of its call, and speculative decoding could not be verified",
+                "calibrate static activation scales on prompts that reach this module (calibration.num_samples), "
+                "exclude it from quantization, or quantize it per token or per block of one row")
 
 
 class _Unregistered(nn.Module):
@@ -299,6 +321,10 @@ def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str
         report["tau_quantized"] = speculative_tau(measured_target, measured_drafter, tau_prompts, max_new_tokens,
                                                   depth)
         report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
+        if measured_target is not target and measured_drafter is not drafter:  # the drafter against its unquantized self
+            report["tau_unquantized_drafter"] = speculative_tau(measured_target, drafter, tau_prompts, max_new_tokens,
+                                                                depth)
+            report["tau_drafter_ratio"] = report["tau_quantized"] / report["tau_unquantized_drafter"]
     return qtarget, qdrafter, report
 
 

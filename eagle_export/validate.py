@@ -7,13 +7,25 @@
    a quantized graph, whose quantized torch module is gone, against the unquantized torch model
    on the held-out prompts the build recorded: its greedy (draft) ids must agree with it about as
    often as the torch fake-quantized model's did at build time;
-3. the lossless loop, speculative against plain decoding through the same target: an unquantized
-   target's tokens are identical (and, unquantized builds, equal to the torch target's greedy ones);
-   a quantized target's are each within the build's eps of the argmax of the target run one token at
-   a time over their own prefix (`teacher_forced.py`), and eps is small beside the target's top-2
-   margins. It runs in ONNX Runtime, or for NVFP4 (no FP4 kernels there) on torch over the graphs'
-   own NVFP4 weights; the check's name says which. A build with engines runs the same loop on
-   TensorRT too (skipped where they cannot load).
+3. the lossless contract, in tiers, through the build's graphs (fixed policy):
+   T0  synthetic drafters (`synthetic.py`: oracle, anti, random; batch 1 and a ragged 3): output
+       equal to the reference, oracle tau = K+1, anti tau = 1. The reference is greedy decoding
+       through the verify graph with every draft rejected, and for an fp32/fp16/bf16 target it must
+       equal plain decoding;
+   an fp32/fp16/bf16 target: speculative tokens identical to plain decoding's (and, unquantized
+       builds, to the torch target's greedy ones);
+   a quantized target (FP8, NVFP4), whose logits depend on the call width:
+   T1  speculative tokens identical to that verify-width reference (the `anti` drafter's output);
+       "not applicable" (skipped, with the difference found) where the backend gives a row other
+       bits at another position within the call (`teacher_forced.position_variance`);
+   T2  each prompt's first divergence from width-1 decoding explained (`teacher_forced.py`): a
+       near-tie below the build's delta, the reference's second choice, the verify width's argmax;
+   T3  tau of the quantized pair within 5% of the unquantized pair's, and of the quantized drafter
+       within 5% of its unquantized self (measured by the build, same prompts, same run).
+   It runs in ONNX Runtime, or for NVFP4 (no FP4 kernels there) on torch over the graphs' own
+   NVFP4 weights; each check's name says which. A build with engines runs the same tiers on
+   TensorRT too (skipped where they cannot load). A tier an older build cannot run is skipped, and
+   says why.
 
 A check is (name, ok, detail) with ok True, False or None; None is a check that could not run
 here, the reason in detail: it is reported as skipped, never counted as passed.
@@ -35,9 +47,10 @@ from .manifest import (MANIFEST, Agreement, Manifest, contradictions, old_format
                        verify_sources)
 from .progress import track
 from .quantize import drafter_calibration_batches
-from .reference import draft_chain
+from .reference import draft_chain, mean_accepted_length
 from .runtime import GenerationConfig
-from .teacher_forced import MARGIN_PERCENTILE, agreement, margin_percentile, teacher_forced
+from .synthetic import MODES, SyntheticDrafts
+from .teacher_forced import agreement, explain_divergence, position_variance
 from .tree import random_verify_mask
 from .unrolled import TargetGraph, UnrolledDrafter
 
@@ -177,13 +190,55 @@ def lossless_backend(precisions) -> str:
     return "torch" if "nvfp4" in precisions else "onnxruntime"
 
 
+# T0's runs: few tokens, so validate stays quick; batch 1 and a ragged batch of 3 prompts.
+T0_NEW_TOKENS = 8
+# T3: the quantized pair's tau may fall this much (relative) below the unquantized pair's.
+TAU_TOLERANCE = 0.05
+
+
+def _synthetic_tier(runtime, prompts, exact_plain: bool) -> tuple:
+    """T0: the algorithm, exact. Per batch (the first prompt; all three, ragged), the reference is
+    greedy decoding through the verify graph with every draft rejected (the `anti` drafter): for an
+    fp32/fp16/bf16 target it must equal plain decoding; oracle, anti and random drafts must give the
+    reference's tokens, oracle accepting every draft it verifies and anti none. Returns (check, figures)."""
+    config = GenerationConfig(max_new_tokens=T0_NEW_TOKENS)
+    longer = GenerationConfig(max_new_tokens=T0_NEW_TOKENS + runtime.depth)  # the oracle's look-ahead
+    problems, taus = [], {}
+    for batch in (prompts[:1], prompts[:3]):
+        plain = [r.tokens for r in runtime.generate(batch, longer, speculative=False)]
+        anti = SyntheticDrafts("anti", plain, runtime.vocab_size)
+        reference = [r.tokens for r in runtime.generate(batch, longer, synthetic=anti)]
+        if exact_plain and reference != plain:
+            problems.append(f"batch {len(batch)}: verify-width greedy differs from plain decoding")
+        for mode in MODES:
+            results = runtime.generate(batch, config, synthetic=SyntheticDrafts(mode, reference, runtime.vocab_size))
+            if [r.tokens for r in results] != [ref[:T0_NEW_TOKENS] for ref in reference]:
+                problems.append(f"batch {len(batch)}: {mode} drafts changed the output")
+            # rounds of sequences the reference runs past (an EOS ends the oracle's knowledge)
+            rounds = [(a, d) for r, ref in zip(results, reference) if len(ref) == longer.max_new_tokens
+                      for a, d in zip(r.stats.accepted, r.stats.depths)]
+            if mode == "oracle" and any(a != d for a, d in rounds):
+                problems.append(f"batch {len(batch)}: oracle drafts rejected ({sum(a != d for a, d in rounds)} "
+                                f"of {len(rounds)} rounds)")
+            if mode == "anti" and any(a for a, _ in rounds):
+                problems.append(f"batch {len(batch)}: anti drafts accepted ({sum(a > 0 for a, _ in rounds)} "
+                                f"of {len(rounds)} rounds)")
+            taus[f"{mode}_batch{len(batch)}"] = round(sum(r.stats.tau for r in results) / len(results), 4)
+    name = f"T0 synthetic drafters, exact ({runtime.backend.name})"
+    reference = "plain decoding" if exact_plain else "greedy decoding at the verify width"
+    detail = (f"oracle/anti/random drafts, fixed policy, batch 1 and 3 x {T0_NEW_TOKENS} tokens: output equal to "
+              f"{reference}; tau " + ", ".join(f"{k} {v:g}" for k, v in taus.items()) + f" (K+1 = {runtime.depth + 1})")
+    if problems:
+        detail += "; " + "; ".join(problems)
+    return (name, not problems, detail), {"ok": not problems, "tau": taus, "problems": problems}
+
+
 def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int,
               backend: str | None = None):
-    """Speculative decoding through the build's graphs against plain decoding through the same target
-    graph, batch `prompts_count`: equal token for token (unquantized targets, also equal to the torch
-    target's greedy decoding when `target` is given), or, for a quantized target, every token within
-    the teacher-forced contract (`teacher_forced.py`). `backend` None: `lossless_backend`. Returns
-    (checks, record for the manifest)."""
+    """The lossless contract's tiers through the build's graphs, batch `prompts_count` (module
+    docstring): T0 always; an unquantized target's speculative tokens equal plain decoding's (and
+    the torch target's greedy ones when `target` is given); a quantized target's T1-T3. `backend`
+    None: `lossless_backend`. Returns (checks, record for the manifest)."""
     # The fixed policy verifies every draft, so every round exercises accept and rollback.
     backend = backend or lossless_backend({m.precision for m in manifest.models.values()})
     try:
@@ -192,71 +247,117 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
         if backend != "tensorrt":
             raise
         return [("lossless loop (tensorrt)", None, f"not run: the engines do not load here: {e.problem}")], None
-    if opened.tokenizer is not None:
-        prompts = [opened.encode(p) for p in CHECK_PROMPTS[:prompts_count]]
-    else:
-        prompts = [[1 + i, 7, 11 + 2 * i] for i in range(prompts_count)]
+    # ragged: the prompts differ in length
+    prompts = ([opened.encode(p) for p in CHECK_PROMPTS] if opened.tokenizer is not None else
+               [[1 + i, 7, 11 + 2 * i, 5][:2 + i] for i in range(len(CHECK_PROMPTS))])
+    runtime = opened.runtime
+    quantized = manifest.target.quantized
+    t0, t0_record = _synthetic_tier(runtime, prompts, exact_plain=not quantized)
+    prompts = prompts[:prompts_count]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    spec = opened.runtime.generate(prompts, config, speculative=True)
-    ar = opened.runtime.generate(prompts, config, speculative=False)
-    backend = opened.runtime.backend.name
-    records = [{"tokens": len(s.tokens), "tau": round(s.stats.tau, 4), **agreement(s.tokens, a.tokens)}
+    longer = GenerationConfig(max_new_tokens=new_tokens + runtime.depth)
+    spec = runtime.generate(prompts, config, speculative=True)
+    plain = [r.tokens for r in runtime.generate(prompts, longer, speculative=False)]
+    ar = [p[:new_tokens] for p in plain]
+    backend = runtime.backend.name
+    records = [{"tokens": len(s.tokens), "tau": round(s.stats.tau, 4), **agreement(s.tokens, a)}
                for s, a in zip(spec, ar)]
     tau = sum(r.stats.tau for r in spec) / len(spec)
     detail = f"{len(prompts)} prompts x {new_tokens} tokens, batch {len(prompts)}, tau {tau:.2f}"
-    if manifest.target.quantized:
-        return _teacher_forced_checks(opened, manifest, prompts, spec, records, detail, tau)
-    same = all(s.tokens == a.tokens for s, a in zip(spec, ar))
+    if quantized:
+        anti = runtime.generate(prompts, config, synthetic=SyntheticDrafts("anti", plain, runtime.vocab_size))
+        checks, record = _quantized_tiers(opened, manifest, prompts, spec, [r.tokens for r in anti], ar, records,
+                                          detail)
+        return [t0, *checks], {**record, "tau": round(tau, 4), "t0": t0_record}
+    same = all(s.tokens == a for s, a in zip(spec, ar))
     if not same:  # where each prompt first parts ways tells a numerics flip from a broken loop
         detail += "; first differing token per prompt: " + ", ".join(
             "-" if r["first_divergence"] is None else str(r["first_divergence"]) for r in records)
-    checks = [(f"lossless: speculative == autoregressive ({backend})", same, detail)]
+    checks = [t0, (f"lossless: speculative == autoregressive ({backend})", same, detail)]
     if target is not None:
         torch_greedy = all(s.tokens == target.generate_greedy(p, new_tokens)
                            for s, p in track(zip(spec, prompts), "torch greedy", len(prompts)))
         checks.append((f"lossless: speculative ({backend}) == torch target greedy", torch_greedy,
                        f"{len(prompts)} prompts x {new_tokens} tokens"))
-    return checks, {"contract": "token-identical", "backend": backend, "tau": round(tau, 4), "prompts": records}
+    return checks, {"contract": "token-identical", "backend": backend, "tau": round(tau, 4), "prompts": records,
+                    "t0": t0_record}
 
 
-def _teacher_forced_checks(opened, manifest: Manifest, prompts, spec, records, detail, tau):
-    """A quantized target's lossless checks: every speculative token within eps of the width-1
-    target's argmax over its own prefix, and eps small beside the target's top-2 margins."""
-    backend = opened.runtime.backend
-    name = f"lossless: teacher-forced within eps ({backend.name})"
-    eps = manifest.eps
-    if eps is None:
-        return [(name, False, "the build recorded no eps (made by an older eagle-export): rebuild it")], None
+def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain, records, detail):
+    """A quantized target's T1 (speculative == greedy at the verify width, token for token), T2 (each
+    divergence from width-1 decoding explained: `teacher_forced.py`) and T3 (tau kept, as the build
+    measured it). Returns (checks, record)."""
+    runtime = opened.runtime
+    backend = runtime.backend
+    width = backend.verify_width  # every draft verified: the fixed policy's
     shape = (manifest.target.num_layers, manifest.target.num_kv_heads, manifest.target.head_dim)
-    margins, outside = [], 0
-    for record, prompt, result in track(list(zip(records, prompts, spec)), "teacher forcing", len(prompts)):
-        forced = teacher_forced(backend, shape, prompt, result.tokens, eps)
-        margins += forced["margins"]
-        outside += len(forced["violations"])
-        record.update(exceptions=forced["exceptions"], violations=forced["violations"])
-    p10 = margin_percentile(margins)
-    per_prompt = "; ".join(
-        f"prompt {i}: match {r['match_fraction']:.2f}, first divergence "
-        f"{'-' if r['first_divergence'] is None else r['first_divergence']}, "
-        f"{len(r['exceptions'])} near-tie(s)" + "".join(f" [{e['index']}: margin {e['margin']:.3g}]"
-                                                        for e in r["exceptions"])
-        + (f", {len(r['violations'])} OUTSIDE" + "".join(f" [{v['index']}: margin {v['margin']:.3g}]"
-                                                        for v in r["violations"]) if r["violations"] else "")
-        for i, r in enumerate(records))
-    exceptions = sum(len(r["exceptions"]) for r in records)
-    checks = [
-        (name, outside == 0, f"{detail}; eps {eps:.3g}; {outside} token(s) outside, {exceptions} near-tie "
-                             f"exception(s); exact agreement with autoregressive: {per_prompt}"),
-        (f"lossless: eps below the target's top-2 margins ({backend.name})", eps <= p10,
-         (f"eps {eps:.3g} <= {p10:.3g}" if eps <= p10 else
-          f"too noisy to verify: eps {eps:.3g} exceeds {p10:.3g}")
-         + f", the {MARGIN_PERCENTILE}th percentile of the target's top-2 logit margins at the {len(margins)} "
-           "teacher-forced positions"),
-    ]
-    record = {"contract": "teacher-forced", "backend": backend.name, "eps": eps,
-              "margin_p10": round(p10, 6), "positions": len(margins),
-              "tau": round(tau, 4), "prompts": records}
+    first = [agreement(s.tokens, r)["first_divergence"] for s, r in zip(spec, reference)]
+    t1 = all(d is None for d in first)
+    t1_detail = (f"{detail}; speculative (real drafter) vs greedy through the verify graph at width {width} "
+                 "(anti drafter): first differing token per prompt: " + ", ".join("-" if d is None else str(d)
+                                                                                  for d in first))
+    # Exactness at the verify width needs a row's result independent of its position within the call.
+    variance = position_variance(backend, shape, prompts[0], width)
+    if variance > 0:
+        t1 = None
+        t1_detail = (f"not applicable on {backend.name}: a row's logits depend on its position within a "
+                     f"width-{width} call (max |logit difference| {variance:.3g} between row 0 and rows 0..{width - 1} "
+                     f"of one call; README: the lossless contract); T2 and T3 carry the contract here; {t1_detail}")
+    elif not t1:
+        t1_detail += "; the backend is position-invariant for this build, so the loop is at fault"
+    checks = [(f"T1 exact at the verify width ({backend.name})", t1, t1_detail)]
+    record = {"contract": "tiered", "backend": backend.name, "verify_width": width,
+              "t1": {"ok": t1, "first_divergence": first, "position_variance": variance}, "prompts": records}
+    delta = manifest.delta
+    t2_name = f"T2 divergence from width-1 decoding explained ({backend.name})"
+    if delta is None:
+        checks.append((t2_name, None, "not run: the build recorded no delta (made before the tiered contract): "
+                                      "rebuild to run T2"))
+    else:
+        explained = [explain_divergence(backend, shape, p, s.tokens, a, width, delta)
+                     for p, s, a in track(list(zip(prompts, spec, plain)), "T2 divergences", len(prompts))]
+        for r, e in zip(records, explained):
+            r["t2"] = e
+        ok = all(e["explained"] for e in explained)
+        checks.append((t2_name, ok, f"delta {delta:.3g}; " + "; ".join(
+            f"prompt {i}: " + ("identical" if e["d"] is None else
+                              f"d {e['d']}, margin {e['margin'] if e['margin'] is None else format(e['margin'], '.3g')}"
+                              + "".join(f", NOT {k.replace('_', ' ')}" for k in
+                                        ("argmax_at_verify_width", "margin_below_delta", "second_choice")
+                                        if e.get(k) is False) + (f", {e['why']}" if "why" in e else ""))
+            + f", identical prefix {e['identical_prefix']:.2f}" for i, e in enumerate(explained))))
+        record["t2"] = {"ok": ok, "delta": delta}
+    *t3, record["t3"] = _tau_tier(manifest, runtime)
+    checks.append(tuple(t3))
     return checks, record
+
+
+def _tau_tier(manifest: Manifest, runtime) -> tuple:
+    """T3: tau of this build (its graphs, fixed policy, pooled over every round) on the held-out
+    prompts the build recorded, within TAU_TOLERANCE of the unquantized pair's on the same prompts
+    (greedy, so deterministic: recorded by the build); and the quantized drafter's tau within
+    TAU_TOLERANCE of its unquantized self's (both measured by the build, same prompts, same run)."""
+    q = manifest.data["quantization"]
+    name = f"T3 acceptance kept ({runtime.backend.name})"
+    if "tau_reference" not in q or not manifest.evaluation_prompts:
+        return name, None, "not run: the build measured no tau (evaluation.tau off, or made before it)", {}
+    config = GenerationConfig(max_new_tokens=q["evaluation"]["max_new_tokens"])
+    results = runtime.generate([list(p) for p in manifest.evaluation_prompts], config)
+    tau = mean_accepted_length([a for r in results for a in r.stats.accepted], empty=0.0)
+    figures = {"tau_build": round(tau, 4), "tau_unquantized_pair": q["tau_reference"],
+               "pair_ratio": round(tau / q["tau_reference"], 4), "prompts": len(results)}
+    detail = (f"tau of this build {tau:.3f} vs the unquantized pair's {q['tau_reference']:.3f} on the "
+              f"{len(results)} held-out prompts (ratio {figures['pair_ratio']:.3f})")
+    ok = figures["pair_ratio"] >= 1 - TAU_TOLERANCE
+    if "tau_drafter_ratio" in q:
+        figures["drafter_ratio"] = q["tau_drafter_ratio"]
+        ok = ok and q["tau_drafter_ratio"] >= 1 - TAU_TOLERANCE
+        detail += (f"; quantized drafter vs its unquantized self {q['tau_quantized']:.3f} vs "
+                   f"{q['tau_unquantized_drafter']:.3f} (ratio {q['tau_drafter_ratio']:.3f}, at build)")
+    elif manifest.drafter.quantized and manifest.target.quantized:
+        return name, None, detail + ("; not run in full: the build did not measure the quantized drafter "
+                                     "against its unquantized self (made before it): rebuild"), figures
+    return name, ok, detail + f"; pass >= {1 - TAU_TOLERANCE:g}, fixed policy", figures
 
 
 def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -75,6 +76,8 @@ def test_build_writes_a_complete_manifest(built):
     assert [r["name"] for r in manifest["passes"]["model"]][:2] == ["share_embeddings", "fold_fc_norm_into_target"]
     assert manifest["graphs"]["target"]["nodes_after_passes"] < manifest["graphs"]["target"]["nodes_exported"]
     assert manifest["validation"]["ok"] and len(manifest["validation"]["checks"]) >= 4
+    t0 = manifest["validation"]["lossless"]["t0"]  # unquantized: verify-width greedy is plain decoding
+    assert t0["ok"] and t0["tau"]["oracle_batch3"] == 4 and t0["tau"]["anti_batch1"] == 1
     conformance = manifest["conformance"]
     assert conformance["ok"] and conformance["readings"][0]["reading"] == "as configured"
     assert "drafter conventions: acc@1" in log
@@ -685,8 +688,8 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(fp8_built):
 
     ops = {n.op_type for n in onnx.load(out / "target.onnx").graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
-    lossless = [c for c in manifest["validation"]["checks"] if c["name"].startswith("lossless")]
-    assert lossless and all(c["ok"] for c in lossless)
+    tiers = [c for c in manifest["validation"]["checks"] if c["name"][:2] in ("T0", "T1", "T2", "T3")]
+    assert len(tiers) == 4 and all(c["ok"] for c in tiers)
     # The graphs were run against the unquantized models on the recorded prompts; nothing was skipped.
     prompt_ids = quant["evaluation"]["prompt_ids"]
     assert len(prompt_ids) == 4 and all(isinstance(i, int) for p in prompt_ids for i in p)
@@ -696,29 +699,35 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(fp8_built):
     assert manifest["validation"]["skipped"] == [] and all(c["ok"] is True for c in checks.values())
 
 
-TEACHER_FORCED = "lossless: teacher-forced within eps (onnxruntime)"
-NOISE = "lossless: eps below the target's top-2 margins (onnxruntime)"
+T0 = "T0 synthetic drafters, exact (onnxruntime)"
+T1 = "T1 exact at the verify width (onnxruntime)"
+T2 = "T2 divergence from width-1 decoding explained (onnxruntime)"
+T3 = "T3 acceptance kept (onnxruntime)"
 
 
-def test_fp8_build_measures_eps_and_records_the_teacher_forced_check(fp8_built):
+def test_fp8_build_measures_delta_and_records_every_tier(fp8_built):
     out, log = fp8_built
     manifest = json.loads((out / "manifest.json").read_text())
-    eps = manifest["quantization"]["eps"]
+    delta = manifest["quantization"]["delta"]
     # Measured on the built graph at call widths 1 and K+1 over the calibration prompts (depth 3).
-    assert eps["widths"] == [1, 4] and eps["prompts"] == 4 and eps["positions"] > 0
-    assert eps["eps"] == eps["safety_factor"] * eps["max_logit_difference"] and eps["safety_factor"] == 4.0
-    assert f"eps {eps['eps']:.3g}" in log
-    assert manifest["graphs"]["target"]["return_logits"]  # the check reads each call's margins
+    assert delta["widths"] == [1, 4] and delta["prompts"] == 4 and delta["positions"] > 0
+    assert delta["quantile"] == 0.999 and 0 <= delta["delta"] <= delta["max_margin_shift"]
+    assert f"delta {delta['delta']:.3g}" in log and "eps" not in manifest["quantization"]
+    quant = manifest["quantization"]
+    assert quant["tau_drafter_ratio"] == quant["tau_quantized"] / quant["tau_unquantized_drafter"]
     lossless = manifest["validation"]["lossless"]
-    assert lossless["contract"] == "teacher-forced" and lossless["eps"] == eps["eps"]
-    assert lossless["eps"] <= lossless["margin_p10"] and lossless["positions"] == 2 * 16
-    for record in lossless["prompts"]:  # exact agreement with plain decoding, and the exceptions
-        assert set(record) >= {"first_divergence", "match_fraction", "exceptions", "violations", "tau"}
-        assert record["violations"] == [] and all(e["margin"] <= eps["eps"] for e in record["exceptions"])
-        assert 0 <= record["match_fraction"] <= 1
+    assert lossless["contract"] == "tiered" and lossless["verify_width"] == 4
+    assert lossless["t0"]["ok"] and lossless["t1"]["ok"] and lossless["t2"] == {"ok": True, "delta": delta["delta"]}
+    assert lossless["t3"]["pair_ratio"] >= 0.95 and lossless["t3"]["drafter_ratio"] >= 0.95
+    # oracle: every draft accepted (tau K+1), anti: none (tau 1), at batch 1 and 3
+    assert {k: v for k, v in lossless["t0"]["tau"].items() if not k.startswith("random")} == {
+        "oracle_batch1": 4, "anti_batch1": 1, "oracle_batch3": 4, "anti_batch3": 1}
+    for record in lossless["prompts"]:  # per prompt: d, the margin there, delta, the identical prefix
+        assert set(record["t2"]) >= {"d", "margin", "delta", "identical_prefix", "explained"}
+        assert record["t2"]["explained"] and 0 <= record["t2"]["identical_prefix"] <= 1
     checks = {c["name"]: c for c in manifest["validation"]["checks"]}
-    assert checks[TEACHER_FORCED]["status"] == "passed" and checks[NOISE]["status"] == "passed"
-    assert "exact agreement with autoregressive: prompt 0: match" in checks[TEACHER_FORCED]["detail"]
+    assert all(checks[name]["status"] == "passed" for name in (T0, T1, T2, T3)), checks
+    assert not any("eps" in name or "noisy" in c["detail"] for name, c in checks.items())
 
 
 def _copy_build(out, tmp_path, edit=None):
@@ -733,48 +742,89 @@ def _copy_build(out, tmp_path, edit=None):
     return copy
 
 
-def _off_by_one_accept(original):
+def _off_by_one_accept(runtime):
     """Accept one draft more than the target's argmax agreed with."""
+    original = runtime.greedy_accepted_path
+
     def accept(node_ids, parents, greedy):
         accepted, path = original(node_ids, parents, greedy)
         return (accepted + 1).clamp(max=path.shape[1]), path
-    return accept
+    return "greedy_accepted_path", accept
 
 
-def _cache_row_one_early(original):
+def _cache_row_one_early(runtime):
     """Write each call's new K/V rows one slot before the sequence's length."""
-    return lambda keys, values, out, starts, counts, live: original(keys, values, out, (starts - 1).clamp(min=0),
-                                                                    counts, live)
+    original = runtime._write_rows
+    return "_write_rows", lambda keys, values, out, starts, counts, live: original(
+        keys, values, out, (starts - 1).clamp(min=0), counts, live)
 
 
-@pytest.mark.parametrize("name, mutation", [("greedy_accepted_path", _off_by_one_accept),
-                                            ("_write_rows", _cache_row_one_early)])
-def test_planted_runtime_bugs_fail_the_teacher_forced_check(fp8_built, monkeypatch, name, mutation):
-    """The mutation test: the quantized build's lossless check must catch a broken loop."""
+def _rejected_row_left(runtime):
+    """Commit the verify call's first rows in call order instead of the accepted path's: where the
+    path skips a rejected sibling (a tree), that rejected row is left in the cache."""
+    original = runtime._gather_rows
+    return "_gather_rows", lambda out, rows: original(out, torch.arange(rows.shape[1]).expand_as(rows))
+
+
+def _plant(monkeypatch, mutation):
     import eagle_export.runtime as runtime
+
+    name, replacement = mutation(runtime)
+    owner, _, attribute = name.rpartition(".")
+    monkeypatch.setattr(getattr(runtime, owner) if owner else runtime, attribute, replacement)
+
+
+def _failed(report):
+    return {c["name"].split(" (")[0].split()[0] for c in report["checks"] if c["ok"] is False}
+
+
+@pytest.mark.parametrize("mutation, tiers", [(_off_by_one_accept, {"T0", "T1"}),
+                                             (_cache_row_one_early, {"T1", "T2"})],
+                         ids=["acceptance off by one", "K/V row one slot early"])
+def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, tiers):
+    """The mutation test: the quantized build's tiers must catch a broken loop (T0 or T1 each; a
+    cache bug T2 too), while its graphs stay sound."""
     from eagle_export.validate import validate_build_dir
 
     out, _ = fp8_built
-    monkeypatch.setattr(runtime, name, mutation(getattr(runtime, name)))
+    _plant(monkeypatch, mutation)
     report = validate_build_dir(out, quick=True)
-    checks = {c["name"]: c for c in report["checks"]}
-    assert not report["ok"] and checks[TEACHER_FORCED]["status"] == "failed", checks[TEACHER_FORCED]
-    assert re.search(r"[1-9]\d* token\(s\) outside", checks[TEACHER_FORCED]["detail"])
-    assert any(r["violations"] for r in report["lossless"]["prompts"])
-    # The build's graphs themselves are sound: only the loop is at fault.
-    assert all(c["ok"] for n, c in checks.items() if not n.startswith("lossless"))
+    failed = _failed(report)
+    assert not report["ok"] and failed & {"T0", "T1"} and tiers <= failed, report["failures"]
+    assert not any(name.startswith("quantized") for name in failed)  # only the loop is at fault
 
 
-def test_an_eps_above_the_target_margins_is_too_noisy_to_verify(fp8_built, tmp_path):
+@pytest.mark.slow
+def test_a_rejected_row_left_in_the_cache_fails_t0_t1_and_t2_on_a_tree(sources, tmp_path, monkeypatch):
+    from eagle_export.validate import validate_build_dir
+
+    recipe = write_recipe(tmp_path / "r.yaml", sources).read_text().replace(
+        "depth: 3\n", "speculation: {kind: static_tree, branching: [2, 2, 1]}\n")
+    (tmp_path / "r.yaml").write_text(recipe.replace(
+        "precision: {target: fp32, drafter: fp32}",
+        "precision: {target: fp8, drafter: fp8}\ncalibration: {num_samples: 4, max_tokens: 32}"))
+    result = CliRunner().invoke(main, ["build", "--recipe", str(tmp_path / "r.yaml"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    _plant(monkeypatch, _rejected_row_left)
+    report = validate_build_dir(tmp_path / "out", quick=True)
+    failed = _failed(report)
+    assert failed & {"T0", "T1"} and "T2" in failed, report["failures"]
+
+
+def test_a_build_made_before_the_tiers_says_which_it_cannot_run(fp8_built, tmp_path):
     out, _ = fp8_built
 
-    def noisy(manifest):
-        manifest["quantization"]["eps"]["eps"] = 1e6
+    def older(manifest):  # as the eps-era eagle-export wrote it
+        quant = manifest["quantization"]
+        quant["eps"] = {"eps": 1e-6}
+        for key in ("delta", "tau_unquantized_drafter", "tau_drafter_ratio"):
+            del quant[key]
 
-    result = CliRunner().invoke(main, ["validate", str(_copy_build(out, tmp_path, noisy))])
-    assert result.exit_code == 1, result.output
-    assert f"FAIL  {NOISE}: too noisy to verify: eps 1e+06 exceeds" in result.output
-    assert f"ok    {TEACHER_FORCED}" in result.output  # every token is within so large an eps
+    result = CliRunner().invoke(main, ["validate", str(_copy_build(out, tmp_path, older))])
+    assert result.exit_code == 0, result.output
+    assert f"ok    {T0}" in result.output and f"ok    {T1}" in result.output
+    assert f"SKIP  {T2}: not run: the build recorded no delta (made before the tiered contract)" in result.output
+    assert f"SKIP  {T3}:" in result.output and "against its unquantized self (made before it)" in result.output
 
 
 def scale_first_fp8_weight(path, factor: float) -> None:
@@ -806,7 +856,7 @@ def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_pat
     assert f"FAIL  {GRAPH_CHECKS[0]}: greedy agreement" in result.output
     assert f"ok    {GRAPH_CHECKS[1]}" in result.output
     # The lossless loop runs this same graph on both sides, so it cannot see the fault.
-    assert f"ok    {TEACHER_FORCED}" in result.output
+    assert f"ok    {T1}" in result.output
 
 
 def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_built, tmp_path):
@@ -831,16 +881,16 @@ def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sou
     """ONNX Runtime has no FP4 kernels: the loop runs on the torch backend over the NVFP4 weights read
     from the build's own graphs, and says so; nothing is skipped."""
     out, log = quantized_build(sources, tmp_path, "nvfp4")
-    assert "validation 5/5 checks passed" in log
+    assert "validation 7/7 checks passed" in log
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["backends"] == ["torch"] and manifest["quantization"]["eps"]["backend"] == "torch"
+    assert manifest["backends"] == ["torch"] and manifest["quantization"]["delta"]["backend"] == "torch"
     checks = {c["name"]: c for c in manifest["validation"]["checks"]}
     assert all(checks[name]["status"] == "passed" for name in GRAPH_CHECKS)
-    assert checks["lossless: teacher-forced within eps (torch)"]["status"] == "passed"
+    assert all(checks[tier.replace("onnxruntime", "torch")]["status"] == "passed" for tier in (T0, T1, T2, T3))
     assert manifest["validation"]["skipped"] == [] and manifest["validation"]["lossless"]["backend"] == "torch"
     result = CliRunner().invoke(main, ["validate", str(out)])  # every recorded prompt, in onnx.reference
     assert result.exit_code == 0, result.output
-    assert "SKIP" not in result.output and "ok    lossless: teacher-forced within eps (torch)" in result.output
+    assert "SKIP" not in result.output and f"ok    {T1.replace('onnxruntime', 'torch')}" in result.output
     assert f"ok    {GRAPH_CHECKS[0]}: greedy agreement" in result.output and "4/4 prompts" in result.output
     with pytest.raises(EagleExportError, match="no FP4 kernels"):
         open_build(out, backend="onnxruntime")

@@ -305,3 +305,15 @@ def test_fp16_quantized_graphs_pass_the_trt_lint_and_keep_fp32_global_scales(tmp
         err = ((got["logits"].float() - expected["logits"].float()).abs().max() / expected["logits"].float().abs().max())
         print(f"fp16 NVFP4 graph vs packed torch: greedy agreement {agree:.4f}, logits rel. error {err:.2e}")
         assert agree >= 0.995 and err < 2e-2, (agree, err)  # validate.TOLERANCE["fp16"]
+
+
+def test_a_dynamic_per_tensor_activation_scale_is_refused_naming_its_quantizer(models, monkeypatch):
+    """A quantizer calibration never reached has no static scale: ModelOpt would compute it at run time
+    over the whole activation, making every token depend on the others of its call. Refused at
+    quantization (so at build time), naming the quantizer and the fix."""
+    target, _, prompts = models
+    monkeypatch.setattr(Q, "calibration_step", lambda model, batch: None)  # nothing reaches the quantizers
+    with pytest.raises(EagleExportError, match=r"quantizer \S*layers\.0\.\S*input_quantizer has no calibrated "
+                                               r"scale.*dynamic per-tensor") as e:
+        Q.quantize(copy.deepcopy(target), "fp8", Q.target_calibration_batches(target, prompts))
+    assert "calibrate static activation scales" in e.value.fix

@@ -1,0 +1,95 @@
+"""T1/T2 of the lossless contract (`teacher_forced.py`) on a tiny pair whose target is given a planted
+width noise: a call wider than one token breaks every near-tie (top-2 margin below NOISE) the
+other way, as a quantized target's rounding may. Speculative output then parts from plain decoding,
+stays equal to greedy decoding at the verify width (T1), and each divergence is explained (T2).
+(A planted cache bug failing T2 on a quantized build: tests/test_build.py.)"""
+
+import pytest
+import torch
+
+from eagle_export import contract as C
+from eagle_export.backends import TorchBackend
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.synthetic import SyntheticDrafts
+from eagle_export.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
+from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+NOISE = 0.3      # near-ties below this margin flip in a wide call
+PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42, 3]]
+CONFIG = GenerationConfig(max_new_tokens=24)
+
+
+class WidthNoise(TorchBackend):
+    """A target whose calls of more than one token prefer the second choice at every near-tie."""
+
+    def target(self, feeds, need_logits=False):
+        out = dict(super().target(feeds, need_logits=True))
+        if feeds[C.INPUT_IDS].shape[1] > 1:
+            logits = out[C.LOGITS].clone()
+            top = logits.topk(2, dim=-1)
+            tie = (top.values[..., 0] - top.values[..., 1]) < NOISE
+            second = top.indices[..., 1:2]
+            raised = logits.gather(-1, top.indices[..., :1]) + 1e-3
+            logits.scatter_(-1, second, torch.where(tie[..., None], raised, logits.gather(-1, second)))
+            out[C.LOGITS], out[C.GREEDY_IDS] = logits, logits.argmax(-1)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+    drafter = load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1"), target=target)
+    backend = WidthNoise(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, depth_policy="fixed")
+
+
+def shape(runtime):
+    return runtime.target_cache_shape
+
+
+def test_margin_shift_is_the_change_of_the_narrow_top2_gap():
+    narrow = torch.tensor([[3.0, 1.0, 0.0]])
+    wide = torch.tensor([[2.5, 1.5, 9.0]])  # the same two tokens 1.0 apart instead of 2.0
+    assert margin_shift(narrow, wide).tolist() == [1.0]
+
+
+def test_delta_bounds_the_planted_width_noise(runtime):
+    prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
+    delta = measure_delta(runtime.backend, shape(runtime), prompts, runtime.backend.verify_width)
+    assert delta["argmax_flips"] > 0 and delta["positions"] == 4 * 24  # the noise did flip near-ties
+    assert 0 < delta["delta"] <= NOISE + 1e-3 + 1e-5
+
+
+def test_speculative_output_is_greedy_at_the_verify_width_and_its_divergences_are_explained(runtime):
+    spec = [r.tokens for r in runtime.generate(PROMPTS, CONFIG)]
+    plain = [r.tokens for r in runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=27), speculative=False)]
+    anti = [r.tokens for r in runtime.generate(PROMPTS, CONFIG, synthetic=SyntheticDrafts("anti", plain, 320))]
+    assert spec == anti  # T1
+    explained = [explain_divergence(runtime.backend, shape(runtime), p, s, a[:24], runtime.backend.verify_width,
+                                    NOISE + 2e-3) for p, s, a in zip(PROMPTS, spec, plain)]
+    assert any(e["d"] is not None for e in explained)  # the noise made speculative output part from plain
+    for e in explained:
+        assert e["explained"], e
+        if e["d"] is not None:
+            assert e["margin"] < NOISE and e["identical_prefix"] == e["d"] / 24
+
+
+def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_dependent_kernel(runtime, monkeypatch):
+    """T1 is exact only where a row's logits do not depend on its position within the call; validate
+    records T1 as not applicable where this probe finds they do."""
+    backend, prompt = runtime.backend, PROMPTS[1]
+    # fp32 torch on CPU: rounding-level only (the ONNX Runtime and NVFP4 tiny builds: exactly 0)
+    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) < 1e-5
+    target = backend.target
+
+    def row_dependent(feeds, need_logits=False):
+        out = dict(target(feeds, need_logits))
+        rows = torch.arange(out[C.LOGITS].shape[1], dtype=out[C.LOGITS].dtype)
+        out[C.LOGITS] = out[C.LOGITS] + 1e-3 * rows[None, :, None]
+        return out
+
+    monkeypatch.setattr(backend, "target", row_dependent)
+    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) >= 1e-3
