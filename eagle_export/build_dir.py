@@ -152,30 +152,3 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
                                                       cost_key(chosen, threads, static_cache)),
                                  vocab_size=t.vocab_size, static_cache=static_cache)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
-
-
-def inspect_build(path: str | Path) -> dict:
-    """`eagle-export inspect BUILD`: what a build holds, from its manifest (nothing is loaded): the
-    pair and precisions, how it speculates (the verify width its target calls take), its graphs and
-    engines, and whether it validated."""
-    path = Path(path)
-    manifest = Manifest.from_json(read_manifest(path), path / MANIFEST)
-    data = manifest.data
-    speculation = manifest.speculation
-    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
-    validation = data.get("validation", {})
-    engines = data.get("engines", {})
-    report = {
-        "kind": "build", "path": str(path), "recipe": data.get("recipe", {}).get("name"), "created": data.get("created"),
-        "target": f"{data['sources']['target']} ({data['models']['target']['precision']})",
-        "drafter": f"{data['sources']['drafter']} ({data['models']['drafter']['precision']})",
-        "speculation": describe(speculation), "depth": manifest.depth, "nodes": nodes, "verify_width": nodes + 1,
-        "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": data.get("backends"),
-        "graphs": sorted(g["file"] for g in data.get("graphs", {}).values()),
-        "engines": engines.get("skipped") or sorted(engines),
-        "lossless_eps": data.get("quantization", {}).get("eps", {}).get("eps"),
-        "validation": f"{sum(c['ok'] for c in validation.get('checks', []))}/{len(validation.get('checks', []))} "
-                      f"checks passed" + ("" if validation.get("ok") else ", FAILED"),
-        "warnings": [],
-    }
-    return report

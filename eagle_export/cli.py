@@ -51,7 +51,8 @@ def utf8(ctx, param, value):
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars, only the plain stage lines (as when stderr is not a terminal).")
 def main(quiet):
-    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to TensorRT engines.
+    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to ONNX graphs, and to TensorRT engines
+    where TensorRT and an NVIDIA GPU are present (`eagle-export doctor` says which).
 
     On a terminal, long loops (calibration, evaluation, validation, bench, the sample target's
     conversion) draw a progress bar with ETA on stderr; logs get the stage lines only."""
@@ -73,16 +74,19 @@ def main(quiet):
 def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit, or what a build
     directory holds (its pair, how it speculates, its graphs and engines)."""
-    from .build_dir import inspect_build
-    from .checkpoint_info import inspect_checkpoint
-    from .manifest import MANIFEST
+    from .manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
     is_build = (Path(path) / MANIFEST).is_file()
     if is_build and check:
         raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
-    report = inspect_build(path) if is_build else inspect_checkpoint(path, target)
+    if is_build:
+        report = inspect_build(path)
+    else:
+        from .checkpoint_info import inspect_checkpoint
+
+        report = inspect_checkpoint(path, target)
     if check:
         from .conformance import check_checkpoint, check_prompts
 
@@ -92,13 +96,26 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
     else:
         for key, value in report.items():
             if key not in ("warnings", "conformance"):
-                click.echo(f"{key:24} {value}")
+                click.echo(f"{key:24} {_plain(value)}")
         for w in report["warnings"]:
             click.echo(f"warning: {w}")
         if check:
             _echo_conformance(report["conformance"])
     if strict and check and not report["conformance"]["ok"]:
         sys.exit(1)
+
+
+def _plain(value) -> str:
+    """A report value as a reader writes it: lists comma-separated, None as '-', no Python reprs."""
+    if value is None:
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_plain(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
 
 
 def _echo_conformance(result: dict) -> None:
@@ -135,7 +152,9 @@ def doctor(as_json):
         return
     gpu = report["gpu"]
     click.echo(f"python        {report['python']}")
-    click.echo(f"torch         {report['torch']} (CUDA {report['cuda'] or 'none'}, available: {report['cuda_available']})")
+    cuda = (f"CUDA {report['cuda'] or 'none'}, available: {'yes' if report['cuda_available'] else 'no'}"
+            if report["nvidia_driver"] else "no NVIDIA driver, so no CUDA")
+    click.echo(f"torch         {report['torch']} ({cuda})")
     click.echo(f"gpu           {gpu['name'] + ' (compute capability ' + gpu['compute_capability'] + ')' if gpu else 'none'}")
     click.echo(f"tensorrt      {report['tensorrt'] or 'not installed'}")
     click.echo(f"onnxruntime   {report['onnxruntime']} ({', '.join(report['onnxruntime_providers'])})")
@@ -159,15 +178,18 @@ def doctor(as_json):
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", callback=utf8,
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
 def build(recipe, out_dir, force, target, drafter, depth, sets):
-    """Build engines (or ONNX graphs without TensorRT), a manifest, and its validation, from a recipe."""
-    from .build import build as run_build
+    """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
+    validation, from a recipe."""
     from .recipe import load_recipe, parse_override
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
         if value is not None:
             overrides[key] = value
-    manifest = run_build(load_recipe(recipe, overrides), out_dir, force=force, echo=click.echo)
+    loaded = load_recipe(recipe, overrides)  # a bad recipe is refused before torch is imported
+    from .build import build as run_build
+
+    manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
     checks = manifest["validation"]["checks"]
     passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
     click.echo(f"built {out_dir}: {len(manifest['artifacts'])} artifacts, backends "
@@ -198,9 +220,11 @@ def validate(build_dir, as_json):
 @click.option("--prompt", multiple=True, help="Raw text to continue (repeatable: one request each).", callback=utf8)
 @click.option("--chat", multiple=True, help="A user message, wrapped in the model's chat template (repeatable).",
               callback=utf8)
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int,
+              help="Stop each request after this many new tokens (or earlier at end of sequence).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float,
+              help="With --temperature > 0: sample from the smallest set of tokens holding this probability.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
@@ -214,11 +238,12 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     """Generate from a build, streaming the text, then one summary line (tau, tokens/s) per request.
 
     Requests run one after another, so each one's time split is its own."""
+    if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
+        raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
+                               else "pass --prompt or --chat, not both")
     from .build_dir import open_build
     from .runtime import GenerationConfig, request_record
 
-    if bool(prompt) == bool(chat):
-        raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
     if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
         opened.runtime.cost_curves(1)
@@ -261,7 +286,7 @@ def _target_of(manifest: dict) -> tuple:
               help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
                    "the drafter's K+1 rows), as vLLM and gpt-fast do. Default: on when torch runs on CUDA.")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int, help="New tokens per prompt.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
 @click.option("--remeasure", is_flag=True,
               help="Measure the cost curves again, replacing those cached in each build for this backend and machine "
@@ -371,7 +396,8 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
 
 
 @main.command()
-@click.option("--gpu", is_flag=True, help="Test what only a GPU can settle (the only suite so far).")
+@click.option("--gpu", is_flag=True, help="The GPU suite: what only a GPU can settle (the only suite so far, and "
+                                          "the default).")
 @click.option("--build", "build_dir", type=click.Path(), callback=utf8,
               help="A build made on this machine, with engines (default: build the sample here first).")
 @click.option("--report", "report_path", default="selftest-gpu.json", show_default=True, type=click.Path(),
@@ -381,10 +407,13 @@ def selftest(gpu, build_dir, report_path):
     TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
     Runtime CUDA, and a batch 1/4 bench on each backend; each step one line, all in one JSON report.
     Exit 1 when a step fails; exit 0 with one line on a machine without a GPU."""
+    from .doctor import NO_GPU_SELFTEST, cuda_available
+
+    if not cuda_available():  # answered before the suite's imports (torch, onnx: seconds)
+        click.echo(NO_GPU_SELFTEST)
+        return
     from .selftest import selftest as run_selftest
 
-    if not gpu:
-        raise EagleExportError("selftest needs a suite to run", "pass --gpu")
     report = run_selftest(build_dir, report_path, echo=click.echo)
     if report is not None and not report["ok"]:
         sys.exit(1)
@@ -425,7 +454,8 @@ def list_passes():
 @main.command("quantize")
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target LLM directory (Hugging Face).")
 @click.option("--draft", "drafter_dir", default=None, type=click.Path(), help="EAGLE-3 / 3.1 drafter directory (optional).")
-@click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]))
+@click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]),
+              help="What to quantize to (weight_only: weights only, activations stay in the float dtype).")
 @click.option("--keep", default="lm_head,fc", show_default=True, help="Modules kept in high precision (comma-separated names).")
 @click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
 @click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")

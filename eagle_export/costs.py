@@ -24,12 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import contract as C
 from .doctor import package_version, tensorrt_version
-from .layers import causal_mask
-from .sample import cache_root
+from .lazy import lazy
+
+torch = lazy("torch")  # the manifest (read by `inspect BUILD`) names COSTS_FILE; measuring needs torch
 
 COSTS_FILE = "costs.json"
 COSTS_FORMAT = 1
@@ -129,6 +128,8 @@ class CostCache:
 
 def cache_path(build_dir: Path, manifest: dict) -> Path:
     """The build directory's costs.json, or one in the user cache when the build is read-only."""
+    from .sample import cache_root
+
     if os.access(build_dir, os.W_OK):
         return build_dir / COSTS_FILE
     stamp = manifest.get("created", "") + "".join(a["sha256"][:8] for a in manifest.get("artifacts", {}).values())
@@ -138,6 +139,8 @@ def cache_path(build_dir: Path, manifest: dict) -> Path:
 def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[dict[int, float], dict[int, float]]:
     """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain) and drafter
     (W = 1..K+1) at `batch`."""
+    from .layers import causal_mask
+
     k = runtime.depth
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
     capacity = past + 2 * (k + 1)
