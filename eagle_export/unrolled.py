@@ -266,10 +266,12 @@ class UnrolledDrafter(nn.Module):
                     slot = level.slot
                 if slot != list(range(feedback.shape[1])):
                     feedback = feedback[:, torch.tensor(slot, device=token.device)]
-                step_mask = torch.tensor(level.step_mask, device=token.device)
-                # Every row sees every earlier step row in a chain: no constant mask needed.
-                step_mask = (cache_lens >= 0)[:, None, None] & step_mask[None] if not step_mask.all() \
-                    else (cache_lens >= 0)[:, None, None].expand(-1, *step_mask.shape)
+                # Every row sees every earlier step row in a chain: no constant mask needed (decided on
+                # the Python lists, so tracing sees no tensor turned into a bool).
+                every_row = (cache_lens >= 0)[:, None, None]
+                step_mask = every_row.expand(-1, len(level.step_mask), len(level.step_mask[0])) \
+                    if all(map(all, level.step_mask)) \
+                    else every_row & torch.tensor(level.step_mask, device=token.device)[None]
                 normed, feedback = run_step(depth, target_token, feedback, step_mask)
                 if not self.is_chain:
                     joint = joint[:, torch.tensor(level.frontier, device=joint.device)] \
