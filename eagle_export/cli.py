@@ -244,9 +244,11 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     from .build_dir import open_build
     from .runtime import GenerationConfig, request_record
 
+    from .depth_policy import explain
+
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
     if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
-        opened.runtime.cost_curves(1)
+        _measure_costs(opened.runtime)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
@@ -255,7 +257,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
         if as_json:
             [result] = runtime.generate([ids], config)
             click.echo(json.dumps({"request": i, "backend": runtime.backend.name,
-                                   **request_record(result, runtime.depth, runtime.timings)}))
+                                   **request_record(result, runtime.depth, runtime.timings),
+                                   "speculation": explain(depth_policy, result.stats, runtime.costs, runtime.depth)}))
             continue
         tokens, shown = [], ""
         for event in runtime.stream([ids], config):
@@ -268,6 +271,22 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
         click.echo(f"\n[{runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
                    f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
                    f"({stats.draft_calls} with a drafter call)")
+        click.echo(explain(depth_policy, stats, runtime.costs, runtime.depth))
+
+
+def _measure_costs(runtime) -> None:
+    """The goodput policy's cost curves at batch 1, measured on first use and said so on stderr (once:
+    they are cached per backend and machine)."""
+    import time
+
+    if runtime.costs.has(1):
+        return
+    where = runtime.cost_cache.path if runtime.cost_cache is not None else None
+    click.echo(f"measuring what a drafter call and a verify call of each width cost on this machine, for the "
+               f"goodput depth policy (once{f'; cached in {where}' if where else ''}) ...", err=True)
+    start = time.perf_counter()
+    runtime.cost_curves(1)
+    click.echo(f"measured in {time.perf_counter() - start:.1f} s", err=True)
 
 
 def _target_of(manifest: dict) -> tuple:

@@ -119,6 +119,9 @@ class CostCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, self.path)

@@ -100,14 +100,35 @@ def test_validate_passes_then_names_a_modified_file(built, tmp_path):
         open_build(copy)
 
 
+def current_umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_run_streams_text_and_a_summary_line(built):
     out, _ = built
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5 w17 w33 w101", "--max-new-tokens", "12",
                                        "--backend", "onnxruntime"])
     assert result.exit_code == 0, result.output
-    text, summary = result.output.rstrip("\n").rsplit("\n", 1)
+    text, summary, why = result.stdout.rstrip("\n").rsplit("\n", 2)
     assert len(text.split()) == 12 and all(w.startswith("w") for w in text.split())
     assert "[onnxruntime] 12 tokens in" in summary and "tau" in summary
+    # the last line says why it did or did not speculate: what was accepted against what would pay here
+    assert why.startswith("speculation (goodput): drafter called in ") and "acceptance" in why
+
+
+def test_runs_first_cost_measurement_says_so_once(built):
+    out, _ = built
+    (out / "costs.json").unlink(missing_ok=True)
+    args = ["run", str(out), "--prompt", "w5 w17", "--max-new-tokens", "4", "--backend", "onnxruntime"]
+    first, second = CliRunner().invoke(main, args), CliRunner().invoke(main, args)
+    assert first.exit_code == second.exit_code == 0, first.output
+    assert first.stderr.count("measuring what a drafter call and a verify call") == 1
+    assert "measured in" in first.stderr and "measuring" not in second.stderr  # cached: said once
+    assert oct((out / "costs.json").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
 
 
 def test_run_json_prints_one_object_per_request(built):
@@ -116,7 +137,7 @@ def test_run_json_prints_one_object_per_request(built):
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", prompts[0], "--prompt", prompts[1],
                                        "--max-new-tokens", "10", "--backend", "onnxruntime", "--json"])
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in result.output.splitlines()]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
     opened = open_build(out, backend="onnxruntime")
     config = GenerationConfig(max_new_tokens=10, eos_ids=opened.eos_ids)
     assert [r["request"] for r in records] == [0, 1]
@@ -129,6 +150,10 @@ def test_run_json_prints_one_object_per_request(built):
         assert stats["rounds"] == len(stats["accepted_per_round"]) == len(stats["verified_per_round"]) >= 1
         assert stats["tau"] == pytest.approx(1 + sum(stats["accepted_per_round"]) / stats["rounds"], abs=1e-4)
         assert len(stats["acceptance_by_depth"]) == opened.runtime.depth
+        rounds = list(zip(stats["accepted_per_round"], stats["verified_per_round"]))
+        for d, a in enumerate(stats["acceptance_by_depth"], 1):  # a depth no round checked: null, never 0
+            assert (a is None) == (not any(m >= d - 1 and k >= d for m, k in rounds))
+        assert record["speculation"].startswith("speculation (goodput)")
         seconds = stats["seconds"]
         assert seconds["prefill"] + seconds["draft"] + seconds["verify"] <= seconds["total"] + 1e-3
         assert stats["tokens_per_s"] == pytest.approx(stats["new_tokens"] / seconds["total"], rel=0.01)
