@@ -29,3 +29,16 @@ def no_grad():
 
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_conformance_cache(tmp_path_factory):
+    """Builds remember conformance results in the user cache; the suite keeps its own, so a test never
+    reuses a result another run left (nor leaves one in the shared cache)."""
+    from eagle_export import conformance
+
+    patch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("conformance-cache")
+    patch.setattr(conformance, "cache_dir", lambda: folder)
+    yield folder
+    patch.undo()
