@@ -204,13 +204,14 @@ def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
     from .validate import validate as run_validate
 
-    report = run_validate(build_dir)
+    label = {True: "ok  ", False: "FAIL", None: "SKIP"}
+
+    def echo_check(name, ok, detail):  # each check printed as it finishes (the slow ones take minutes)
+        click.echo(f"{label[ok]}  {name}: {detail}")
+
+    report = run_validate(build_dir, on_check=None if as_json else echo_check)
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    else:
-        label = {True: "ok  ", False: "FAIL", None: "SKIP"}
-        for check in report["checks"]:
-            click.echo(f"{label[check['ok']]}  {check['name']}: {check['detail']}")
     if not report["ok"]:
         sys.exit(1)
 

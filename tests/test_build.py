@@ -799,3 +799,17 @@ def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
     every = load_recipe(write_recipe(tmp_path / "r2.yaml", sources), overrides={"calibration.num_samples": 80})
     with pytest.raises(EagleExportError, match="leaving none to evaluate"):
         evaluation_prompts(every, template, calibration_prompts(every, template))
+
+
+def test_validate_hands_over_each_check_as_it_finishes(built, monkeypatch):
+    """`eagle-export validate` prints a check when it finishes: the graph checks are out before the
+    lossless loop (the slowest) starts, and what was streamed is the report, in its order."""
+    from eagle_export import validate
+
+    seen, seen_before_loop = [], []
+    loop = validate._lossless
+    monkeypatch.setattr(validate, "_lossless", lambda *a, **k: seen_before_loop.extend(seen) or loop(*a, **k))
+    report = validate.validate_build_dir(built[0], quick=True, on_check=lambda *check: seen.append(check))
+    assert seen == [(c["name"], c["ok"], c["detail"]) for c in report["checks"]]
+    assert [name for name, _, _ in seen_before_loop] == [
+        "artifact hashes", "source checkpoints", "target graph vs torch", "drafter graph vs torch"]
