@@ -25,6 +25,7 @@ from collections import Counter
 
 import torch
 
+from .costs import disagreement
 from .depth_policy import POLICIES
 from .errors import EagleExportError
 from .progress import track
@@ -43,6 +44,23 @@ def device_name(runtime: SpeculativeRuntime) -> str:
     return f"{platform.processor() or platform.machine()} CPU"
 
 
+COST_NOISE = 1.25  # two measurements of one target graph farther apart than this are not noise
+
+
+def cost_disagreements(runtimes: dict[str, SpeculativeRuntime], batch: int) -> list[str]:
+    """Builds of one target call the same target graph, so their verify curves must agree within
+    COST_NOISE; where they do not (curves cached at other times and loads, or a load that changed
+    mid-run), goodput decides differently on the same target and the comparison misleads."""
+    first, *others = runtimes
+    found = []
+    for name in others:
+        worst = disagreement(runtimes[first].costs.verify_s.get(batch, {}), runtimes[name].costs.verify_s.get(batch, {}))
+        if worst is not None and worst[1] > COST_NOISE:
+            found.append(f"{first} and {name} have the same target, but their verify costs at T={worst[0]} differ "
+                         f"{worst[1]:.2f}x (batch {batch}): the machine's load changed between the measurements")
+    return found
+
+
 def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], batch: int, config: GenerationConfig,
           warmup: int = 1) -> dict:
     """runtimes: the builds to compare, by name, all of one target (plain decoding runs on the first)."""
@@ -54,6 +72,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                                     speculative=policy is not None, depth_policy=policy)
     for runtime in runtimes.values():
         runtime.cost_curves(batch)  # measured (or read from the cache) before anything is timed
+    cost_warnings = cost_disagreements(runtimes, batch)
 
     totals = {run: Counter() for run in runs}
     stats = {run: [] for run in runs[:-1]}
@@ -90,7 +109,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "backend": first.backend.name, "device": device_name(first), "batch": batch,
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
-        "ar_tokens_per_s": round(ar_tps, 2), "ar_step_ms": round(1000 * t_ar_step, 3), "builds": {},
+        "ar_tokens_per_s": round(ar_tps, 2), "ar_step_ms": round(1000 * t_ar_step, 3), "cost_warnings": cost_warnings,
+        "builds": {},
     }
     for name, runtime in runtimes.items():
         curves, backend = runtime.costs, runtime.backend

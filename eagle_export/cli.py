@@ -308,9 +308,10 @@ def _target_of(manifest: dict) -> tuple:
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int, help="New tokens per prompt.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
-@click.option("--remeasure", is_flag=True,
-              help="Measure the cost curves again, replacing those cached in each build for this backend and machine "
-                   "(after the machine's load, clocks or drivers changed).")
+@click.option("--remeasure/--reuse-costs", default=True, show_default=True,
+              help="Measure the cost curves the depth policy uses in this run, at this run's load, replacing those "
+                   "cached in each build; --reuse-costs reads the cached ones (refused where two builds' curves of "
+                   "the same target disagree).")
 @click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
@@ -324,7 +325,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     turns on the same prompts."""
 
     from .bench import bench as run_bench
-    from .bench import plot, pyplot
+    from .bench import cost_disagreements, plot, pyplot
     from .build_dir import open_build
     from .costs import CostCurves
     from .prompts import chat_prompts
@@ -351,6 +352,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
             raise EagleExportError(f"{name} and {first.path} are builds of different targets (checkpoint files or "
                                    "precision differ): bench compares speculation on one target",
                                    "pass builds made from the same target checkpoint at the same target precision")
+    stale = [w for size in sizes for w in cost_disagreements({n: o.runtime for n, o in opened.items()}, size)]
+    if stale:  # only cached curves can be here: fresh ones are measured inside the bench
+        raise EagleExportError(f"the cached cost curves disagree: {stale[0]}",
+                               "drop --reuse-costs: bench then measures every build's curves in this run")
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=first.eos_ids)
     results = []
@@ -359,6 +364,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         result["dataset"] = dataset
         results.append(result)
         click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s")
+        for warning in result["cost_warnings"]:
+            click.echo(f"warning: {warning}; the speedups below may mislead (run bench again on a quieter machine)")
         for build_name, build in result["builds"].items():
             verify = build["costs"]["verify_ms"]
             click.echo(f"{build_name} ({build['speculation']}): verify of T=1..{len(verify)} tokens "
@@ -369,8 +376,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                 click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
                            f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
                            f"round cost {p['round_cost_in_steps']:.2f} steps; depth verified per round {hist} "
-                           f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)"
-                           + ("" if p["identical_to_autoregressive"] else "; OUTPUT DIFFERS from autoregressive"))
+                           f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds); outputs identical to "
+                           f"plain decoding: {'yes' if p['identical_to_autoregressive'] else 'NO, OUTPUT DIFFERS'}")
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:

@@ -59,9 +59,29 @@ class CostCurves:
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurves:
-        def curves(d):
-            return {int(b): {int(t): float(s) for t, s in c.items()} for b, c in d.items()}
+        def curves(d):  # caches written before curves were made monotone are read as they are now
+            return {int(b): monotone({int(t): float(s) for t, s in c.items()}) for b, c in d.items()}
         return cls(curves(data.get("verify_s", {})), curves(data.get("draft_s", {})))
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The running maximum c'(n) = max over m <= n of c(m): a call over more tokens (rows) does at least
+    the work of one over fewer, so a curve that dips (T=6 483 ms, T=7 239 ms, under a neighbour's load)
+    is measuring noise, and a policy reading a dip would favour a width for nothing."""
+    out, highest = {}, 0.0
+    for n in sorted(curve):
+        highest = max(highest, curve[n])
+        out[n] = highest
+    return out
+
+
+def disagreement(a: dict[int, float], b: dict[int, float]) -> tuple[int, float] | None:
+    """(width, ratio) where two curves of the same graph differ most (ratio = larger / smaller, >= 1),
+    over the widths both have; None when they share none."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return max(((n, max(a[n], b[n]) / min(a[n], b[n])) for n in common), key=lambda nr: nr[1])
 
 
 def machine_id(device: str) -> str:
@@ -185,5 +205,5 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
             if n in verify:
                 v = timed(runtime.backend.target, target_feeds(n))
                 verify[n] += [v] if rep else []
-    return ({t: statistics.median(s) for t, s in verify.items()},
-            {w: statistics.median(s) for w, s in draft.items()})
+    return (monotone({t: statistics.median(s) for t, s in verify.items()}),
+            monotone({w: statistics.median(s) for w, s in draft.items()}))

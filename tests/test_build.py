@@ -314,17 +314,29 @@ def test_bench_json_and_plot(built, tmp_path):
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
-    # A cached cost is used as it is until --remeasure replaces it.
+    assert result.output.count("outputs identical to plain decoding: yes") == 4  # 2 batch sizes x 2 policies
+    # bench measures the curves it uses in its own run; --reuse-costs reads the cached ones as they are.
     cache = json.loads((out / "costs.json").read_text())
     for entry in cache["entries"].values():
-        entry["verify_s"]["1"]["1"] = 9.0
+        entry["verify_s"]["1"] = {t: 9.0 for t in entry["verify_s"]["1"]}
     (out / "costs.json").write_text(json.dumps(cache))
-    for flags, stale in (([], True), (["--remeasure"], False)):
+    for flags, stale in ((["--reuse-costs"], True), ([], False)):
         args = ["bench", str(out), "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4",
                 "--json", str(tmp_path / "c.json"), *flags]
         assert CliRunner().invoke(main, args).exit_code == 0
         verify_ms = json.loads((tmp_path / "c.json").read_text())["builds"][str(out)]["costs"]["verify_ms"]
         assert (verify_ms["1"] == 9000.0) == stale, flags
+    # two builds of one target whose cached curves disagree: --reuse-costs is refused, a fresh run is not
+    other = tmp_path / "copy"
+    shutil.copytree(out, other)
+    cache = json.loads((other / "costs.json").read_text())
+    for entry in cache["entries"].values():
+        entry["verify_s"]["1"] = {t: 3 * s for t, s in entry["verify_s"]["1"].items()}
+    (other / "costs.json").write_text(json.dumps(cache))
+    args = ["bench", str(out), str(other), "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4"]
+    refused = CliRunner().invoke(main, args + ["--reuse-costs"])
+    assert refused.exit_code == 2 and "cached cost curves disagree" in refused.output and "3.00x" in refused.output
+    assert CliRunner().invoke(main, args).exit_code == 0
 
 
 @pytest.mark.slow

@@ -224,3 +224,25 @@ def test_unmeasured_depths_are_none_not_zero():
 
     stats = SequenceStats(prompt_tokens=5, accepted=[1, 0], depths=[2, 0], draft_calls=2)
     assert stats.acceptance_by_depth(4) == [1.0, 0.0, None, None]
+
+
+def test_cost_curves_are_monotone_as_measured_and_as_read_from_an_old_cache():
+    from eagle_export.costs import monotone
+
+    dipping = {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.239, 8: 0.5}
+    assert monotone(dipping) == {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.483, 8: 0.5}
+    read = CostCurves.from_json({"verify_s": {"1": {str(t): s for t, s in dipping.items()}}, "draft_s": {}})
+    assert read.verify(1, 7) == 0.483
+
+
+def test_two_builds_of_one_target_whose_verify_costs_disagree_are_named():
+    from types import SimpleNamespace
+
+    from eagle_export.bench import COST_NOISE, cost_disagreements
+
+    def runtime(scale):
+        return SimpleNamespace(costs=flat_costs(0.01, {1: 0.147 * scale, 2: 0.15 * scale}))
+
+    assert cost_disagreements({"chain": runtime(1.0), "tree": runtime(COST_NOISE * 0.98)}, 1) == []
+    [found] = cost_disagreements({"chain": runtime(1.0), "tree": runtime(370 / 147)}, 1)
+    assert found.startswith("chain and tree have the same target") and "2.52x" in found
