@@ -32,8 +32,7 @@ from .passes.model_pipeline import EagleModels, model_passes
 from .passes.onnx_cleanup import onnx_pipeline
 from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
-from .recipe import QUANTIZED, Recipe
-from .sample import sample_target_dir
+from .recipe import QUANTIZED, Recipe, resolve_sources
 from .teacher_forced import measure_eps
 from .tree import speculation_of
 from .validate import lossless_backend, validate_build_dir
@@ -55,19 +54,6 @@ class StageLog:
         yield
         self.seconds[name] = round(time.perf_counter() - start, 2)
         self.echo(f"[{self.index}/{self.total}] {name} done in {self.seconds[name]:.1f} s")
-
-
-def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:
-    if recipe["target"] == "sample":
-        target_dir = sample_target_dir()
-    else:
-        target_dir = Path(recipe.resolve_path(recipe["target"]))
-    drafter_dir = Path(recipe.resolve_path(recipe["drafter"]))
-    for role, path in (("target", target_dir), ("drafter", drafter_dir)):
-        if not path.is_dir():
-            raise EagleExportError(f"the recipe's {role} {path} is not a directory",
-                                   f"download the {role} checkpoint and set `{role}:` in the recipe to its path")
-    return target_dir, drafter_dir
 
 
 def base_dtype(precision: str, tensorrt_present: bool) -> str:

@@ -169,7 +169,7 @@ def doctor(as_json):
 
 @main.command()
 @click.option("--recipe", type=click.Path(), callback=utf8, help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
-@click.option("-o", "--out", "out_dir", default="build/sample", show_default=True, type=click.Path(), callback=utf8,
+@click.option("-o", "--out", "out_dir", default="builds/sample", show_default=True, type=click.Path(), callback=utf8,
               help="Build directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
 @click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).", callback=utf8)
@@ -180,13 +180,14 @@ def doctor(as_json):
 def build(recipe, out_dir, force, target, drafter, depth, sets):
     """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
     validation, from a recipe."""
-    from .recipe import load_recipe, parse_override
+    from .recipe import load_recipe, parse_override, resolve_sources
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
         if value is not None:
             overrides[key] = value
-    loaded = load_recipe(recipe, overrides)  # a bad recipe is refused before torch is imported
+    loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
+    resolve_sources(loaded)
     from .build import build as run_build
 
     manifest = run_build(loaded, out_dir, force=force, echo=click.echo)

@@ -370,7 +370,12 @@ def test_inspect_says_what_a_build_holds(built):
     assert report["kind"] == "build" and report["speculation"] == "chain K=3"
     assert (report["depth"], report["nodes"], report["verify_width"], report["sampling"]) == (3, 3, 4, True)
     assert report["graphs"] == ["drafter.onnx", "drafter_sampling.onnx", "target.onnx"]
-    assert report["validation"].endswith("checks passed") and report["target"].endswith("(fp32)")
+    checks = json.loads((out / "manifest.json").read_text())["validation"]["checks"]
+    assert report["validation"].startswith(f"{len(checks)} of {len(checks)} checks passed when built")
+    assert report["target"].endswith("(fp32)")
+    text = CliRunner().invoke(main, ["inspect", str(out)]).output  # as a reader writes it: no Python reprs
+    assert "graphs                   drafter.onnx, drafter_sampling.onnx, target.onnx\n" in text
+    assert "[" not in text and "'" not in text and "None" not in text
     result = CliRunner().invoke(main, ["inspect", str(out), "--check", "--target", str(out)])
     assert result.exit_code == 2 and "not a build" in result.output
 
@@ -825,3 +830,10 @@ def test_validate_hands_over_each_check_as_it_finishes(built, monkeypatch):
     assert seen == [(c["name"], c["ok"], c["detail"]) for c in report["checks"]]
     assert [name for name, _, _ in seen_before_loop] == [
         "artifact hashes", "source checkpoints", "target graph vs torch", "drafter graph vs torch"]
+
+
+def test_inspect_of_a_build_imports_no_heavy_library(built):
+    """`inspect BUILD` reads the manifest alone: it answers without torch, onnx or modelopt."""
+    from test_cli import light_command_imports
+
+    assert light_command_imports(["inspect", str(built[0])]) == "heavy: []"

@@ -86,7 +86,8 @@ def light_command_imports(args, env=None) -> list[str]:
 
 @pytest.mark.parametrize("args", [
     ["--help"], ["run", "--help"], ["run", "some-build"], ["run", "some-build", "--prompt", "a", "--chat", "b"],
-    ["build", "--recipe", "no-such-recipe.yaml"], ["validate", "--help"], ["doctor"], ["selftest", "--gpu"],
+    ["build", "--recipe", "no-such-recipe.yaml"], ["build", "--recipe", "llama-3.1-8b-eagle3"],
+    ["validate", "--help"], ["doctor"], ["selftest", "--gpu"],
     ["selftest"], ["inspect", "--help"]])
 def test_commands_that_need_no_model_import_no_heavy_library(args):
     """torch alone takes 1-2 s to import on an idle 2-core machine and 5-10 s under load: usage errors,
@@ -114,3 +115,10 @@ def test_selftest_without_gpu_flag_runs_the_only_suite(tmp_path):
     result = CliRunner().invoke(main, ["selftest", "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
     assert "no CUDA GPU" in result.output or (tmp_path / "r.json").exists()
+
+
+def test_a_shipped_recipe_whose_checkpoint_is_missing_points_to_build_target(tmp_path):
+    """The fix names --target (a shipped recipe lives inside the installed package: not a file to edit)."""
+    result = CliRunner().invoke(main, ["build", "--recipe", "llama-3.1-8b-eagle3", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "target checkpoints/Llama-3.1-8B-Instruct is not a directory" in result.output
+    assert "eagle-export build --target DIR" in result.output and "Traceback" not in result.output
