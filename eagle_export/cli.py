@@ -237,7 +237,8 @@ def validate(build_dir, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
 def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, depth_policy, as_json):
-    """Generate from a build, streaming the text, then one summary line (tau, tokens/s) per request.
+    """Generate from a build, streaming the text, then per request one summary line (tau, tokens/s) and
+    one saying why it did or did not speculate (acceptance seen against this machine's break-even).
 
     Requests run one after another, so each one's time split is its own."""
     if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
