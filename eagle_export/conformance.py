@@ -251,6 +251,9 @@ def write_cached(path: Path, result: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
         with os.fdopen(fd, "w") as f:
             json.dump(result, f)
         os.replace(tmp, path)

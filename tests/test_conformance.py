@@ -200,6 +200,8 @@ def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monk
         return build.conformance_stage(None, tmp_path, tmp_path, source_files, lines.append)
 
     assert stage(files) == passed and stage(files) == passed and len(calls) == 1
+    kept = build.conformance.cache_file(files, prompts["now"])
+    assert kept.stat().st_mode & 0o077 != 0  # the user's umask, not mkstemp's private 0600
     assert sum("its result reused" in line for line in lines) == 1
     stage({**files, "drafter": {"model.safetensors": "cc"}})
     prompts["now"] = [[1, 2, 4]]
