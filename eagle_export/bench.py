@@ -25,7 +25,8 @@ from collections import Counter
 
 import torch
 
-from .depth_policy import POLICIES
+from .costs import disagreement
+from .depth_policy import POLICIES, break_even_acceptance
 from .errors import EagleExportError
 from .progress import track
 from .reference import acceptance_by_depth, mean_accepted_length
@@ -60,17 +61,22 @@ def model_speedup(costs, batch: int, depth: int, verify_width: int, acceptance, 
     return max([1.0] + [expected[k] * step / (draft + costs.verify(batch, k + 1)) for k in range(1, depth + 1)])
 
 
-def break_even(costs, batch: int, depth: int, verify_width: int) -> float | None:
-    """The smallest acceptance a (the same at every depth) at which drafting pays on these costs:
-    the goodput model's best k beats plain decoding. None: not even a = 1 pays."""
-    def pays(a):
-        return model_speedup(costs, batch, depth, verify_width, [a] * depth, "goodput") > 1.0
-    if not pays(1.0):
-        return None
-    low, high = 0.0, 1.0
-    for _ in range(30):
-        low, high = (low, (low + high) / 2) if pays((low + high) / 2) else ((low + high) / 2, high)
-    return round(high, 4)
+
+COST_NOISE = 1.25  # two measurements of one target graph farther apart than this are not noise
+
+
+def cost_disagreements(runtimes: dict[str, SpeculativeRuntime], batch: int) -> list[str]:
+    """Builds of one target call the same target graph, so their verify curves must agree within
+    COST_NOISE; where they do not (curves cached at other times and loads, or a load that changed
+    mid-run), goodput decides differently on the same target and the comparison misleads."""
+    first, *others = runtimes
+    found = []
+    for name in others:
+        worst = disagreement(runtimes[first].costs.verify_s.get(batch, {}), runtimes[name].costs.verify_s.get(batch, {}))
+        if worst is not None and worst[1] > COST_NOISE:
+            found.append(f"{first} and {name} have the same target, but their verify costs at T={worst[0]} differ "
+                         f"{worst[1]:.2f}x (batch {batch}): the machine's load changed between the measurements")
+    return found
 
 
 def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], batch: int, config: GenerationConfig,
@@ -87,6 +93,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                                     speculative=policy is not None, depth_policy=policy)
     for runtime in runtimes.values():
         runtime.cost_curves(batch)  # measured (or read from the cache) before anything is timed
+    cost_warnings = cost_disagreements(runtimes, batch)
 
     totals = {run: Counter() for run in runs}
     stats = {run: [] for run in runs[:-1]}
@@ -132,6 +139,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
+        "cost_warnings": cost_warnings,
         "builds": {},
     }
     if acceptances:
@@ -162,7 +170,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         if len(records) > 1:
             build["sweep"] = records
         if acceptances:
-            build["break_even_acceptance"] = break_even(curves, batch, runtime.depth, backend.verify_width)
+            pays = break_even_acceptance(curves, batch, runtime.depth, margin=1.0)
+            build["break_even_acceptance"] = None if pays is None else round(pays[0], 4)
     return result
 
 

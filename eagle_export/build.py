@@ -20,6 +20,7 @@ import torch
 from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
+from . import conformance
 from .conformance import check_checkpoint
 from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
@@ -31,8 +32,7 @@ from .passes.model_pipeline import EagleModels, model_passes
 from .passes.onnx_cleanup import onnx_pipeline
 from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
-from .recipe import QUANTIZED, Recipe
-from .sample import sample_target_dir
+from .recipe import QUANTIZED, Recipe, resolve_sources
 from .teacher_forced import measure_delta
 from .tree import speculation_of
 from .validate import lossless_backend, validate_build_dir
@@ -54,19 +54,6 @@ class StageLog:
         yield
         self.seconds[name] = round(time.perf_counter() - start, 2)
         self.echo(f"[{self.index}/{self.total}] {name} done in {self.seconds[name]:.1f} s")
-
-
-def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:
-    if recipe["target"] == "sample":
-        target_dir = sample_target_dir()
-    else:
-        target_dir = Path(recipe.resolve_path(recipe["target"]))
-    drafter_dir = Path(recipe.resolve_path(recipe["drafter"]))
-    for role, path in (("target", target_dir), ("drafter", drafter_dir)):
-        if not path.is_dir():
-            raise EagleExportError(f"the recipe's {role} {path} is not a directory",
-                                   f"download the {role} checkpoint and set `{role}:` in the recipe to its path")
-    return target_dir, drafter_dir
 
 
 def base_dtype(precision: str, tensorrt_present: bool) -> str:
@@ -105,10 +92,19 @@ def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
                              recipe["calibration"]["max_tokens"]))
 
 
-def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, echo) -> dict:
+def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, source_files: dict, echo) -> dict:
     """`inspect --check` on the recipe's pair (fp32 copies): refuse a drafter that matches no
-    convention; report a field an alternative reading names, and go on (the config is the user's)."""
-    result = check_checkpoint(drafter_dir, target_dir, conformance_prompts(recipe, target_dir))
+    convention; report a field an alternative reading names, and go on (the config is the user's).
+    A pair that passed is remembered by its files' hashes and the prompts: a rebuild reuses the result."""
+    prompts = conformance_prompts(recipe, target_dir)
+    cached = conformance.cache_file(source_files, prompts)
+    result = conformance.read_cached(cached)
+    if result is not None:
+        echo(f"  same checkpoint files and prompts as an earlier build: its result reused ({cached})")
+    else:
+        result = check_checkpoint(drafter_dir, target_dir, prompts)
+        if result["matched"]:
+            conformance.write_cached(cached, result)
     configured = result["readings"][0]["acc@1"]
     if not result["matched"]:
         raise EagleExportError(
@@ -221,7 +217,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
 
         with log("check the drafter's conventions"):
-            conformance = conformance_stage(recipe, target_dir, drafter_dir, echo)
+            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, echo)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])
@@ -263,7 +259,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             "max_context": recipe["profiles"]["context"]["max"],
             "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
             "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
-            "quantization": quant_report, "engines": engines, "conformance": conformance,
+            "quantization": quant_report, "engines": engines, "conformance": conformance_record,
             "backends": (["tensorrt"] if has_trt else []) + (
                 [] if "nvfp4" in model_precisions else ["onnxruntime"]) + (
                 [] if "fp8" in model_precisions else ["torch"]),

@@ -173,29 +173,3 @@ def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[
         problems.append(f"draft_to_target.npy maps to ids outside the target's vocabulary [0, {vocab})")
     return problems
 
-
-def inspect_build(path: str | Path) -> dict:
-    """`eagle-export inspect BUILD`: what a build holds, from its manifest (nothing is loaded): the
-    pair and precisions, how it speculates (the verify width its target calls take), its graphs and
-    engines, and whether it validated."""
-    path = Path(path)
-    manifest = Manifest.from_json(read_manifest(path), path / MANIFEST)
-    data = manifest.data
-    speculation = manifest.speculation
-    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
-    validation = data.get("validation", {})
-    engines = data.get("engines", {})
-    report = {
-        "kind": "build", "path": str(path), "recipe": data.get("recipe", {}).get("name"), "created": data.get("created"),
-        "target": f"{data['sources']['target']} ({data['models']['target']['precision']})",
-        "drafter": f"{data['sources']['drafter']} ({data['models']['drafter']['precision']})",
-        "speculation": describe(speculation), "depth": manifest.depth, "nodes": nodes, "verify_width": nodes + 1,
-        "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": data.get("backends"),
-        "graphs": sorted(g["file"] for g in data.get("graphs", {}).values()),
-        "engines": engines.get("skipped") or sorted(engines),
-        "lossless_delta": data.get("quantization", {}).get("delta", {}).get("delta"),
-        "validation": f"{sum(c['ok'] for c in validation.get('checks', []))}/{len(validation.get('checks', []))} "
-                      f"checks passed" + ("" if validation.get("ok") else ", FAILED"),
-        "warnings": [note for note in [old_format_note(data)] if note] + contradictions(manifest),
-    }
-    return report

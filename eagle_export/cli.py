@@ -66,7 +66,8 @@ def utf8(ctx, param, value):
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars, only the plain stage lines (as when stderr is not a terminal).")
 def main(quiet):
-    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to TensorRT engines.
+    """Compile EAGLE-3 / EAGLE-3.1 drafters and their target LLMs to ONNX graphs, and to TensorRT engines
+    where TensorRT and an NVIDIA GPU are present (`eagle-export doctor` says which).
 
     On a terminal, long loops (calibration, evaluation, validation, bench, the sample target's
     conversion) draw a progress bar with ETA on stderr; logs get the stage lines only."""
@@ -88,16 +89,19 @@ def main(quiet):
 def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit, or what a build
     directory holds (its pair, how it speculates, its graphs and engines)."""
-    from .build_dir import inspect_build
-    from .checkpoint_info import inspect_checkpoint
-    from .manifest import MANIFEST
+    from .manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
     is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
     if is_build and check:
         raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
-    report = inspect_build(path) if is_build else inspect_checkpoint(path, target)
+    if is_build:
+        report = inspect_build(path)
+    else:
+        from .checkpoint_info import inspect_checkpoint
+
+        report = inspect_checkpoint(path, target)
     if check:
         from .conformance import check_checkpoint, check_prompts
 
@@ -107,13 +111,26 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
     else:
         for key, value in report.items():
             if key not in ("warnings", "conformance"):
-                click.echo(f"{key:24} {value}")
+                click.echo(f"{key:24} {_plain(value)}")
         for w in report["warnings"]:
             click.echo(f"warning: {w}")
         if check:
             _echo_conformance(report["conformance"])
     if strict and check and not report["conformance"]["ok"]:
         sys.exit(1)
+
+
+def _plain(value) -> str:
+    """A report value as a reader writes it: lists comma-separated, None as '-', no Python reprs."""
+    if value is None:
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_plain(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
 
 
 def _echo_conformance(result: dict) -> None:
@@ -150,7 +167,9 @@ def doctor(as_json):
         return
     gpu = report["gpu"]
     click.echo(f"python        {report['python']}")
-    click.echo(f"torch         {report['torch']} (CUDA {report['cuda'] or 'none'}, available: {report['cuda_available']})")
+    cuda = (f"CUDA {report['cuda'] or 'none'}, available: {'yes' if report['cuda_available'] else 'no'}"
+            if report["nvidia_driver"] else "no NVIDIA driver, so no CUDA")
+    click.echo(f"torch         {report['torch']} ({cuda})")
     click.echo(f"gpu           {gpu['name'] + ' (compute capability ' + gpu['compute_capability'] + ')' if gpu else 'none'}")
     click.echo(f"tensorrt      {report['tensorrt'] or 'not installed'}")
     click.echo(f"onnxruntime   {report['onnxruntime']} ({', '.join(report['onnxruntime_providers'])})")
@@ -165,7 +184,7 @@ def doctor(as_json):
 
 @main.command()
 @click.option("--recipe", type=click.Path(), callback=utf8, help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
-@click.option("-o", "--out", "out_dir", default="build/sample", show_default=True, type=click.Path(), callback=utf8,
+@click.option("-o", "--out", "out_dir", default="builds/sample", show_default=True, type=click.Path(), callback=utf8,
               help="Build directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
 @click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).", callback=utf8)
@@ -174,15 +193,19 @@ def doctor(as_json):
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", callback=utf8,
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
 def build(recipe, out_dir, force, target, drafter, depth, sets):
-    """Build engines (or ONNX graphs without TensorRT), a manifest, and its validation, from a recipe."""
-    from .build import build as run_build
-    from .recipe import load_recipe, parse_override
+    """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
+    validation, from a recipe."""
+    from .recipe import load_recipe, parse_override, resolve_sources
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
         if value is not None:
             overrides[key] = value
-    manifest = run_build(load_recipe(recipe, overrides), out_dir, force=force, echo=click.echo)
+    loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
+    resolve_sources(loaded)
+    from .build import build as run_build
+
+    manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
     checks = manifest["validation"]["checks"]
     passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
     click.echo(f"built {out_dir}: {len(manifest['artifacts'])} artifacts, backends "
@@ -197,13 +220,14 @@ def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
     from .validate import validate as run_validate
 
-    report = run_validate(build_dir)
+    label = {True: "ok  ", False: "FAIL", None: "SKIP"}
+
+    def echo_check(name, ok, detail):  # each check printed as it finishes (the slow ones take minutes)
+        click.echo(f"{label[ok]}  {name}: {detail}")
+
+    report = run_validate(build_dir, on_check=None if as_json else echo_check)
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    else:
-        label = {True: "ok  ", False: "FAIL", None: "SKIP"}
-        for check in report["checks"]:
-            click.echo(f"{label[check['ok']]}  {check['name']}: {check['detail']}")
     if not report["ok"]:
         sys.exit(1)
 
@@ -213,9 +237,11 @@ def validate(build_dir, as_json):
 @click.option("--prompt", multiple=True, help="Raw text to continue (repeatable: one request each).", callback=utf8)
 @click.option("--chat", multiple=True, help="A user message, wrapped in the model's chat template (repeatable).",
               callback=utf8)
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int,
+              help="Stop each request after this many new tokens (or earlier at end of sequence).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 decodes greedily (lossless).")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float,
+              help="With --temperature > 0: sample from the smallest set of tokens holding this probability.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
@@ -226,14 +252,18 @@ def validate(build_dir, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
 def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, depth_policy, as_json):
-    """Generate from a build, streaming the text, then one summary line (tau, tokens/s) per request.
+    """Generate from a build, streaming the text, then per request one summary line (tau, tokens/s) and
+    one saying why it did or did not speculate (acceptance seen against this machine's break-even).
 
     Requests run one after another, so each one's time split is its own."""
+    if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
+        raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
+                               else "pass --prompt or --chat, not both")
     from .build_dir import open_build
     from .runtime import GenerationConfig, request_record
 
-    if bool(prompt) == bool(chat):
-        raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like), not both")
+    from .depth_policy import explain
+
     opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -242,12 +272,13 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     for ids in requests:  # a refused run writes nothing (not even the cost cache)
         runtime.check_requests([ids], config)
     if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
-        runtime.cost_curves(1)
+        _measure_costs(runtime)
     for i, ids in enumerate(requests):
         if as_json:
             [result] = runtime.generate([ids], config)
             click.echo(json.dumps({"request": i, "backend": runtime.backend.name,
-                                   **request_record(result, runtime.depth, runtime.timings)}))
+                                   **request_record(result, runtime.depth, runtime.timings),
+                                   "speculation": explain(depth_policy, result.stats, runtime.costs, runtime.depth)}))
             continue
         tokens, shown = [], ""
         for event in runtime.stream([ids], config):
@@ -260,6 +291,22 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
         click.echo(f"\n[{runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
                    f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
                    f"({stats.draft_calls} with a drafter call)")
+        click.echo(explain(depth_policy, stats, runtime.costs, runtime.depth))
+
+
+def _measure_costs(runtime) -> None:
+    """The goodput policy's cost curves at batch 1, measured on first use and said so on stderr (once:
+    they are cached per backend and machine)."""
+    import time
+
+    if runtime.costs.has(1):
+        return
+    where = runtime.cost_cache.path if runtime.cost_cache is not None else None
+    click.echo(f"measuring what a drafter call and a verify call of each width cost on this machine, for the "
+               f"goodput depth policy (once{f'; cached in {where}' if where else ''}) ...", err=True)
+    start = time.perf_counter()
+    runtime.cost_curves(1)
+    click.echo(f"measured in {time.perf_counter() - start:.1f} s", err=True)
 
 
 def _target_of(manifest: dict) -> tuple:
@@ -312,11 +359,12 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
               help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
                    "the drafter's K+1 rows), as vLLM and gpt-fast do. Default: on when torch runs on CUDA.")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int, help="New tokens per prompt.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
-@click.option("--remeasure", is_flag=True,
-              help="Measure the cost curves again, replacing those cached in each build for this backend and machine "
-                   "(after the machine's load, clocks or drivers changed).")
+@click.option("--remeasure/--reuse-costs", default=True, show_default=True,
+              help="Measure the cost curves the depth policy uses in this run, at this run's load, replacing those "
+                   "cached in each build; --reuse-costs reads the cached ones (refused where two builds' curves of "
+                   "the same target disagree).")
 @click.option("--acceptance", help="Synthetic acceptance (a measurement, not generation): each round the real drafter "
               "runs and its drafts are replaced, draft k right with this probability given drafts 1..k-1 were; one "
               "value for every depth or one per depth (0.73,0.52,0.35).")
@@ -335,13 +383,13 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
     turns on the same prompts."""
 
-    from .bench import SWEEP, plot, plot_sweep, pyplot
+    from .bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
     from .bench import bench as run_bench
-    from .synthetic import parse_acceptance
     from .build_dir import open_build
     from .costs import CostCurves
     from .prompts import chat_prompts
     from .runtime import GenerationConfig
+    from .synthetic import parse_acceptance
 
     sizes = [int(b) for b in batch.split(",") if b.strip().isdigit()]
     if len(sizes) != len(batch.split(",")) or min(sizes) < 1:
@@ -371,6 +419,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         acceptances = [parse_acceptance(acceptance, min(o.runtime.depth for o in opened.values()))]
     elif acceptance_sweep:
         acceptances = [(a,) * min(o.runtime.depth for o in opened.values()) for a in SWEEP]
+    stale = [w for size in sizes for w in cost_disagreements({n: o.runtime for n, o in opened.items()}, size)]
+    if stale:  # only cached curves can be here: fresh ones are measured inside the bench
+        raise EagleExportError(f"the cached cost curves disagree: {stale[0]}",
+                               "drop --reuse-costs: bench then measures every build's curves in this run")
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=first.eos_ids)
     results = []
@@ -382,6 +434,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s"
                    + (f"; SYNTHETIC acceptance {', '.join(result['synthetic']['acceptance'])} (the real drafter "
                       "runs, its drafts are replaced)" if acceptances else ""))
+        for warning in result["cost_warnings"]:
+            click.echo(f"warning: {warning}; the speedups below may mislead (run bench again on a quieter machine)")
         if acceptance_sweep:
             _echo_sweep(result)
             continue
@@ -395,8 +449,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                 click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
                            f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
                            f"round cost {p['round_cost_in_steps']:.2f} steps; depth verified per round {hist} "
-                           f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds)"
-                           + ("" if p["identical_to_autoregressive"] else "; OUTPUT DIFFERS from autoregressive"))
+                           f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds); outputs identical to "
+                           f"plain decoding: {'yes' if p['identical_to_autoregressive'] else 'NO, OUTPUT DIFFERS'}")
     if json_file:
         Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
@@ -457,7 +511,8 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
 
 
 @main.command()
-@click.option("--gpu", is_flag=True, help="Test what only a GPU can settle (the only suite so far).")
+@click.option("--gpu", is_flag=True, help="The GPU suite: what only a GPU can settle (the only suite so far, and "
+                                          "the default).")
 @click.option("--build", "build_dir", type=click.Path(), callback=utf8,
               help="A build made on this machine, with engines (default: build the sample here first).")
 @click.option("--report", "report_path", default="selftest-gpu.json", show_default=True, type=click.Path(),
@@ -467,10 +522,13 @@ def selftest(gpu, build_dir, report_path):
     TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
     Runtime CUDA, and a batch 1/4 bench on each backend; each step one line, all in one JSON report.
     Exit 1 when a step fails; exit 0 with one line on a machine without a GPU."""
+    from .doctor import NO_GPU_SELFTEST, cuda_available
+
+    if not cuda_available():  # answered before the suite's imports (torch, onnx: seconds)
+        click.echo(NO_GPU_SELFTEST)
+        return
     from .selftest import selftest as run_selftest
 
-    if not gpu:
-        raise EagleExportError("selftest needs a suite to run", "pass --gpu")
     report = run_selftest(build_dir, report_path, echo=click.echo)
     if report is not None and not report["ok"]:
         sys.exit(1)
@@ -512,7 +570,8 @@ def list_passes():
 @main.command("quantize")
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target LLM directory (Hugging Face).")
 @click.option("--draft", "drafter_dir", default=None, type=click.Path(), help="EAGLE-3 / 3.1 drafter directory (optional).")
-@click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]))
+@click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]),
+              help="What to quantize to (weight_only: weights only, activations stay in the float dtype).")
 @click.option("--keep", default="lm_head,fc", show_default=True, help="Modules kept in high precision (comma-separated names).")
 @click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
 @click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")

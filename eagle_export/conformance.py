@@ -26,7 +26,10 @@ norm_before_residual were true"); a drafter near zero under every reading matche
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,3 +218,45 @@ def check_checkpoint(drafter_dir, target_dir, prompts: list[list[int]], new_toke
     target = load_target(target_dir, dtype="float32")
     drafter = load_drafter(drafter_dir, target=target, dtype="float32")
     return conformance_check(target, drafter, prompts, new_tokens, target.config.eos_ids)
+
+
+CACHE_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    from .sample import cache_root
+
+    return cache_root() / "conformance"
+
+
+def cache_file(source_files: dict, prompts: list[list[int]], new_tokens: int = 0) -> Path:
+    """Where `check_checkpoint`'s result for a pair is kept: named by the sha256 of both checkpoints'
+    file hashes (manifest.source_files), the prompts and the rule that decides the verdict, so a changed
+    file, prompt, threshold or version is a miss and the check runs again."""
+    from . import __version__
+
+    key = json.dumps({"format": CACHE_FORMAT, "version": __version__, "files": source_files, "prompts": prompts,
+                      "new_tokens": new_tokens, "rule": [STEPS, MARGIN, MIN_ACC, list(FLAGS)]}, sort_keys=True)
+    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def read_cached(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # a cache, not an artifact: missing or bad is a miss
+
+
+def write_cached(path: Path, result: dict) -> None:
+    """Atomically; an unwritable cache only costs the next build the check."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass

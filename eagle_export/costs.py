@@ -24,12 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import contract as C
 from .doctor import package_version, tensorrt_version
-from .layers import causal_mask
-from .sample import cache_root
+from .lazy import lazy
+
+torch = lazy("torch")  # the manifest (read by `inspect BUILD`) names COSTS_FILE; measuring needs torch
 
 COSTS_FILE = "costs.json"
 COSTS_FORMAT = 1
@@ -60,9 +59,29 @@ class CostCurves:
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurves:
-        def curves(d):
-            return {int(b): {int(t): float(s) for t, s in c.items()} for b, c in d.items()}
+        def curves(d):  # caches written before curves were made monotone are read as they are now
+            return {int(b): monotone({int(t): float(s) for t, s in c.items()}) for b, c in d.items()}
         return cls(curves(data.get("verify_s", {})), curves(data.get("draft_s", {})))
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The running maximum c'(n) = max over m <= n of c(m): a call over more tokens (rows) does at least
+    the work of one over fewer, so a curve that dips (T=6 483 ms, T=7 239 ms, under a neighbour's load)
+    is measuring noise, and a policy reading a dip would favour a width for nothing."""
+    out, highest = {}, 0.0
+    for n in sorted(curve):
+        highest = max(highest, curve[n])
+        out[n] = highest
+    return out
+
+
+def disagreement(a: dict[int, float], b: dict[int, float]) -> tuple[int, float] | None:
+    """(width, ratio) where two curves of the same graph differ most (ratio = larger / smaller, >= 1),
+    over the widths both have; None when they share none."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return max(((n, max(a[n], b[n]) / min(a[n], b[n])) for n in common), key=lambda nr: nr[1])
 
 
 def machine_id(device: str) -> str:
@@ -120,6 +139,9 @@ class CostCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, self.path)
@@ -129,6 +151,8 @@ class CostCache:
 
 def cache_path(build_dir: Path, manifest: dict) -> Path:
     """The build directory's costs.json, or one in the user cache when the build is read-only."""
+    from .sample import cache_root
+
     if os.access(build_dir, os.W_OK):
         return build_dir / COSTS_FILE
     stamp = manifest.get("created", "") + "".join(a["sha256"][:8] for a in manifest.get("artifacts", {}).values())
@@ -138,6 +162,8 @@ def cache_path(build_dir: Path, manifest: dict) -> Path:
 def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[dict[int, float], dict[int, float]]:
     """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain) and drafter
     (W = 1..K+1) at `batch`."""
+    from .layers import causal_mask
+
     k = runtime.depth
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
     capacity = past + 2 * (k + 1)
@@ -179,5 +205,5 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
             if n in verify:
                 v = timed(runtime.backend.target, target_feeds(n))
                 verify[n] += [v] if rep else []
-    return ({t: statistics.median(s) for t, s in verify.items()},
-            {w: statistics.median(s) for w, s in draft.items()})
+    return (monotone({t: statistics.median(s) for t, s in verify.items()}),
+            monotone({w: statistics.median(s) for w, s in draft.items()}))

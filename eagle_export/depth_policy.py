@@ -141,6 +141,61 @@ class GoodputDepth:
             self.interval = self.PROBE_EVERY if self.should_draft(live) else min(self.PROBE_MAX, 2 * self.interval)
 
 
+def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, int]:
+    """(drafts accepted, drafts checked) over the rounds that verified drafts. A draft is checked where
+    every draft before it on its path was accepted, so a round that accepted m of the k it verified
+    checked min(m + 1, k); accepted / checked is the maximum-likelihood per-draft acceptance of a
+    geometric model."""
+    rounds = [(m, k) for m, k in zip(accepted, verified) if k > 0]
+    return sum(m for m, _ in rounds), sum(min(m + 1, k) for m, k in rounds)
+
+
+def break_even_acceptance(costs: CostCurves, batch: int, depth: int,
+                          margin: float = GoodputDepth.MARGIN) -> tuple[float, int] | None:
+    """(a, j): the lowest per-draft acceptance a at which a drafted round verifying j drafts of one path
+    beats a plain step as the goodput policy judges it, minimized over j = 1..depth:
+
+        1 + a + ... + a^j  =  margin * (c_draft + c_verify(j + 1)) / c_verify(1)
+
+    (left: the round's expected tokens, rising in a from 1 to j + 1; solved by bisection). None where
+    no acceptance pays, not even 1.0."""
+    best = None
+    for j in range(1, depth + 1):
+        needed = margin * (costs.draft(batch) + costs.verify(batch, j + 1)) / costs.verify(batch, 1)
+        if needed > j + 1:
+            continue
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            a = (low + high) / 2
+            low, high = (a, high) if sum(a ** i for i in range(j + 1)) < needed else (low, a)
+        if best is None or high < best[0]:
+            best = (high, j)
+    return best
+
+
+def explain(policy: str, stats, costs: CostCurves | None, depth: int) -> str:
+    """One line for `eagle-export run`: why this request did or did not speculate (batch 1)."""
+    if policy == "fixed":
+        return f"speculation: fixed, the drafter called every round and all {depth} drafts verified (--depth-policy fixed)"
+    took, checked = drafted_acceptance(stats.accepted, stats.depths)
+    unverified = stats.draft_calls - sum(k > 0 for k in stats.depths)
+    found = [f"drafter called in {stats.draft_calls} of {stats.rounds} rounds"]
+    if checked:
+        found.append(f"its drafts accepted {took} of {checked} checked ({took / checked:.2f})")
+    if unverified:
+        found.append(f"{unverified} drafted round(s) verified no draft (what the drafts promised was worth less "
+                     "than a plain step)")
+    pays = break_even_acceptance(costs, 1, depth) if costs is not None and costs.has(1) else None
+    if pays is None:
+        verdict = "drafting cannot pay on this machine even at acceptance 1.0 (a plain step is too cheap beside a drafter call)"
+    else:
+        a, j = pays
+        verdict = (f"drafting pays here from acceptance {a:.2f} (plain step {1e3 * costs.verify(1, 1):.0f} ms; "
+                   f"drafter {1e3 * costs.draft(1):.0f} ms + verify of {j + 1} tokens {1e3 * costs.verify(1, j + 1):.0f} ms)")
+    return (f"speculation (goodput): {'; '.join(found)}; {verdict}. "
+            "`eagle-export bench --acceptance-sweep BUILD` shows the speedup at each acceptance")
+
+
 def check_policy(name) -> None:
     if isinstance(name, str) and name not in POLICIES:
         raise EagleExportError(f"unknown depth policy {name!r}", f"choose one of {', '.join(POLICIES)}")

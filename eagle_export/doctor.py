@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-
-import torch
+from pathlib import Path
 
 # TensorRT's hardware floors for low-precision engines (compute capability, major.minor).
 FP8_MIN_CC = (8, 9)    # Ada, Hopper, Blackwell
@@ -27,9 +26,32 @@ def tensorrt_version() -> str | None:
     return tensorrt.__version__
 
 
+def nvidia_driver_loaded() -> bool:
+    """Whether an NVIDIA driver is present, read from the file system without importing torch (1-10 s):
+    Linux and WSL expose it as device nodes; elsewhere (Windows) torch is asked."""
+    if platform.system() != "Linux":
+        return True
+    return any(Path(p).exists() for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg"))
+
+
+NO_GPU_SELFTEST = "selftest --gpu: no CUDA GPU on this machine (no NVIDIA driver, or torch sees no GPU); nothing to test"
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no NVIDIA driver is loaded."""
+    if not nvidia_driver_loaded():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def gpu_info() -> dict | None:
-    if not torch.cuda.is_available():
+    """The first CUDA GPU's name, compute capability and memory; None without one."""
+    if not cuda_available():
         return None
+    import torch
+
     major, minor = torch.cuda.get_device_capability(0)
     return {"name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
@@ -65,6 +87,12 @@ def package_conflicts() -> list[str]:
     return conflicts
 
 
+def _torch_cuda() -> str | None:
+    import torch
+
+    return torch.version.cuda
+
+
 def doctor_report() -> dict:
     gpu = gpu_info()
     trt = tensorrt_version()
@@ -77,7 +105,8 @@ def doctor_report() -> dict:
         pass
     report = {
         "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "torch": package_version("torch"), "nvidia_driver": nvidia_driver_loaded(),
+        "cuda": _torch_cuda() if nvidia_driver_loaded() else None, "cuda_available": gpu is not None,
         "gpu": gpu, "tensorrt": trt, "onnx": package_version("onnx"),
         "onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
         "onnxruntime_providers": ort_providers, "modelopt": package_version("nvidia-modelopt"),

@@ -23,6 +23,7 @@ import errno
 import json
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -67,13 +68,23 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
     start = time.perf_counter()
     if quantized:
         pack_nvfp4(module)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad():
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
         raw = Path(tmp) / path.name
         opset = EXPORT_OPSET if quantized else C.ONNX_OPSET
         torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=opset,
                           input_names=spec.input_names, output_names=spec.output_names,
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
         model = onnx.load(str(raw))
+    # The tracer warns where a tree's structure (its parents, frontiers: Python constants of the shape)
+    # becomes a graph constant, which is meant; whether a graph generalizes is what validate proves, on
+    # inputs other than the trace's. The warnings go to the report, not to the user's terminal.
+    trace_warnings = sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).split('.')[0]}"
+                             for w in caught if issubclass(w.category, torch.jit.TracerWarning)})
+    for w in caught:
+        if not issubclass(w.category, torch.jit.TracerWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     exported_nodes = len(model.graph.node)
     export_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -90,7 +101,7 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
     save_model(model, path)
     return {"nodes_exported": exported_nodes, "nodes_after_passes": len(model.graph.node),
             "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
-            "passes": [r.to_json() for r in result.records], "lint_findings": findings}
+            "passes": [r.to_json() for r in result.records], "lint_findings": findings, "trace_warnings": trace_warnings}
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:

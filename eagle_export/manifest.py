@@ -21,8 +21,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from . import __version__
 from .costs import COSTS_FILE
 from .doctor import package_version, tensorrt_version
@@ -70,7 +68,7 @@ def artifact_hashes(build_dir: Path) -> dict[str, dict]:
 
 
 def library_versions() -> dict[str, str | None]:
-    return {"eagle-export": __version__, "torch": torch.__version__, "onnx": package_version("onnx"),
+    return {"eagle-export": __version__, "torch": package_version("torch"), "onnx": package_version("onnx"),
             "onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
             "onnx-ir": package_version("onnx-ir"), "nvidia-modelopt": package_version("nvidia-modelopt"),
             "tensorrt": tensorrt_version()}
@@ -485,3 +483,39 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def inspect_build(path: str | Path) -> dict:
+    """`eagle-export inspect BUILD`: what a build holds, from its manifest (nothing is loaded): the
+    pair and precisions, how it speculates (the verify width its target calls take), its graphs and
+    engines, and whether it validated."""
+    from .tree import describe
+
+    path = Path(path)
+    manifest = Manifest.from_json(read_manifest(path), path / MANIFEST)
+    data = manifest.data
+    speculation = manifest.speculation
+    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
+    validation = data.get("validation", {})
+    engines = data.get("engines", {})
+    report = {
+        "kind": "build", "path": str(path), "recipe": data.get("recipe", {}).get("name"), "created": data.get("created"),
+        "target": f"{data['sources']['target']} ({data['models']['target']['precision']})",
+        "drafter": f"{data['sources']['drafter']} ({data['models']['drafter']['precision']})",
+        "speculation": describe(speculation), "depth": manifest.depth, "nodes": nodes, "verify_width": nodes + 1,
+        "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": data.get("backends"),
+        "graphs": sorted(g["file"] for g in data.get("graphs", {}).values()),
+        "engines": engines.get("skipped") or sorted(engines),
+        "lossless_delta": data.get("quantization", {}).get("delta", {}).get("delta"),
+        "validation": _validation_line(validation.get("checks", []), validation.get("ok")),
+        "warnings": [note for note in [old_format_note(data)] if note] + contradictions(manifest),
+    }
+    return report
+
+
+def _validation_line(checks: list[dict], ok) -> str:
+    """What the build's own validation found. It compared the graphs with the models in memory, so
+    `eagle-export validate` lists one check more: the source checkpoints' hashes."""
+    passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
+    return (f"{passed} of {len(checks)} checks passed when built" + (f", {skipped} skipped" if skipped else "")
+            + ("" if ok else ", FAILED") + " (`eagle-export validate` re-runs them against the source checkpoints)")

@@ -334,3 +334,21 @@ def parse_override(text: str) -> tuple[str, object]:
         raise EagleExportError(f"--set {shown(text)}: the value is not a plain YAML scalar "
                                f"({'; '.join(e.problems)})",
                                "write a plain value, e.g. --set precision.target=fp8") from None
+
+
+def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:
+    """The recipe's target and drafter directories, each refused unless it is one (before `build`
+    imports torch: a missing checkpoint is said at once)."""
+    from .sample import sample_target_dir
+
+    if recipe["target"] == "sample":
+        target_dir = sample_target_dir()
+    else:
+        target_dir = Path(recipe.resolve_path(recipe["target"]))
+    drafter_dir = Path(recipe.resolve_path(recipe["drafter"]))
+    for role, path in (("target", target_dir), ("drafter", drafter_dir)):
+        if not path.is_dir():
+            raise EagleExportError(f"the recipe's {role} {path} is not a directory",
+                                   f"download the {role} checkpoint and pass its directory: eagle-export build "
+                                   f"--{role} DIR (or set `{role}:` in a copy of the recipe)")
+    return target_dir, drafter_dir

@@ -102,7 +102,8 @@ class SequenceStats:
     prompt_tokens: int
     new_tokens: int = 0
     accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
-    depths: list[int] = field(default_factory=list)    # depth of the deepest draft verified each round (0: none)
+    depths: list[int] = field(default_factory=list)    # depth of the deepest draft verified each round (0: none;
+                                                        # a tree verifies more nodes than that: see widths)
     widths: list[int] = field(default_factory=list)    # tokens of each round's verify call (1: a plain step)
     draft_calls: int = 0                                # rounds that called the drafter
 
@@ -116,7 +117,9 @@ class SequenceStats:
         return mean_accepted_length(self.accepted, empty=0.0)
 
     def acceptance_by_depth(self, depth: int) -> list[float]:
-        return acceptance_by_depth(self.accepted, depth, unreached=0.0, verified=self.depths)
+        """Per depth, the fraction of rounds that accepted it among those that verified it; None where
+        no round verified that depth (nothing was measured)."""
+        return acceptance_by_depth(self.accepted, depth, unreached=None, verified=self.depths)
 
 
 @dataclass
@@ -159,8 +162,9 @@ def request_record(result: SequenceResult, depth: int, timings: Timings) -> dict
         "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
         "stats": {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens, "rounds": stats.rounds,
                   "tau": round(stats.tau, 4), "accepted_per_round": stats.accepted,
-                  "verified_per_round": stats.depths, "draft_calls": stats.draft_calls,
-                  "acceptance_by_depth": [round(a, 4) for a in stats.acceptance_by_depth(depth)],
+                  "verified_per_round": stats.depths, "verify_width_per_round": stats.widths,
+                  "draft_calls": stats.draft_calls,
+                  "acceptance_by_depth": [None if a is None else round(a, 4) for a in stats.acceptance_by_depth(depth)],
                   "tokens_per_s": round(stats.new_tokens / timings.total, 2) if timings.total else None,
                   "seconds": {"total": round(timings.total, 4), "prefill": round(timings.prefill, 4),
                               "draft": round(timings.draft, 4), "verify": round(timings.verify, 4),

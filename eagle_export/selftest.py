@@ -19,7 +19,7 @@ import torch
 from . import contract as C
 from .backends import OnnxRuntimeBackend, ort_session, run_onnx
 from .checkpoint import resolve_dtype
-from .doctor import gpu_info, package_conflicts, package_version, tensorrt_version
+from .doctor import NO_GPU_SELFTEST, cuda_available, gpu_info, package_conflicts, package_version, tensorrt_version
 from .engine import axis_ranges, profile_shapes
 from .errors import EagleExportError
 from .tree import random_verify_mask
@@ -297,8 +297,8 @@ WITHOUT_ENGINES = ("environment", "NVFP4 gating", "torch CUDA graphs lossless", 
 
 def selftest(build_dir, report_path, echo=print) -> dict | None:
     """Run every step; None (after one line) where there is no GPU."""
-    if not torch.cuda.is_available():
-        echo("selftest --gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to test")
+    if not cuda_available():
+        echo(NO_GPU_SELFTEST)
         return None
     state = {"build_dir": Path(build_dir) if build_dir else None}
     steps, engines = [], True

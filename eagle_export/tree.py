@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from . import contract as C
 from .errors import EagleExportError
+from .lazy import lazy
+
+torch = lazy("torch")  # a recipe's or manifest's tree shape is read without it
 
 
 @dataclass(frozen=True)

@@ -276,12 +276,12 @@ class UnrolledDrafter(nn.Module):
                     slot = level.slot
                 if slot != list(range(feedback.shape[1])):
                     feedback = feedback[:, self._const(slot, token.device)]
-                step_mask = self._const(level.step_mask, token.device)
-                # Every row sees every earlier step row in a chain: no constant mask needed. (Decided on
-                # the host's list: a tensor's truth value would sync with the device mid-capture.)
-                step_mask = (cache_lens >= 0)[:, None, None] & step_mask[None] \
-                    if not all(all(row) for row in level.step_mask) \
-                    else (cache_lens >= 0)[:, None, None].expand(-1, *step_mask.shape)
+                # Every row sees every earlier step row in a chain: no constant mask needed (decided on
+                # the Python lists: a tensor's truth value would stop a trace and sync a CUDA graph capture).
+                every_row = (cache_lens >= 0)[:, None, None]
+                step_mask = every_row.expand(-1, len(level.step_mask), len(level.step_mask[0])) \
+                    if all(map(all, level.step_mask)) \
+                    else every_row & self._const(level.step_mask, token.device)[None]
                 normed, feedback = run_step(depth, target_token, feedback, step_mask)
                 if not self.is_chain:
                     joint = joint[:, self._const(level.frontier, joint.device)] \

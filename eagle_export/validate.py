@@ -360,12 +360,33 @@ def _tau_tier(manifest: Manifest, runtime) -> tuple:
     return name, ok, detail + f"; pass >= {1 - TAU_TOLERANCE:g}, fixed policy", figures
 
 
-def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
+class _Checks(list):
+    """The checks so far; each is handed to `on_check(name, ok, detail)` as it is added, so `validate`
+    prints it when it finishes instead of after the last one."""
+
+    def __init__(self, on_check=None):
+        super().__init__()
+        self.on_check = on_check
+
+    def append(self, check) -> None:
+        super().append(check)
+        if self.on_check is not None:
+            name, ok, detail = check
+            self.on_check(name, None if ok is None else bool(ok), detail)
+
+    def __iadd__(self, more):
+        for check in more:
+            self.append(check)
+        return self
+
+
+def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=None) -> dict:
     """Run every check; `reference` = the unquantized (target, drafter) torch modules the build was
-    made from, when the caller has them (else they are rebuilt from the recorded sources)."""
+    made from, when the caller has them (else they are rebuilt from the recorded sources); `on_check`
+    sees each check as it finishes."""
     build_dir = Path(build_dir)
     data = read_manifest(build_dir)
-    checks = []
+    checks = _Checks(on_check)
     problems = verify_artifacts(build_dir, data)  # before any field is read: an edited manifest is not trusted
     old = old_format_note(data)
     checks.append(("artifact hashes", not problems, "; ".join(problems) or
@@ -375,7 +396,8 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
     manifest = Manifest.from_json(data, build_dir / MANIFEST)
     contradicting = contradictions(manifest)
     if contradicting:  # whatever the hashes say, these values cannot run
-        return _summary(checks + [("manifest values", False, "; ".join(contradicting))])
+        checks.append(("manifest values", False, "; ".join(contradicting)))
+        return _summary(checks)
     quantized = manifest.quantized_roles
     if reference is None:
         changed, unavailable = verify_sources(manifest)
@@ -395,9 +417,10 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False) -> dict:
         lossless, record = _lossless(build_dir, manifest, target, *size)
     except EagleExportError as e:  # the torch backend of an NVFP4 build needs its unchanged sources
         lossless, record = [("lossless loop", False, f"could not run: {e.problem}")], None
+    checks += lossless
     if manifest.engines:  # the engines the build made run the same loop (skipped where they cannot load)
-        lossless += _lossless(build_dir, manifest, target, *size, backend="tensorrt")[0]
-    return {**_summary(checks + lossless), "lossless": record}
+        checks += _lossless(build_dir, manifest, target, *size, backend="tensorrt")[0]
+    return {**_summary(checks), "lossless": record}
 
 
 def _summary(checks) -> dict:
@@ -410,8 +433,8 @@ def _summary(checks) -> dict:
             "checks": [{"name": n, "ok": ok, "status": status[ok], "detail": d} for n, ok, d in checks]}
 
 
-def validate(build_dir) -> dict:
+def validate(build_dir, on_check=None) -> dict:
     """The CLI's entry: a missing or unreadable build is an error, failed checks are a report."""
     if not Path(build_dir).is_dir():
         raise EagleExportError(f"{build_dir} is not a directory", "pass a build directory made by `eagle-export build`")
-    return validate_build_dir(build_dir)
+    return validate_build_dir(build_dir, on_check=on_check)

@@ -29,3 +29,17 @@ def no_grad():
 
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_conformance_cache(tmp_path_factory):
+    """Builds remember conformance results in the user cache; the suite's in-process builds keep their
+    own, so such a test never reuses a result another run left (builds in a subprocess, test_wheel's
+    and the interrupted build's, use the user cache as a user's command would)."""
+    from eagle_export import conformance
+
+    patch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("conformance-cache")
+    patch.setattr(conformance, "cache_dir", lambda: folder)
+    yield folder
+    patch.undo()

@@ -152,6 +152,7 @@ def test_cli_prints_the_error_without_a_traceback(tmp_path):
 # anything else must name what to do instead, not the thing that was missing.
 REPEATS_ALLOWED = {
     ("build.py", "role"): "names the role (target or drafter), not the missing path",
+    ("recipe.py", "role"): "names the role (target or drafter) and its --target / --drafter option, not the missing path",
     ("prompts.py", "', '.join(PROMPT_SETS)"): "the problem says which names exist, the fix offers them",
     ("sample.py", "gguf_path"): "the fix is to delete that corrupt file",
 }

@@ -104,14 +104,35 @@ def test_validate_passes_then_names_a_modified_file(built, tmp_path):
         open_build(copy)
 
 
+def current_umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_run_streams_text_and_a_summary_line(built):
     out, _ = built
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5 w17 w33 w101", "--max-new-tokens", "12",
                                        "--backend", "onnxruntime"])
     assert result.exit_code == 0, result.output
-    text, summary = result.output.rstrip("\n").rsplit("\n", 1)
+    text, summary, why = result.stdout.rstrip("\n").rsplit("\n", 2)
     assert len(text.split()) == 12 and all(w.startswith("w") for w in text.split())
     assert "[onnxruntime] 12 tokens in" in summary and "tau" in summary
+    # the last line says why it did or did not speculate: what was accepted against what would pay here
+    assert why.startswith("speculation (goodput): drafter called in ") and "acceptance" in why
+
+
+def test_runs_first_cost_measurement_says_so_once(built):
+    out, _ = built
+    (out / "costs.json").unlink(missing_ok=True)
+    args = ["run", str(out), "--prompt", "w5 w17", "--max-new-tokens", "4", "--backend", "onnxruntime"]
+    first, second = CliRunner().invoke(main, args), CliRunner().invoke(main, args)
+    assert first.exit_code == second.exit_code == 0, first.output
+    assert first.stderr.count("measuring what a drafter call and a verify call") == 1
+    assert "measured in" in first.stderr and "measuring" not in second.stderr  # cached: said once
+    assert oct((out / "costs.json").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
 
 
 def test_run_json_prints_one_object_per_request(built):
@@ -120,7 +141,7 @@ def test_run_json_prints_one_object_per_request(built):
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", prompts[0], "--prompt", prompts[1],
                                        "--max-new-tokens", "10", "--backend", "onnxruntime", "--json"])
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in result.output.splitlines()]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
     opened = open_build(out, backend="onnxruntime")
     config = GenerationConfig(max_new_tokens=10, eos_ids=opened.eos_ids)
     assert [r["request"] for r in records] == [0, 1]
@@ -133,6 +154,10 @@ def test_run_json_prints_one_object_per_request(built):
         assert stats["rounds"] == len(stats["accepted_per_round"]) == len(stats["verified_per_round"]) >= 1
         assert stats["tau"] == pytest.approx(1 + sum(stats["accepted_per_round"]) / stats["rounds"], abs=1e-4)
         assert len(stats["acceptance_by_depth"]) == opened.runtime.depth
+        rounds = list(zip(stats["accepted_per_round"], stats["verified_per_round"]))
+        for d, a in enumerate(stats["acceptance_by_depth"], 1):  # a depth no round checked: null, never 0
+            assert (a is None) == (not any(m >= d - 1 and k >= d for m, k in rounds))
+        assert record["speculation"].startswith("speculation (goodput)")
         seconds = stats["seconds"]
         assert seconds["prefill"] + seconds["draft"] + seconds["verify"] <= seconds["total"] + 1e-3
         assert stats["tokens_per_s"] == pytest.approx(stats["new_tokens"] / seconds["total"], rel=0.01)
@@ -378,17 +403,29 @@ def test_bench_json_and_plot(built, tmp_path):
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
-    # A cached cost is used as it is until --remeasure replaces it.
+    assert result.output.count("outputs identical to plain decoding: yes") == 4  # 2 batch sizes x 2 policies
+    # bench measures the curves it uses in its own run; --reuse-costs reads the cached ones as they are.
     cache = json.loads((out / "costs.json").read_text())
     for entry in cache["entries"].values():
-        entry["verify_s"]["1"]["1"] = 9.0
+        entry["verify_s"]["1"] = {t: 9.0 for t in entry["verify_s"]["1"]}
     (out / "costs.json").write_text(json.dumps(cache))
-    for flags, stale in (([], True), (["--remeasure"], False)):
+    for flags, stale in ((["--reuse-costs"], True), ([], False)):
         args = ["bench", str(out), "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4",
                 "--json", str(tmp_path / "c.json"), *flags]
         assert CliRunner().invoke(main, args).exit_code == 0
         verify_ms = json.loads((tmp_path / "c.json").read_text())["builds"][str(out)]["costs"]["verify_ms"]
         assert (verify_ms["1"] == 9000.0) == stale, flags
+    # two builds of one target whose cached curves disagree: --reuse-costs is refused, a fresh run is not
+    other = tmp_path / "copy"
+    shutil.copytree(out, other)
+    cache = json.loads((other / "costs.json").read_text())
+    for entry in cache["entries"].values():
+        entry["verify_s"]["1"] = {t: 3 * s for t, s in entry["verify_s"]["1"].items()}
+    (other / "costs.json").write_text(json.dumps(cache))
+    args = ["bench", str(out), str(other), "--dataset", str(prompts), "--num-prompts", "1", "--max-new-tokens", "4"]
+    refused = CliRunner().invoke(main, args + ["--reuse-costs"])
+    assert refused.exit_code == 2 and "cached cost curves disagree" in refused.output and "3.00x" in refused.output
+    assert CliRunner().invoke(main, args).exit_code == 0
 
 
 @pytest.mark.slow
@@ -422,7 +459,12 @@ def test_inspect_says_what_a_build_holds(built):
     assert report["kind"] == "build" and report["speculation"] == "chain K=3"
     assert (report["depth"], report["nodes"], report["verify_width"], report["sampling"]) == (3, 3, 4, True)
     assert report["graphs"] == ["drafter.onnx", "drafter_sampling.onnx", "target.onnx"]
-    assert report["validation"].endswith("checks passed") and report["target"].endswith("(fp32)")
+    checks = json.loads((out / "manifest.json").read_text())["validation"]["checks"]
+    assert report["validation"].startswith(f"{len(checks)} of {len(checks)} checks passed when built")
+    assert report["target"].endswith("(fp32)")
+    text = CliRunner().invoke(main, ["inspect", str(out)]).output  # as a reader writes it: no Python reprs
+    assert "graphs                   drafter.onnx, drafter_sampling.onnx, target.onnx\n" in text
+    assert "[" not in text and "'" not in text and "None" not in text
     result = CliRunner().invoke(main, ["inspect", str(out), "--check", "--target", str(out)])
     assert result.exit_code == 2 and "not a build" in result.output
 
@@ -960,3 +1002,24 @@ def test_run_has_no_synthetic_acceptance(built):
     out, _ = built
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", "w5", "--acceptance", "0.7"])
     assert result.exit_code == 2 and "No such option '--acceptance'" in result.output
+
+
+def test_validate_hands_over_each_check_as_it_finishes(built, monkeypatch):
+    """`eagle-export validate` prints a check when it finishes: the graph checks are out before the
+    lossless loop (the slowest) starts, and what was streamed is the report, in its order."""
+    from eagle_export import validate
+
+    seen, seen_before_loop = [], []
+    loop = validate._lossless
+    monkeypatch.setattr(validate, "_lossless", lambda *a, **k: seen_before_loop.extend(seen) or loop(*a, **k))
+    report = validate.validate_build_dir(built[0], quick=True, on_check=lambda *check: seen.append(check))
+    assert seen == [(c["name"], c["ok"], c["detail"]) for c in report["checks"]]
+    assert [name for name, _, _ in seen_before_loop] == [
+        "artifact hashes", "source checkpoints", "target graph vs torch", "drafter graph vs torch"]
+
+
+def test_inspect_of_a_build_imports_no_heavy_library(built):
+    """`inspect BUILD` reads the manifest alone: it answers without torch, onnx or modelopt."""
+    from test_cli import light_command_imports
+
+    assert light_command_imports(["inspect", str(built[0])]) == "heavy: []"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_export.checkpoint import load_drafter, load_target, save_drafter
 from eagle_export.conformance import conformance_check
-from eagle_export.errors import CheckpointError
+from eagle_export.errors import CheckpointError, EagleExportError
 from tiny_models import token_sequences, write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,3 +179,37 @@ def test_cli_check_passes_the_drafter_and_fails_a_misstated_one_with_strict(pair
     lenient = CliRunner().invoke(main, ["inspect", str(bad), "--target", str(target_dir), "--check", "--prompts",
                                         str(prompts), "--json"])
     assert lenient.exit_code == 0 and json.loads(lenient.output)["conformance"]["findings"]
+
+
+def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monkeypatch):
+    """The check (the longest build stage on 2 cores) runs once per pair of checkpoint files and
+    prompts; a changed file or prompt runs it again, and a refused drafter is never remembered."""
+    from eagle_export import build
+
+    calls = []
+    passed = {"matched": True, "ok": True, "findings": [], "readings": [{"acc@1": [0.58, 0.57]}], "positions": 9,
+              "min_acc": 0.05}
+    verdict = {"result": passed}
+    monkeypatch.setattr(build, "conformance_prompts", lambda recipe, target: prompts["now"])
+    monkeypatch.setattr(build, "check_checkpoint", lambda d, t, p: calls.append(p) or verdict["result"])
+    prompts = {"now": [[1, 2, 3]]}
+    files = {"target": {"model.safetensors": "aa"}, "drafter": {"model.safetensors": "bb"}}
+    lines = []
+
+    def stage(source_files):
+        return build.conformance_stage(None, tmp_path, tmp_path, source_files, lines.append)
+
+    assert stage(files) == passed and stage(files) == passed and len(calls) == 1
+    kept = build.conformance.cache_file(files, prompts["now"])
+    assert kept.stat().st_mode & 0o077 != 0  # the user's umask, not mkstemp's private 0600
+    assert sum("its result reused" in line for line in lines) == 1
+    stage({**files, "drafter": {"model.safetensors": "cc"}})
+    prompts["now"] = [[1, 2, 4]]
+    stage(files)
+    assert len(calls) == 3
+    verdict["result"] = {**passed, "matched": False}
+    files = {**files, "target": {"model.safetensors": "dd"}}
+    for _ in range(2):
+        with pytest.raises(EagleExportError, match="matches no convention"):
+            stage(files)
+    assert len(calls) == 5

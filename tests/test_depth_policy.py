@@ -180,3 +180,69 @@ def test_a_wide_tree_keeps_its_likeliest_nodes_where_width_costs(slope, nodes):
     menu, tokens = nested_subtrees(parents, probs, 4, by_depth=False)
     j = policy.choose(tokens, torch.ones(1, dtype=torch.bool), (1 + menu.sum(-1).max(-1).values).tolist())
     assert torch.nonzero(menu[j, 0])[:, 0].tolist() == nodes
+
+
+def flat_costs(draft_s: float, verify_s: dict[int, float]) -> CostCurves:
+    return CostCurves(verify_s={1: dict(verify_s)}, draft_s={1: {w: draft_s for w in range(1, len(verify_s) + 1)}})
+
+
+def test_drafted_acceptance_counts_a_draft_as_checked_only_behind_accepted_ones():
+    from eagle_export.depth_policy import drafted_acceptance
+
+    # verified 4: accepted 2 checked 3; accepted 0 checked 1; accepted 4 checked 4; a plain round (0) not at all
+    assert drafted_acceptance([2, 0, 4, 0], [4, 4, 4, 0]) == (6, 8)
+
+
+def test_break_even_acceptance_solves_tokens_per_second_against_a_plain_step():
+    from eagle_export.depth_policy import break_even_acceptance
+
+    # depth 1, free drafter, verify as cheap at any width: 1 + a = MARGIN
+    a, j = break_even_acceptance(flat_costs(0.0, {1: 1.0, 2: 1.0}), 1, 1)
+    assert a == pytest.approx(GoodputDepth.MARGIN - 1, abs=1e-6) and j == 1
+    # drafter 0.5, verify 1: j=1 needs 1+a = 1.545 (a .545); j=2 needs 1+a+a^2 = 1.545 (a .39): the deeper wins
+    a, j = break_even_acceptance(flat_costs(0.5, {1: 1.0, 2: 1.0, 3: 1.0}), 1, 2)
+    assert j == 2 and 1 + a + a * a == pytest.approx(GoodputDepth.MARGIN * 1.5, abs=1e-6)
+    assert break_even_acceptance(flat_costs(5.0, {1: 1.0, 2: 1.0, 3: 1.0}), 1, 2) is None  # never pays
+
+
+def test_runs_explanation_names_what_was_accepted_and_what_would_pay():
+    from eagle_export.depth_policy import explain
+    from eagle_export.runtime import SequenceStats
+
+    stats = SequenceStats(prompt_tokens=5, accepted=[0] + [0] * 11, depths=[0] * 12, draft_calls=1)
+    line = explain("goodput", stats, flat_costs(0.5, {1: 1.0, 2: 1.0, 3: 1.0}), 2)
+    assert "drafter called in 1 of 12 rounds" in line and "1 drafted round(s) verified no draft" in line
+    assert "drafting pays here from acceptance 0.39" in line and "--acceptance-sweep" in line
+    stats = SequenceStats(prompt_tokens=5, accepted=[2, 1], depths=[2, 2], draft_calls=2)
+    line = explain("goodput", stats, flat_costs(5.0, {1: 1.0, 2: 1.0, 3: 1.0}), 2)
+    assert "accepted 3 of 4 checked (0.75)" in line and "cannot pay on this machine" in line
+    assert "fixed" in explain("fixed", stats, None, 2)
+
+
+def test_unmeasured_depths_are_none_not_zero():
+    from eagle_export.runtime import SequenceStats
+
+    stats = SequenceStats(prompt_tokens=5, accepted=[1, 0], depths=[2, 0], draft_calls=2)
+    assert stats.acceptance_by_depth(4) == [1.0, 0.0, None, None]
+
+
+def test_cost_curves_are_monotone_as_measured_and_as_read_from_an_old_cache():
+    from eagle_export.costs import monotone
+
+    dipping = {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.239, 8: 0.5}
+    assert monotone(dipping) == {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.483, 8: 0.5}
+    read = CostCurves.from_json({"verify_s": {"1": {str(t): s for t, s in dipping.items()}}, "draft_s": {}})
+    assert read.verify(1, 7) == 0.483
+
+
+def test_two_builds_of_one_target_whose_verify_costs_disagree_are_named():
+    from types import SimpleNamespace
+
+    from eagle_export.bench import COST_NOISE, cost_disagreements
+
+    def runtime(scale):
+        return SimpleNamespace(costs=flat_costs(0.01, {1: 0.147 * scale, 2: 0.15 * scale}))
+
+    assert cost_disagreements({"chain": runtime(1.0), "tree": runtime(COST_NOISE * 0.98)}, 1) == []
+    [found] = cost_disagreements({"chain": runtime(1.0), "tree": runtime(370 / 147)}, 1)
+    assert found.startswith("chain and tree have the same target") and "2.52x" in found

@@ -512,3 +512,21 @@ def test_output_shapes_follow_the_contract_axes_and_the_cache_layout():
     assert output_shapes(session, feeds, step_rows=3, nodes=4) == {"draft_ids": (2, 4), "new_key": (1, 2, 3, 8, 64)}
     assert provider_device(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "cuda"
     assert provider_device(["CPUExecutionProvider"]) == "cpu"
+
+
+@pytest.mark.parametrize("speculation", ["chain", "tree"])
+def test_no_tracer_warning_reaches_the_user(tmp_path, dirs, speculation):
+    """Tracing a chain warns of nothing; a static tree's structural constants are traced as constants,
+    which is meant: those warnings go to the export report, never to the terminal."""
+    import warnings
+
+    from eagle_export.tree import TreeShape
+
+    _, drafter = load_pair(dirs, "3.1")
+    shape = 3 if speculation == "chain" else TreeShape.from_branching([2, 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_drafter(drafter, shape, False, tmp_path / "drafter.onnx")
+    assert not [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    if speculation == "chain":
+        assert report["trace_warnings"] == []
