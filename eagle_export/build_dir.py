@@ -18,14 +18,14 @@ from .doctor import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
 from .files import load_int_array, load_tokenizer
-from .manifest import (MANIFEST, Manifest, contradictions, old_format_note, read_manifest, verify_artifacts,
+from .manifest import (MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts,
                        verify_sources)
 from .nvfp4 import use_graph_weights
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
 from .runtime import SpeculativeRuntime
-from .tree import DynamicTree, describe
+from .tree import DynamicTree
 from .unrolled import TargetGraph, UnrolledDrafter
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")

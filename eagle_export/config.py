@@ -7,7 +7,6 @@ state it, so a checkpoint that omits a key behaves as it does in transformers an
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
