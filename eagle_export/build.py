@@ -20,7 +20,7 @@ import torch
 from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
-from .conformance import check_checkpoint
+from .conformance import conformance_check
 from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
@@ -105,10 +105,11 @@ def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
                              recipe["calibration"]["max_tokens"]))
 
 
-def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, echo) -> dict:
-    """`inspect --check` on the recipe's pair (fp32 copies): refuse a drafter that matches no
-    convention; report a field an alternative reading names, and go on (the config is the user's)."""
-    result = check_checkpoint(drafter_dir, target_dir, conformance_prompts(recipe, target_dir))
+def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, target, drafter, echo) -> dict:
+    """`inspect --check` on the recipe's pair, run on the build's own loaded models (before the model
+    passes; no second copy of either is loaded): refuse a drafter that matches no convention; report
+    a field an alternative reading names, and go on (the config is the user's)."""
+    result = conformance_check(target, drafter, conformance_prompts(recipe, target_dir), 0, target.config.eos_ids)
     configured = result["readings"][0]["acc@1"]
     if not result["matched"]:
         raise EagleExportError(
@@ -214,7 +215,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
 
         with log("check the drafter's conventions"):
-            conformance = conformance_stage(recipe, target_dir, drafter_dir, echo)
+            conformance = conformance_stage(recipe, target_dir, drafter_dir, target, drafter, echo)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])

@@ -14,18 +14,21 @@ probabilities in fp32), and each of those casts is an explicit Cast node.
 After export, the ONNX clean-up pipeline (`passes.onnx_pipeline`, which pins `ir_version` so ONNX
 Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export,
 quantized or not.
-A model above 2 GB (the protobuf limit) is saved with its weights in one external data file.
+A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
+are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
+weight read from its file when a pass needs its values, and the save writes them tensor by tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-import onnx
+import numpy as np
 import onnx_ir as ir
 import torch
 
@@ -70,35 +73,58 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
         torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=opset,
                           input_names=spec.input_names, output_names=spec.output_names,
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
-        model = onnx.load(str(raw))
-    exported_nodes = len(model.graph.node)
-    export_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    rewrites = {}
-    if quantized:
-        model, rewrites = finish_quantized(model, fp8_weight_codes(module))
-    result = onnx_pipeline(spec)(ir.from_proto(model))
-    findings = [str(f) for f in lint_model(result.model).findings]
-    model = ir.to_proto(result.model)
-    passes_seconds = time.perf_counter() - start
-    if findings:
-        raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
-                               "this is a bug in the export: report it with the model's config.json")
-    save_model(model, path)
-    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(model.graph.node),
+        # Weights above 2 GiB the exporter wrote as external files beside `raw`: they stay on disk,
+        # read one tensor at a time by the passes that need values and by the save.
+        model = streamed(ir.load(raw))
+        exported_nodes = len(model.graph)
+        export_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        rewrites = {}
+        if quantized:  # the Q/DQ rewrites work on the proto (quantized graphs are small here)
+            proto, rewrites = finish_quantized(ir.to_proto(model), fp8_weight_codes(module))
+            model = ir.from_proto(proto)
+        result = onnx_pipeline(spec)(model)
+        findings = [str(f) for f in lint_model(result.model).findings]
+        passes_seconds = time.perf_counter() - start
+        if findings:
+            raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
+                                   "this is a bug in the export: report it with the model's config.json")
+        save_model(result.model, path)
+    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(result.model.graph),
             "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
             "passes": [r.to_json() for r in result.records], "lint_findings": findings}
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
+def streamed(model: ir.Model) -> ir.Model:
+    """Each initializer held in an external file becomes a tensor that reads its bytes from the file
+    whenever asked and keeps nothing (onnx_ir's ExternalTensor keeps its file mapped once read, so
+    hashing every weight for de-duplication and writing them out would map all of them at once)."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            value.const_value = ir.LazyTensor(functools.partial(_read_external, tensor), tensor.dtype,
+                                              tensor.shape, name=tensor.name)
+    return model
+
+
+def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
+    with open(tensor.path, "rb") as f:
+        f.seek(tensor.offset or 0)
+        data = f.read(tensor.length if tensor.length is not None else -1)
+    array = np.frombuffer(data, dtype=tensor.dtype.numpy()).reshape(tensor.shape.numpy())
+    return ir.Tensor(array, dtype=tensor.dtype, name=tensor.name)
+
+
+def save_model(model: ir.Model, path: Path) -> None:
+    """One .onnx file, or (weights of EXTERNAL_DATA_THRESHOLD bytes or more) the graph and one
+    `.onnx.data` file beside it, written tensor by tensor (tensors under 1 KiB stay in the graph)."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if weight_bytes < EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(model, str(path))
+        ir.save(model, path)
         return
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
 
 
 def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:

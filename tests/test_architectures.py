@@ -164,3 +164,38 @@ def test_lossless_loop_equals_transformers_greedy(family, tmp_path):
         runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, depth_policy="fixed")
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=new))
         assert [r.tokens for r in results] == expected, (name, draft_vocab)
+
+
+# ---------------------------------------------------------------- what the loader refuses, by name
+
+@pytest.mark.parametrize("architecture,why", [("Gemma2ForCausalLM", "GeGLU"), ("Phi3ForCausalLM", "longrope"),
+                                              ("MixtralForCausalLM", "mixture-of-experts"),
+                                              ("Qwen3MoeForCausalLM", "mixture-of-experts"),
+                                              ("DeepseekV3ForCausalLM", "MLA"), ("GPTNeoXForCausalLM", "")])
+def test_an_unsupported_family_is_refused_with_the_supported_list(tmp_path, architecture, why):
+    from eagle_export.config import TargetConfig
+    from eagle_export.errors import CheckpointError
+
+    cfg = {**shrunk(RELEASED["Llama-2-7b"]), "architectures": [architecture]}
+    with pytest.raises(CheckpointError, match=f"unsupported architecture {architecture}.*{why}") as e:
+        TargetConfig.from_hf(cfg, where="m")
+    for family in ("Llama 2/3.x", "Mistral", "Qwen2/2.5", "Qwen3"):
+        assert family in e.value.fix
+
+
+@pytest.mark.parametrize("edit,field", [({"num_hidden_layers": 6}, "num_hidden_layers: config.json says 6, the weights hold 4"),
+                                        ({"head_dim": 16}, "head_dim: config.json says 16, the weights hold 32"),
+                                        ({"num_key_value_heads": 4}, "num_key_value_heads x head_dim"),
+                                        ({"intermediate_size": 256}, "intermediate_size"),
+                                        ({"hidden_size": 96}, "hidden_size")])
+def test_config_and_weights_that_disagree_name_the_field(tmp_path, edit, field):
+    import json
+
+    from eagle_export.errors import CheckpointError
+
+    write_family(tmp_path, "Qwen3-0.6B")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(CheckpointError, match="config.json and the weights disagree on " + field.replace("(", r"\(")) as e:
+        load_target(tmp_path)
+    assert "config.json released with these weights" in e.value.fix
