@@ -24,7 +24,7 @@ from .conformance import conformance_check
 from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
-from .export import export_drafter, export_target
+from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
 from .manifest import atomic_build_dir, source_hashes, write_manifest
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
@@ -210,6 +210,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
+            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))  # before loading
             target = load_target(target_dir, dtype=target_dtype)
             drafter = load_drafter(drafter_dir, target=target, dtype=drafter_dtype)
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)

@@ -34,6 +34,7 @@ import torch
 
 from . import contract as C
 from .checkpoint import load_drafter, load_target
+from .config import DrafterConfig, TargetConfig
 from .errors import EagleExportError
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
@@ -142,6 +143,62 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 
 
 
+# Peak resident memory of an export, measured with /usr/bin/time -v (README "Bring your own model"):
+# the loaded models (their weights once) and the TorchScript exporter's constant-folded copy of each
+# linear weight (transposed for MatMul) beside them, plus the interpreter, torch and the graph protos.
+EXPORT_PEAK_PER_WEIGHT_BYTE = 2.0
+EXPORT_PEAK_FIXED_BYTES = 1 << 30
+
+
+def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> int:
+    """Bytes of the pair's weights at `dtype`, from the configs alone (norm gains and biases left out:
+    under 0.1%). The drafter shares the target's embedding table."""
+    t, d = target_cfg, drafter_cfg
+    attention = lambda h_in, h, heads, kv, hd: h_in * (heads + 2 * kv) * hd + heads * hd * h
+    layer = attention(t.hidden_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim) + 3 * t.hidden_size * t.intermediate_size
+    target = t.num_layers * layer + t.vocab_size * t.hidden_size * (1 if t.tie_word_embeddings else 2)
+    drafter = (d.num_aux * d.target_hidden_size * d.hidden_size + d.draft_vocab_size * d.hidden_size
+               + attention(2 * d.hidden_size, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim)
+               + 3 * d.hidden_size * d.intermediate_size)
+    return (target + drafter) * torch.empty(0, dtype=dtype).element_size()
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
+    """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
+    machine has available. Returns the projection in bytes."""
+    from .config import is_drafter_config, read_config_json
+
+    target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
+    if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
+        return 0  # swapped or odd directories: the loaders name the problem
+    target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
+    weights = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
+    projected = int(EXPORT_PEAK_PER_WEIGHT_BYTE * weights + EXPORT_PEAK_FIXED_BYTES)
+    available = available_memory_bytes() if available is None else available
+    if available is not None and projected > available:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"
+        smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib(projected / 2 + EXPORT_PEAK_FIXED_BYTES / 2)}"
+        raise EagleExportError(
+            f"exporting this pair ({target_cfg.architecture}, {target_cfg.num_layers} layers, "
+            f"{gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about {gib(projected)} of memory at its peak "
+            f"({EXPORT_PEAK_PER_WEIGHT_BYTE:g} x the weights + {gib(EXPORT_PEAK_FIXED_BYTES)}), and this machine has "
+            f"{gib(available)} available{smaller}",
+            "export on a machine with that much free memory, close what else holds memory here, or export "
+            "in fp16 (--dtype fp16) if you asked for fp32")
+    return projected
+
+
 def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,
                   force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
     """Write target.onnx and drafter.onnx (+ export_summary.json) to `out_dir`; returns the summary.
@@ -154,6 +211,7 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
         if not force or not out_dir.is_dir():
             raise EagleExportError(f"{out_dir} exists and is not an empty directory",
                                    "choose a new output directory, or pass --force to overwrite its files")
+    check_export_fits(target_dir, drafter_dir, torch_dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     progress(f"loading target {target_dir} ({DTYPE_NAMES[torch_dtype]})")
