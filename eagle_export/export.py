@@ -34,7 +34,7 @@ import torch
 
 from . import contract as C
 from .checkpoint import load_drafter, load_target
-from .config import DrafterConfig, TargetConfig
+from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from .errors import EagleExportError
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
@@ -177,9 +177,8 @@ def available_memory_bytes() -> int | None:
 
 def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
     """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
-    machine has available. Returns the projection in bytes."""
-    from .config import is_drafter_config, read_config_json
-
+    machine has available. Returns the projection in bytes. Pairs under 1 GiB of weights are not
+    refused: the fit's fixed part is the interpreter and torch, which any machine running this has."""
     target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
     if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
         return 0  # swapped or odd directories: the loaders name the problem
@@ -187,7 +186,7 @@ def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: in
     weights = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
     projected = int(EXPORT_PEAK_PER_WEIGHT_BYTE * weights + EXPORT_PEAK_FIXED_BYTES)
     available = available_memory_bytes() if available is None else available
-    if available is not None and projected > available:
+    if available is not None and projected > available and weights >= 1 << 30:
         gib = lambda n: f"{n / 2**30:.1f} GiB"
         smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib((projected + EXPORT_PEAK_FIXED_BYTES) / 2)}"
         raise EagleExportError(

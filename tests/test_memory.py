@@ -33,6 +33,9 @@ def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, mon
 
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     assert needed > EXPORT_PEAK_FIXED_BYTES
+    assert check_export_fits(*pair, torch.float32, available=1 << 20) == needed  # tiny: never refused
+    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: 3 << 30)  # a 3 GiB pair from here on
+    needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     with pytest.raises(EagleExportError, match=r"needs about .* GiB .* available; in fp16 it needs") as e:
         check_export_fits(*pair, torch.float32, available=needed - 1)
     assert "--dtype fp16" in e.value.fix
