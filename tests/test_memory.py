@@ -24,8 +24,10 @@ def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
     drafter = load_drafter(pair[1], target=target, dtype=dtype)
     tensors = {id(p): p for m in (target, drafter) for p in m.parameters()}  # the shared table once
     loaded = sum(p.numel() * p.element_size() for p in tensors.values())
-    projected = weight_bytes(target.config, drafter.config, dtype)
+    projected, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
     assert 0.97 * loaded <= projected <= loaded  # norm gains and biases are left out
+    graph = sum(p.numel() * p.element_size() for p in drafter.parameters())  # with the shared table
+    assert 0.97 * graph <= drafter_graph <= graph
 
 
 def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
@@ -34,7 +36,7 @@ def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, mon
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     assert needed > EXPORT_PEAK_FIXED_BYTES
     assert check_export_fits(*pair, torch.float32, available=1 << 20) == needed  # tiny: never refused
-    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: 3 << 30)  # a 3 GiB pair from here on
+    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 1 << 30))  # a 3 GiB pair from here on
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     with pytest.raises(EagleExportError, match=r"needs about .* GiB .* available; in fp16 it needs") as e:
         check_export_fits(*pair, torch.float32, available=needed - 1)
