@@ -21,11 +21,11 @@ from . import contract as C
 from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
 from . import conformance
-from .conformance import check_checkpoint
+from .conformance import conformance_check
 from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
-from .export import export_drafter, export_target
+from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
 from .manifest import atomic_build_dir, source_hashes, write_manifest
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
@@ -92,17 +92,19 @@ def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
                              recipe["calibration"]["max_tokens"]))
 
 
-def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, source_files: dict, echo) -> dict:
-    """`inspect --check` on the recipe's pair (fp32 copies): refuse a drafter that matches no
-    convention; report a field an alternative reading names, and go on (the config is the user's).
-    A pair that passed is remembered by its files' hashes and the prompts: a rebuild reuses the result."""
+def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, source_files: dict, target, drafter,
+                      echo) -> dict:
+    """`inspect --check` on the recipe's pair, run on the build's own loaded models (before the model
+    passes; no second copy of either is loaded): refuse a drafter that matches no convention; report
+    a field an alternative reading names, and go on (the config is the user's). A pair that passed is
+    remembered by its files' hashes and the prompts: a rebuild reuses the result."""
     prompts = conformance_prompts(recipe, target_dir)
     cached = conformance.cache_file(source_files, prompts)
     result = conformance.read_cached(cached)
     if result is not None:
         echo(f"  same checkpoint files and prompts as an earlier build: its result reused ({cached})")
     else:
-        result = check_checkpoint(drafter_dir, target_dir, prompts)
+        result = conformance_check(target, drafter, prompts, 0, target.config.eos_ids)
         if result["matched"]:
             conformance.write_cached(cached, result)
     configured = result["readings"][0]["acc@1"]
@@ -206,6 +208,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
+            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))  # before loading
             target = load_target(target_dir, dtype=target_dtype)
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
@@ -217,7 +220,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
 
         with log("check the drafter's conventions"):
-            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, echo)
+            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])

@@ -52,13 +52,16 @@ def _load_pickle_weights_only(file: Path) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: Path, prepare=None) -> dict[str, torch.Tensor]:
+    """Every tensor of `file`, each passed through prepare(name, tensor) as it is read (so a cast
+    to the build's dtype never holds the file's copy of more than one tensor beside it)."""
+    prepare = prepare or (lambda name, tensor: tensor)
     # A loop, mode 000, a directory: named with their own fix, not "re-download".
     with reading(file, "re-download the file", CheckpointError), open(file, "rb"):
         pass
     try:
         with reading(file, "re-download the file", CheckpointError), safe_open(str(file), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: prepare(k, f.get_tensor(k)) for k in f.keys()}
     except CheckpointError:
         raise
     except Exception as e:
@@ -69,19 +72,20 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # FP8 codes: their fp32 scales are
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: single or sharded safetensors, else a weights-only
     pickle. A NaN or infinite weight is the checkpoint's problem, named here, not a numerics failure
-    of the build later."""
-    state = _read_tensors(Path(path))
-    for name, tensor in state.items():
+    of the build later. dtype: fp32/fp16/bf16 tensors are cast to it one by one as they are read."""
+    def prepare(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype in FINITE_CHECKED and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"{path}: weight {name} holds NaN or infinite values",
                                   "restore the checkpoint (a damaged download or a diverged training run)")
-    return state
+        return tensor.to(dtype) if dtype is not None and tensor.dtype in FINITE_CHECKED else tensor
+
+    return _read_tensors(Path(path), prepare)
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, prepare) -> dict[str, torch.Tensor]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
         if index.is_file():
@@ -97,21 +101,23 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                                       "download every shard listed in the index")
             state: dict[str, torch.Tensor] = {}
             for shard in shards:
-                reader = _read_safetensors if shard.endswith(".safetensors") else _load_pickle_weights_only
-                state.update(reader(path / shard))
+                if shard.endswith(".safetensors"):
+                    state.update(_read_safetensors(path / shard, prepare))
+                else:
+                    state.update({k: prepare(k, t) for k, t in _load_pickle_weights_only(path / shard).items()})
             return state
     safetensors_files = sorted(p for p in path.glob("*.safetensors") if not _is_vocab_map_file(p))
     if safetensors_files:
         state = {}
         for file in safetensors_files:
-            state.update(_read_safetensors(file))
+            state.update(_read_safetensors(file, prepare))
         return state
     pickles = sorted(p for p in path.glob("*.bin") if not _is_vocab_map_file(p)) + sorted(path.glob("*.pt"))
     pickles = [p for p in pickles if not _is_vocab_map_file(p)]
     if pickles:
         state = {}
         for file in pickles:
-            state.update(_load_pickle_weights_only(file))
+            state.update({k: prepare(k, t) for k, t in _load_pickle_weights_only(file).items()})
         return state
     raise CheckpointError(f"{path} has no weights (no *.safetensors, no index, no pytorch_model.bin)",
                           "pass a directory that holds the checkpoint's weight files")
@@ -175,11 +181,12 @@ def load_target(path: str | Path, dtype: str | torch.dtype | None = None,
         raise CheckpointError(f"{path} is an EAGLE drafter, not a target model",
                               "pass the target LLM's directory as the target, and this one as the drafter")
     cfg = TargetConfig.from_hf(raw, where=str(path))
-    state = {target_key(k): v for k, v in load_state_dict(path).items()}
+    dtype = resolve_dtype(dtype) or DTYPES.get(cfg.torch_dtype, None)
+    state = {target_key(k): v for k, v in load_state_dict(path, dtype).items()}
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    dtype = resolve_dtype(dtype) or DTYPES.get(cfg.torch_dtype, None)
+    check_config_against_weights(cfg, state, str(path))
     with torch.device("meta"):
         model = Target(cfg, aux_layer_ids)
     tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
@@ -188,6 +195,34 @@ def load_target(path: str | Path, dtype: str | torch.dtype | None = None,
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # buffers built on meta are recomputed
     return model.eval()
+
+
+def check_config_against_weights(cfg: TargetConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """The config fields the weights' shapes pin down, each compared by name, so a config.json of
+    another size of the family is refused naming the field rather than the first misshapen tensor."""
+    def disagree(field: str, configured, found, evidence: str):
+        raise CheckpointError(f"{where}: config.json and the weights disagree on {field}: config.json says "
+                              f"{configured}, the weights hold {found} ({evidence})",
+                              "use the config.json released with these weights (this one may be another size's)")
+
+    layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if layers and len(layers) != cfg.num_layers:
+        disagree("num_hidden_layers", cfg.num_layers, len(layers), f"layers.{min(layers)} .. layers.{max(layers)}")
+    shape = lambda name: tuple(state[name].shape) if name in state else None
+    if (embed := shape("embed_tokens.weight")) is not None:
+        if embed[1] != cfg.hidden_size:
+            disagree("hidden_size", cfg.hidden_size, embed[1], f"embed_tokens.weight {embed}")
+        if embed[0] != cfg.vocab_size:
+            disagree("vocab_size", cfg.vocab_size, embed[0], f"embed_tokens.weight {embed}")
+    if (q_norm := shape("layers.0.self_attn.q_norm.weight")) is not None and q_norm[0] != cfg.head_dim:
+        disagree("head_dim", cfg.head_dim, q_norm[0], f"layers.0.self_attn.q_norm.weight {q_norm}")
+    for proj, heads, key in (("q_proj", cfg.num_heads, "num_attention_heads"), ("k_proj", cfg.num_kv_heads, "num_key_value_heads")):
+        rows = shape(f"layers.0.self_attn.{proj}.weight")
+        if rows is not None and rows[0] != heads * cfg.head_dim:
+            disagree(f"{key} x head_dim", f"{heads} x {cfg.head_dim} = {heads * cfg.head_dim}", f"{rows[0]} rows",
+                     f"layers.0.self_attn.{proj}.weight {rows}")
+    if (gate := shape("layers.0.mlp.gate_proj.weight")) is not None and gate[0] != cfg.intermediate_size:
+        disagree("intermediate_size", cfg.intermediate_size, gate[0], f"layers.0.mlp.gate_proj.weight {gate}")
 
 
 # ---------------------------------------------------------------- drafter

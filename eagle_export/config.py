@@ -20,6 +20,16 @@ TARGET_ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
 }
+# The families as users name them (README "Bring your own model"; tests/test_architectures.py checks each).
+SUPPORTED_FAMILIES = ("Llama 2/3.x (LlamaForCausalLM, rope_scaling llama3 or none), Mistral (MistralForCausalLM, "
+                      "sliding window), Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM, dense)")
+# Architectures users bring that compute another function, with what differs (named in the refusal).
+REFUSED_FAMILIES = {
+    "Gemma": "GeGLU MLP, embeddings scaled by sqrt(hidden), (1 + w) norm gains",
+    "Phi3": "fused qkv and gate_up weights, longrope scaling",
+    "Mixtral": "a mixture-of-experts MLP", "Qwen2Moe": "a mixture-of-experts MLP", "Qwen3Moe": "a mixture-of-experts MLP",
+    "Deepseek": "multi-head latent attention (MLA) and a mixture-of-experts MLP",
+}
 DRAFTER_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator",
                          "Eagle3DraftModel", "LlamaForCausalLMEagle")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -178,8 +188,9 @@ class TargetConfig:
         arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
         if arch is None:
             found = ", ".join(archs) or f"model_type {cfg.get('model_type')!r}"
-            raise CheckpointError(f"{where}: unsupported architecture {found}",
-                                  f"supported target architectures: {', '.join(TARGET_ARCHITECTURES)}")
+            why = next((f" ({why})" for name, why in REFUSED_FAMILIES.items() if found.startswith(name)), "")
+            raise CheckpointError(f"{where}: unsupported architecture {found}{why}",
+                                  f"use a target of a supported family: {SUPPORTED_FAMILIES}")
         family, bias_default, qk_norm = TARGET_ARCHITECTURES[arch]
         check_implemented(cfg, where)
         attention_bias = bool(cfg.get("attention_bias", bias_default))

@@ -14,12 +14,15 @@ probabilities in fp32), and each of those casts is an explicit Cast node.
 After export, the ONNX clean-up pipeline (`passes.onnx_pipeline`, which pins `ir_version` so ONNX
 Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export,
 quantized or not.
-A model above 2 GB (the protobuf limit) is saved with its weights in one external data file.
+A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
+are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
+weight read from its file when a pass needs its values, and the save writes them tensor by tensor.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import tempfile
 import time
@@ -27,12 +30,13 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-import onnx
+import numpy as np
 import onnx_ir as ir
 import torch
 
 from . import contract as C
 from .checkpoint import load_drafter, load_target
+from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from .errors import EagleExportError
 from .files import file_error, free_bytes, reading
 from .manifest import output_place
@@ -76,43 +80,66 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
         torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=opset,
                           input_names=spec.input_names, output_names=spec.output_names,
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
-        model = onnx.load(str(raw))
-    # The tracer warns where a tree's structure (its parents, frontiers: Python constants of the shape)
-    # becomes a graph constant, which is meant; whether a graph generalizes is what validate proves, on
-    # inputs other than the trace's. The warnings go to the report, not to the user's terminal.
-    trace_warnings = sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).split('.')[0]}"
-                             for w in caught if issubclass(w.category, torch.jit.TracerWarning)})
-    for w in caught:
-        if not issubclass(w.category, torch.jit.TracerWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    exported_nodes = len(model.graph.node)
-    export_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    rewrites = {}
-    if quantized:
-        model, rewrites = finish_quantized(model, fp8_weight_codes(module))
-    result = onnx_pipeline(spec)(ir.from_proto(model))
-    findings = [str(f) for f in lint_model(result.model).findings]
-    model = ir.to_proto(result.model)
-    passes_seconds = time.perf_counter() - start
-    if findings:
-        raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
-                               "this is a bug in the export: report it with the model's config.json")
-    save_model(model, path)
-    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(model.graph.node),
+        # Weights above 2 GiB the exporter wrote as external files beside `raw`: they stay on disk,
+        # read one tensor at a time by the passes that need values and by the save.
+        model = streamed(ir.load(raw))
+        # The tracer warns where a tree's structure (its parents, frontiers: Python constants of the shape)
+        # becomes a graph constant, which is meant; whether a graph generalizes is what validate proves, on
+        # inputs other than the trace's. The warnings go to the report, not to the user's terminal.
+        trace_warnings = sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).split('.')[0]}"
+                                 for w in caught if issubclass(w.category, torch.jit.TracerWarning)})
+        others = [w for w in caught if not issubclass(w.category, torch.jit.TracerWarning)]
+        exported_nodes = len(model.graph)
+        export_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        rewrites = {}
+        if quantized:  # the Q/DQ rewrites work on the proto (quantized graphs are small here)
+            proto, rewrites = finish_quantized(ir.to_proto(model), fp8_weight_codes(module))
+            model = ir.from_proto(proto)
+        result = onnx_pipeline(spec)(model)
+        findings = [str(f) for f in lint_model(result.model).findings]
+        passes_seconds = time.perf_counter() - start
+        if findings:
+            raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
+                                   "this is a bug in the export: report it with the model's config.json")
+        save_model(result.model, path)
+    for w in others:  # every other warning reaches the user as it would have
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(result.model.graph),
             "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
             "passes": [r.to_json() for r in result.records], "lint_findings": findings, "trace_warnings": trace_warnings}
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    weight_bytes = sum(len(t.raw_data) for t in model.graph.initializer)
+def streamed(model: ir.Model) -> ir.Model:
+    """Each initializer held in an external file becomes a tensor that reads its bytes from the file
+    whenever asked and keeps nothing (onnx_ir's ExternalTensor keeps its file mapped once read, so
+    hashing every weight for de-duplication and writing them out would map all of them at once)."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            value.const_value = ir.LazyTensor(functools.partial(_read_external, tensor), tensor.dtype,
+                                              tensor.shape, name=tensor.name)
+    return model
+
+
+def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
+    with open(tensor.path, "rb") as f:
+        f.seek(tensor.offset or 0)
+        data = f.read(tensor.length if tensor.length is not None else -1)
+    array = np.frombuffer(data, dtype=tensor.dtype.numpy()).reshape(tensor.shape.numpy())
+    return ir.Tensor(array, dtype=tensor.dtype, name=tensor.name)
+
+
+def save_model(model: ir.Model, path: Path) -> None:
+    """One .onnx file, or (weights of EXTERNAL_DATA_THRESHOLD bytes or more) the graph and one
+    `.onnx.data` file beside it, written tensor by tensor (tensors under 1 KiB stay in the graph)."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if weight_bytes < EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(model, str(path))
+        ir.save(model, path)
         return
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
 
 
 def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:
@@ -130,6 +157,68 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 
 
 
+# Peak resident memory of an fp16 export, measured with /usr/bin/time -v (README "Bring your own
+# model"; pair weights W, drafter graph bytes D -> peak, GiB): Qwen3-1.7B-shaped 3.46, 0.83 -> 7.11;
+# Llama-3.2-3B-shaped 6.44, 1.19 -> 10.84; Llama-3.1-8B-shaped with 8 of 32 layers 6.00, 1.77 -> 12.29.
+# The loaded pair holds W once; the drafter graph, under the 2 GiB protobuf limit and carrying its own
+# copy of the embedding table, is held about three times while it is exported (the exporter's proto,
+# the IR, the serialized bytes); the target's graph streams. W + 3 D + 1.25 GiB lies 0.1-0.4 GiB above
+# each measurement.
+EXPORT_PEAK_DRAFTER_GRAPH_COPIES = 3
+EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
+
+
+def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the pair's weights, bytes of the drafter graph's weights) at `dtype`, from the configs
+    alone (norm gains and biases left out: under 0.1%). The drafter shares the target's embedding
+    table in memory; its graph carries a copy."""
+    t, d = target_cfg, drafter_cfg
+    attention = lambda h_in, h, heads, kv, hd: h_in * (heads + 2 * kv) * hd + heads * hd * h
+    layer = attention(t.hidden_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim) + 3 * t.hidden_size * t.intermediate_size
+    target = t.num_layers * layer + t.vocab_size * t.hidden_size * (1 if t.tie_word_embeddings else 2)
+    drafter = (d.num_aux * d.target_hidden_size * d.hidden_size + d.draft_vocab_size * d.hidden_size
+               + attention(2 * d.hidden_size, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim)
+               + 3 * d.hidden_size * d.intermediate_size)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (target + drafter) * size, (drafter + d.vocab_size * d.hidden_size) * size
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
+    """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
+    machine has available. Returns the projection in bytes. Pairs under 1 GiB of weights are not
+    refused: the fit's fixed part is the interpreter and torch, which any machine running this has."""
+    target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
+    if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
+        return 0  # swapped or odd directories: the loaders name the problem
+    target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
+    weights, drafter_graph = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
+    projected = weights + EXPORT_PEAK_DRAFTER_GRAPH_COPIES * drafter_graph + EXPORT_PEAK_FIXED_BYTES
+    available = available_memory_bytes() if available is None else available
+    if available is not None and projected > available and weights >= 1 << 30:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"
+        smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib((projected + EXPORT_PEAK_FIXED_BYTES) / 2)}"
+        raise EagleExportError(
+            f"exporting this pair ({target_cfg.architecture}, {target_cfg.num_layers} layers, "
+            f"{gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about {gib(projected)} of memory at its peak "
+            f"(the weights, {EXPORT_PEAK_DRAFTER_GRAPH_COPIES} x the drafter graph's {gib(drafter_graph)}, "
+            f"{gib(EXPORT_PEAK_FIXED_BYTES)}), and this machine has "
+            f"{gib(available)} available{smaller}",
+            "export on a machine with that much free memory, close what else holds memory here, or export "
+            "in fp16 (--dtype fp16) if you asked for fp32")
+    return projected
+
+
 def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,
                   force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
     """Write target.onnx and drafter.onnx (+ export_summary.json) to `out_dir`; returns the summary.
@@ -142,6 +231,8 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
         if not force or not out_dir.is_dir():
             raise EagleExportError(f"{out_dir} exists and is not an empty directory",
                                    "choose a new output directory, or pass --force to overwrite its files")
+    check_export_fits(target_dir, drafter_dir, torch_dtype)
+
     progress(f"loading target {target_dir} ({DTYPE_NAMES[torch_dtype]})")
     target = load_target(target_dir, dtype=torch_dtype)
     progress(f"loading drafter {drafter_dir}")

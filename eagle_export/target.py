@@ -77,9 +77,19 @@ class Target(nn.Module):
         if self.aux_norm_eps is not None:
             aux = [rms_normalize(a, self.aux_norm_eps) for a in aux]
         x = self.norm(x)
-        out = self.lm_head(x) if logits else x
+        out = self.project_logits(x) if logits else x
         aux_states = torch.cat(aux, dim=-1) if aux else x.new_zeros(*x.shape[:2], 0)
         return out, aux_states, torch.stack(new_ks), torch.stack(new_vs)
+
+    def project_logits(self, x):
+        """lm_head(x), [B,T,H] -> [B,T,V]. A table tied to the embeddings is applied as one Gemm with
+        transB on [B*T,H] rows (and a zero bias, the form the exporter maps to Gemm), reading the very weight the embedding Gather reads: the exported graph
+        then stores the table once (a 3-D linear exports as MatMul on a constant-folded transposed
+        copy, a second table of V*H). A quantized lm_head (not a plain Linear) keeps its module."""
+        if self.lm_head.weight is self.embed_tokens.weight and type(self.lm_head) is nn.Linear:
+            zero_bias = x.new_zeros(self.config.vocab_size)  # 2-D linear with a bias is what exports as Gemm
+            return nn.functional.linear(x.flatten(0, 1), self.lm_head.weight, zero_bias).unflatten(0, x.shape[:2])
+        return self.lm_head(x)
 
     @torch.no_grad()
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:

@@ -530,3 +530,20 @@ def test_no_tracer_warning_reaches_the_user(tmp_path, dirs, speculation):
     assert not [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
     if speculation == "chain":
         assert report["trace_warnings"] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_tied_table_is_stored_once_in_the_target_graph(tmp_path, dtype):
+    """The embedding Gather and the logits Gemm (transB) read one initializer; before, lm_head exported
+    as MatMul on a constant-folded transposed copy: a second V x H table (+21% on Llama-3.2-1B)."""
+    path = write_tiny_target(tmp_path / "tied", "smollm2", vocab_size=2048)
+    target = load_target(path, dtype=dtype, aux_layer_ids=AUX)
+    export_target(target, tmp_path / "target.onnx", return_logits=True)
+    graph = onnx.load(str(tmp_path / "target.onnx")).graph
+    tables = [tuple(i.dims) for i in graph.initializer if 2048 in i.dims]
+    assert tables == [(2048, 64)]
+    spec = C.target_graph(target.config, len(AUX), True)
+    args = target_inputs(target, 2, 5, [3, 0], 4, dtype=dtype)
+    expected = TargetGraph(load_target(path, aux_layer_ids=AUX), True)(*as_float(args))
+    compare(spec, run_onnx(ort_session(tmp_path / "target.onnx"), spec.feeds(args)), expected,
+            1e-4 if dtype == torch.float32 else 2e-2, relative=True)

@@ -1,0 +1,85 @@
+"""Export memory: the projection from the configs, and the refusal before loading when it exceeds
+what the machine has available."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.cli import main
+from eagle_export.errors import EagleExportError
+from eagle_export.export import EXPORT_PEAK_FIXED_BYTES, check_export_fits, weight_bytes
+from tiny_models import write_tiny_drafter, write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return write_tiny_target(root / "t", "qwen3"), write_tiny_drafter(root / "d", "3", seed=1, head_dim=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
+    target = load_target(pair[0], dtype=dtype)
+    drafter = load_drafter(pair[1], target=target, dtype=dtype)
+    tensors = {id(p): p for m in (target, drafter) for p in m.parameters()}  # the shared table once
+    loaded = sum(p.numel() * p.element_size() for p in tensors.values())
+    projected, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
+    assert 0.97 * loaded <= projected <= loaded  # norm gains and biases are left out
+    graph = sum(p.numel() * p.element_size() for p in drafter.parameters())  # with the shared table
+    assert 0.97 * graph <= drafter_graph <= graph
+
+
+def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
+    import eagle_export.export as export_module
+
+    needed = check_export_fits(*pair, torch.float32, available=1 << 40)
+    assert needed > EXPORT_PEAK_FIXED_BYTES
+    assert check_export_fits(*pair, torch.float32, available=1 << 20) == needed  # tiny: never refused
+    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 1 << 30))  # a 3 GiB pair from here on
+    needed = check_export_fits(*pair, torch.float32, available=1 << 40)
+    with pytest.raises(EagleExportError, match=r"needs about .* GiB .* available; in fp16 it needs") as e:
+        check_export_fits(*pair, torch.float32, available=needed - 1)
+    assert "--dtype fp16" in e.value.fix
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded before the memory check")
+
+    monkeypatch.setattr(export_module, "available_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(export_module, "load_target", no_loading)
+    result = CliRunner().invoke(main, ["export", "--target", str(pair[0]), "--draft", str(pair[1]), "--dtype", "fp16",
+                                       "-o", str(pair[0].parent / "out")])
+    assert result.exit_code == 2 and "needs about" in result.output and "Traceback" not in result.output
+
+
+def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair, monkeypatch):
+    """A graph whose weights sit in an external file (what the exporter writes above 2 GiB): each
+    becomes a tensor read from the file on demand, the ONNX pipeline runs on it, and the save writes
+    one data file; the result computes what the original does."""
+    import numpy as np
+    import onnx_ir as ir
+
+    import eagle_export.export as export_module
+    from eagle_export import contract as C
+    from eagle_export.backends import ort_session, run_onnx
+    from eagle_export.export import export_drafter, save_model, streamed
+    from eagle_export.passes import onnx_pipeline
+
+    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 0)
+    target = load_target(pair[0])
+    drafter = load_drafter(pair[1], target=target)
+    export_drafter(drafter, 2, False, tmp_path / "drafter.onnx")
+    model = streamed(ir.load(tmp_path / "drafter.onnx"))
+    lazy = [v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
+    assert sum(t.nbytes for t in lazy) >= 0.99 * sum(v.const_value.nbytes for v in model.graph.initializers.values())
+    (tmp_path / "again").mkdir()
+    save_model(onnx_pipeline(C.drafter_graph(drafter.config, 2, False))(model).model, tmp_path / "again" / "drafter.onnx")
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["drafter.onnx", "drafter.onnx.data"]
+    spec = C.drafter_graph(drafter.config, 2, False)
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(1, 2, drafter.config.num_kv_heads, 5, drafter.config.head_dim, generator=g)
+    feeds = spec.feeds((torch.randint(0, 320, (2, 3), generator=g), torch.randn(2, 3, 192, generator=g),
+                        torch.tensor([3, 1]), cache, cache, torch.tensor([5, 2])))
+    before, after = (run_onnx(ort_session(d / "drafter.onnx"), feeds) for d in (tmp_path, tmp_path / "again"))
+    for name in before:
+        np.testing.assert_array_equal(before[name].numpy(), after[name].numpy())
