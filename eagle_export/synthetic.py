@@ -66,7 +66,7 @@ def parse_acceptance(text: str, depth: int) -> tuple[float, ...]:
                                "give conditional acceptance probabilities between 0 and 1")
     if len(values) > depth:
         raise EagleExportError(f"--acceptance gives {len(values)} values, but the build drafts to depth {depth}",
-                               f"give one value, or at most {depth} (one per draft depth)")
+                               "give one value for every depth, or no more values than the build has draft depths")
     return tuple(values + [values[-1]] * (depth - len(values)))
 
 
