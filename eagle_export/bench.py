@@ -106,10 +106,11 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         rates, tokens = {}, {}
         for run in order:
-            runtime, policy, setting = runtimes[run[0]], run[1], run[2]
+            runtime, policy = runtimes[run[0]], run[1]
+            drafts = None if run[2] is None else synthetic[run[2]]  # None: the real drafter's own drafts
             start = time.perf_counter()
             results = runtime.generate(chunk, config, speculative=policy is not None, depth_policy=policy,
-                                       synthetic=None if setting is None else synthetic[setting])
+                                       synthetic=drafts)
             seconds, t = time.perf_counter() - start, runtime.timings
             if policy is not None:
                 totals[run]["rounds"] += max(r.stats.rounds for r in results)  # a batch advances in lock step
@@ -127,7 +128,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             # Greedy speculation must reproduce plain decoding token for token: bench checks it on every batch,
             # and synthetic runs also against the verify-width continuation their drafts were read from.
             totals[run]["differing"] += sum(a != b for a, b in zip(tokens[run], tokens[runs[-1]]))
-            if run[2] is not None:
+            if settings[run[2]] is not None:
                 wide = [c[:config.max_new_tokens] for c in synthetic[run[2]].continuations]
                 totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
 
