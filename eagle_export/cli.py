@@ -134,17 +134,20 @@ def _plain(value) -> str:
 
 
 def _echo_conformance(result: dict) -> None:
-    click.echo(f"conformance: teacher-forced acc@1 at steps 0 / 1 over {result['positions']} positions "
+    click.echo(f"conformance: teacher-forced acc@1 at steps 0 / 1, and the log-probability of the target's token "
+               f"gained over the configured reading (nats per position), over {result['positions']} positions "
                f"of {result['prompts']} prompts (aux ids {result['aux_layer_ids']}, vLLM numbering)")
     for row in result["readings"]:
-        click.echo(f"  {row['reading']:32} {row['acc@1'][0]:.3f} / {row['acc@1'][1]:.3f}")
+        gains = " / ".join(f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]" for g, (lo, hi) in zip(row["gain"], row["interval"]))
+        click.echo(f"  {row['reading']:32} {row['acc@1'][0]:.3f} / {row['acc@1'][1]:.3f}   {gains}")
     for finding in result["findings"]:
         click.echo(f"finding: {finding['message']}")
     if not result["matched"]:
         click.echo(f"finding: this drafter matches no convention: acc@1 below {result['min_acc']} under every "
                    "reading (is it trained for this target, and is this config.json its own?)")
     elif result["ok"]:
-        click.echo(f"conformance ok: no alternative reading beats the config by {result['margin']} or more")
+        click.echo(f"conformance ok: no alternative reading gives the target's tokens more than {result['min_gain']} "
+                   f"nats per position over the config with its {result['level']:.0%} interval above 0")
 
 
 @main.command("sample-target")

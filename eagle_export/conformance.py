@@ -5,8 +5,8 @@ feedback state, the vocabulary map) serves a drafter whose outputs stay "correct
 verification while its acceptance collapses. Nothing in the weights says which reading is right;
 only the numbers do. So on a few real prompts the target answers greedily, the drafter's first two
 steps are run teacher-forced under the conventions its config states and under each plausible
-alternative, and the teacher-forced acc@1 of each (agreement of the draft with the target's greedy
-token) is compared:
+alternative, and the readings are compared by the log-probability each gives the target's greedy
+token (teacher-forced acc@1, the agreement of the draft with that token, is reported beside it):
 
 - aux layer ids shifted by -1 and +1 (a checkpoint numbered by the layer each state leaves, as
   SGLang, SpecForge and TorchSpec count, read as vLLM's "entering" numbering, or the reverse), and
@@ -18,9 +18,25 @@ token) is compared:
 - the vocabulary map: d2t as offsets (the convention), ignored (identity), or as absolute ids.
 
 Each variant is an ordinary `Drafter` built from the same tensors with a changed DrafterConfig, so
-the variants run the drafter's one forward and its one feedback rule, never a parallel copy. An
-alternative that beats the configured reading by a clear margin names its field ("behaves as if
-norm_before_residual were true"); a drafter near zero under every reading matches no convention.
+the variants run the drafter's one forward and its one feedback rule, never a parallel copy.
+
+The statistic. At position p and step k, reading r gives the target's greedy token g the draft
+probability q_r(g) (summed over the draft ids r maps to g; floored at FLOOR where r's draft vocabulary
+cannot produce g), and
+
+    d_r(p, k) = log q_r(g) - log q_configured(g)        (paired: same position, same step)
+    gain_r(k) = sum_p d_r(p, k) / #positions            (nats per position)
+
+acc@1 only counts the positions where the argmax crosses g, and an alternative that moves much of
+the distribution (a one-layer aux shift changes the drafter's own top-1 at a fifth of the positions)
+can leave it within a point; the log-probability moves at every position. The interval on gain_r(k)
+is a seeded percentile bootstrap (BOOTSTRAP resamples, LEVEL) that resamples whole prompts, not
+positions: the positions of one prompt share their context, so resampling them one by one would
+claim more certainty than the prompts give. An alternative is named ("behaves as if
+norm_before_residual were true") when, at step 0 or 1, its interval lies above 0 (not chance) and
+its gain exceeds MIN_GAIN (not negligible: 0.01 nats, a 1% higher
+geometric-mean probability; the figures behind it are at MIN_GAIN); a drafter near zero acc@1 under every reading matches no
+convention.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -44,8 +61,18 @@ from .reference import parallel_drafts
 from .target import Target
 
 STEPS = 2            # step 0 and the first feedback step
-MARGIN = 0.05        # absolute acc@1 an alternative must gain to be named (paired, same positions)
-MIN_ACC = 0.05       # below this under every reading, the drafter matches no convention
+MIN_GAIN = 0.01      # nats per position an alternative must gain to be named (see below)
+FLOOR = math.log(1e-12)  # log q(g) where a reading's draft vocabulary cannot produce g
+BOOTSTRAP = 1000     # resamples of the prompts for the interval on the mean gain
+LEVEL = 0.95         # two-sided; an alternative is named when the interval's lower end is above 0
+SEED = 0             # the bootstrap's generator: the same pair and prompts give the same verdict
+MIN_ACC = 0.05       # below this acc@1 under every reading, the drafter matches no convention
+# MIN_GAIN: 0.01 nats is a 1% higher geometric-mean probability on the target's token. The interval
+# alone says a gain is not chance; on many positions a reading that changes almost nothing clears 0
+# too (the sample EAGLE-3.1 pair's gain-free norm_before_fc: +0.002 to +0.004 nats, its interval
+# above 0 on 8 prompts), and it must not be named. A one-layer aux shift of that pair, the weakest
+# misreading this check exists for, gains the right reading 0.026-0.033 nats on 16 prompts: the
+# threshold sits a factor of ~3 from each.
 FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
 
 
@@ -124,11 +151,13 @@ def capture(target: Target, sequences: list[list[int]]) -> list[tuple[torch.Tens
 
 
 @torch.no_grad()
-def accuracy(drafter: Drafter, reading: Reading, sequences, captured, starts) -> tuple[list[int], int]:
-    """Correct counts at steps 0..STEPS-1 and the number of positions, over positions p >= start.
-    Step k at position p consumes token p+k+1 and must give the target's greedy token at p+k+1."""
+def score(drafter: Drafter, reading: Reading, sequences, captured, starts) -> tuple[list[int], int, list[list]]:
+    """Correct counts at steps 0..STEPS-1, the number of positions (p >= start), and per step the
+    log q(g) of each position, one tensor per sequence. Step k at position p consumes token p+k+1
+    and must give the target's greedy token g at p+k+1."""
     variant = read_as(drafter, reading)
-    correct, total = [0] * STEPS, 0
+    draft_to_target = variant.to_target_ids(torch.arange(variant.lm_head.weight.shape[0]))
+    correct, total, logq = [0] * STEPS, 0, [[] for _ in range(STEPS)]
     layers = list(reading.aux_layer_ids)
     for ids, (states, greedy), start in zip(sequences, captured, starts):
         t = len(ids) - STEPS  # positions with every step's label
@@ -138,21 +167,39 @@ def accuracy(drafter: Drafter, reading: Reading, sequences, captured, starts) ->
         next_ids = torch.tensor([ids[1:]])
         logits = parallel_drafts(variant, next_ids, aux, STEPS, first_chain=start)
         for k in range(STEPS):
-            drafts = variant.to_target_ids(logits[k][0].argmax(-1))
-            correct[k] += int((drafts == greedy[start + k + 1:t + k + 1]).sum())
+            labels = greedy[start + k + 1:t + k + 1]
+            correct[k] += int((draft_to_target[logits[k][0].argmax(-1)] == labels).sum())
+            logp = logits[k][0].float().log_softmax(-1)
+            maps_to_label = draft_to_target[None, :] == labels[:, None]
+            logq[k].append(logp.masked_fill(~maps_to_label, -math.inf).logsumexp(-1).clamp_min(FLOOR))
         total += t - start
-    return correct, total
+    return correct, total, logq
+
+
+def paired_gain(alternative: list, configured: list) -> tuple[float, float, float]:
+    """(mean gain, interval low, interval high) of log q_alternative(g) - log q_configured(g) per
+    position: the mean over every position, its interval a percentile bootstrap over prompts."""
+    sums = torch.stack([(a.double() - c.double()).sum() for a, c in zip(alternative, configured)])
+    counts = torch.tensor([float(len(a)) for a in alternative], dtype=torch.float64)
+    mean = float(sums.sum() / counts.sum())
+    pick = torch.randint(0, len(sums), (BOOTSTRAP, len(sums)), generator=torch.Generator().manual_seed(SEED))
+    means = sums[pick].sum(1) / counts[pick].sum(1)
+    tail = (1 - LEVEL) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return mean, low, high
 
 
 def conformance_check(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int = 48,
                       eos_ids=()) -> dict:
-    """Teacher-forced acc@1 at steps 0 and 1 under every reading, on the target's greedy answers to
-    `prompts` (positions from the last prompt token on: where drafting happens in decoding).
+    """Teacher-forced acc@1 and the paired log-probability gain over the configured reading, at
+    steps 0 and 1, under every reading, on the target's greedy answers to `prompts` (positions from
+    the last prompt token on: where drafting happens in decoding).
 
-    -> {"readings": [...], "findings": [...], "matched": bool, "ok": bool, ...}; `findings` names
-    each field whose alternative beats the configured reading by MARGIN at step 0 or 1 (a feedback
-    convention shows only from step 1 on); `matched` is False when
-    no reading reaches MIN_ACC at step 0."""
+    -> {"readings": [...], "findings": [...], "matched": bool, "ok": bool, ...}; each reading row
+    holds "acc@1", "gain" (nats per position) and "interval" per step; `findings` names each field
+    whose alternative's interval lies above 0 with a gain above MIN_GAIN at step 0 or 1 (a feedback
+    convention shows only from step 1 on), its strongest reading; `matched` is False when no reading
+    reaches MIN_ACC at step 0."""
     aux_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
     sequences, starts = [], []
     for ids in prompts:
@@ -160,19 +207,23 @@ def conformance_check(target: Target, drafter: Drafter, prompts: list[list[int]]
         sequences.append(list(ids) + answer)
         starts.append(len(ids) - 1 if new_tokens else 0)
     captured = capture(target, sequences)
-    rows = []
+    rows, configured_logq = [], None
     for reading in readings(drafter, target.config.num_layers, aux_ids):
-        correct, total = accuracy(drafter, reading, sequences, captured, starts)
+        correct, total, logq = score(drafter, reading, sequences, captured, starts)
+        configured_logq = configured_logq or logq
+        gains = [paired_gain(logq[k], configured_logq[k]) if logq[k] else (0.0, 0.0, 0.0) for k in range(STEPS)]
         rows.append({"reading": reading.name, "field": reading.field, "value": reading.value,
-                     "acc@1": [round(c / max(total, 1), 4) for c in correct], "positions": total})
+                     "acc@1": [round(c / max(total, 1), 4) for c in correct], "positions": total,
+                     "gain": [round(g[0], 4) for g in gains], "interval": [[round(g[1], 4), round(g[2], 4)] for g in gains]})
     configured = rows[0]["acc@1"]
     best: dict[str, tuple[float, int, dict]] = {}  # per field, the reading that gains most over the configured one
     for row in rows[1:]:
-        gains = [a - c for a, c in zip(row["acc@1"], configured)]
-        k = max(range(STEPS), key=gains.__getitem__)  # a feedback convention shows only from step 1 on
-        if gains[k] >= MARGIN and gains[k] > best.get(row["field"], (0.0,))[0]:
-            best[row["field"]] = (gains[k], k, row)
+        k = max(range(STEPS), key=row["gain"].__getitem__)  # a feedback convention shows only from step 1 on
+        named = row["interval"][k][0] > 0 and row["gain"][k] > MIN_GAIN
+        if named and row["gain"][k] > best.get(row["field"], (0.0,))[0]:
+            best[row["field"]] = (row["gain"][k], k, row)
     findings = [{"field": row["field"], "value": row["value"], "reading": row["reading"], "step": k,
+                 "gain": row["gain"][k], "interval": row["interval"][k],
                  "acc@1": row["acc@1"][k], "configured_acc@1": configured[k],
                  "message": _message(row, k, configured[k], aux_ids)}
                 for _, k, row in sorted(best.values(), key=lambda b: -b[0])]  # the strongest first
@@ -180,11 +231,14 @@ def conformance_check(target: Target, drafter: Drafter, prompts: list[list[int]]
     matched = best >= MIN_ACC
     return {"prompts": len(prompts), "positions": rows[0]["positions"], "new_tokens": new_tokens,
             "aux_layer_ids": list(aux_ids), "readings": rows, "findings": findings, "matched": matched,
-            "ok": matched and not findings, "margin": MARGIN, "min_acc": MIN_ACC}
+            "ok": matched and not findings, "min_gain": MIN_GAIN, "level": LEVEL, "min_acc": MIN_ACC}
 
 
 def _message(row: dict, k: int, configured: float, aux_ids) -> str:
-    measured = f"(acc@1 at step {k}: {row['acc@1'][k]:.3f}, {configured:.3f} as configured)"
+    low, high = row["interval"][k]
+    measured = (f"(step {k}: log-probability of the target's token {row['gain'][k]:+.3f} nats per position, "
+                f"{LEVEL:.0%} interval {low:+.3f} to {high:+.3f}; acc@1 {row['acc@1'][k]:.3f}, "
+                f"{configured:.3f} as configured)")
     field, value = row["field"], row["value"]
     if field == "eagle_aux_hidden_state_layer_ids":
         return (f"this drafter behaves as if its aux layer ids were {value} in vLLM numbering, not "
@@ -220,7 +274,7 @@ def check_checkpoint(drafter_dir, target_dir, prompts: list[list[int]], new_toke
     return conformance_check(target, drafter, prompts, new_tokens, target.config.eos_ids)
 
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: findings by the paired log-probability gain, not an acc@1 margin
 
 
 def cache_dir() -> Path:
@@ -236,7 +290,7 @@ def cache_file(source_files: dict, prompts: list[list[int]], new_tokens: int = 0
     from . import __version__
 
     key = json.dumps({"format": CACHE_FORMAT, "version": __version__, "files": source_files, "prompts": prompts,
-                      "new_tokens": new_tokens, "rule": [STEPS, MARGIN, MIN_ACC, list(FLAGS)]}, sort_keys=True)
+                      "new_tokens": new_tokens, "rule": ["logq-gain", STEPS, MIN_GAIN, FLOOR, BOOTSTRAP, LEVEL, SEED, MIN_ACC, list(FLAGS)]}, sort_keys=True)
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
