@@ -8,6 +8,7 @@ must name nothing for the drafters as trained.
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,13 +219,14 @@ def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monk
               "min_acc": 0.05}
     verdict = {"result": passed}
     monkeypatch.setattr(build, "conformance_prompts", lambda recipe, target: prompts["now"])
-    monkeypatch.setattr(build, "check_checkpoint", lambda d, t, p: calls.append(p) or verdict["result"])
+    monkeypatch.setattr(build, "conformance_check", lambda t, d, p, n, eos: calls.append(p) or verdict["result"])
     prompts = {"now": [[1, 2, 3]]}
     files = {"target": {"model.safetensors": "aa"}, "drafter": {"model.safetensors": "bb"}}
     lines = []
 
     def stage(source_files):
-        return build.conformance_stage(None, tmp_path, tmp_path, source_files, lines.append)
+        target = SimpleNamespace(config=SimpleNamespace(eos_ids=()))  # the build's loaded models (unused here)
+        return build.conformance_stage(None, tmp_path, tmp_path, source_files, target, None, lines.append)
 
     assert stage(files) == passed and stage(files) == passed and len(calls) == 1
     kept = build.conformance.cache_file(files, prompts["now"])
