@@ -928,8 +928,11 @@ def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_b
     (copy / "manifest.sha256").unlink()
     report = validate_build_dir(copy, quick=True)
     skipped = {c["name"]: c for c in report["checks"] if c["status"] == "skipped"}
-    assert report["ok"] and set(skipped) == set(GRAPH_CHECKS) and len(report["skipped"]) == 2
-    assert all(c["ok"] is None and "recorded no evaluation prompt ids" in c["detail"] for c in skipped.values())
+    # T3 measures tau on those held-out prompts too: without them it is skipped and says so
+    assert report["ok"] and set(skipped) == set(GRAPH_CHECKS) | {T3} and len(report["skipped"]) == 3
+    assert all(c["ok"] is None and "recorded no evaluation prompt ids" in c["detail"]
+               for name, c in skipped.items() if name != T3)
+    assert "measured no tau" in skipped[T3]["detail"]
 
 
 def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sources, tmp_path):
