@@ -15,15 +15,18 @@ to `SyntheticDrafts.replace`, which rewrites the node tokens and the draft proba
     every other node         a certainly wrong token: (right + 1 + i) mod V for node i, distinct
                              from its siblings and from the right token
 
-The continuation is decoded at the verify width, not one token at a time, because that is what a
-speculative round's argmax is computed at: where the target's kernels round differently at width 1
-and at width K+1 (bf16 on a GPU: measured by `eagle-export gpu-kit`), a width-1 continuation parts
-from the speculative text at the first near-tie, and every later synthetic draft would be wrong.
-Where the widths agree (fp32; every CPU test) the two continuations are the same.
+The continuation is decoded at the verify width, not one token at a time, because that is the width
+a speculative round's argmax is computed at: where the target's kernels round differently at width 1
+and at width K+1, a width-1 continuation parts from the speculative text at the first near-tie, and
+every later synthetic draft is wrong. That removes the width's rounding, not a row's dependence on
+its place in the call: in bf16 on an H200 (`eagle-export gpu-kit`) the text still parted once drafts
+were accepted, which is why the kit sweeps in fp32. Where rows are invariant (fp32; every CPU test)
+both continuations equal plain decoding.
 
 So, greedy, draft d of a chain is accepted with probability exactly a_d given drafts 1..d-1 were
 (`acceptance` a_1..a_K, one value for every depth when given one), and a tree's level d is reached
-likewise: only spine nodes can be right, so a tree gains nothing over its spine. `oracle` is a = 1 (tau = K+1), `anti` a = 0 (tau = 1), `random` uniform random tokens.
+likewise: only spine nodes can be right, so a tree gains nothing over its spine. `oracle` is a = 1
+(tau = K+1), `anti` a = 0 (tau = 1), `random` uniform random tokens.
 The draft probabilities become a_d on the spine and 0 elsewhere: what a calibrated
 drafter would say, so the goodput policy judges the synthetic drafter as it would a real one of
 that quality. Greedy output stays the target's own whatever the drafts are, which every caller
