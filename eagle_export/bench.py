@@ -31,7 +31,7 @@ from .errors import EagleExportError
 from .progress import track
 from .reference import acceptance_by_depth, mean_accepted_length
 from .runtime import GenerationConfig, SpeculativeRuntime
-from .synthetic import SyntheticDrafts, label
+from .synthetic import SyntheticDrafts, label, verify_width_continuations
 from .tree import describe
 
 
@@ -59,7 +59,6 @@ def model_speedup(costs, batch: int, depth: int, verify_width: int, acceptance, 
     if policy == "fixed":
         return expected[depth] * step / (draft + costs.verify(batch, verify_width))
     return max([1.0] + [expected[k] * step / (draft + costs.verify(batch, k + 1)) for k in range(1, depth + 1)])
-
 
 
 COST_NOISE = 1.25  # two measurements of one target graph farther apart than this are not noise
@@ -101,8 +100,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     for i, chunk in enumerate(track(_batches(prompts, batch), f"batch {batch}")):
         synthetic = [None] * len(settings)
         if acceptances:  # one continuation for every setting (target-only decoding: the same for every build)
-            base = SyntheticDrafts.for_prompts(runtimes[plain], chunk, config, "oracle")
-            synthetic = [SyntheticDrafts(a, base.continuations, base.vocab_size, seed=i) for a in settings]
+            continuations = verify_width_continuations(runtimes[plain], chunk, config)
+            synthetic = [SyntheticDrafts(a, continuations, runtimes[plain].vocab_size, seed=i) for a in settings]
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         rates, tokens = {}, {}
         for run in order:

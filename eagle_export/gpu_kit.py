@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .backends import TorchBackend
-from .bench import bench, plot_sweep
+from .bench import _batches, bench, plot_sweep
 from .config import DrafterConfig, TargetConfig
 from .drafter import Drafter
 from .errors import EagleExportError
@@ -163,7 +163,7 @@ def lossless(runtime, prompts, new_tokens: int) -> dict:
     config = GenerationConfig(max_new_tokens=new_tokens)
     record = {}
     for batch in (1, 4):
-        chunks = _chunks(prompts, batch)
+        chunks = _batches(prompts, batch)
         plain = [r.tokens for chunk in chunks for r in runtime.generate(chunk, config, speculative=False)]
         wide = [c[:new_tokens] for chunk in chunks for c in verify_width_continuations(runtime, chunk, config)]
         for drafts in ("drafter", 0.7):
@@ -183,10 +183,6 @@ def lossless(runtime, prompts, new_tokens: int) -> dict:
                 entry["first_difference"] = _first_difference(runtime, prompts[i], plain[i], spec[i])
             record[f"batch {batch}, {'synthetic 0.7' if drafts != 'drafter' else 'random drafter'}"] = entry
     return record
-
-
-def _chunks(items, size):
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def costs(runtime, batches=(1, 4, 16)) -> dict:
@@ -295,16 +291,15 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
             fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
             step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16)))
-            if dtype != torch.float32:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
+            if dtype != SWEEP_DTYPE:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
                 del runtimes, fast, runtime, target, drafter
                 if cuda:
                     torch.cuda.empty_cache()
                 target, drafter = random_pair(shape, device, SWEEP_DTYPE)
                 fast = make_runtime(target, drafter, device, cuda_graphs=cuda)
-            record["sweep dtype"] = str(SWEEP_DTYPE if dtype != torch.float32 else dtype).removeprefix("torch.")
+            record["sweep dtype"] = str(SWEEP_DTYPE).removeprefix("torch.")
             step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values))
-            del fast, target, drafter
-            runtimes = runtime = None
+            runtimes = runtime = fast = target = drafter = None  # the GPU memory goes before the next shape
             if cuda:
                 torch.cuda.empty_cache()
         if n == 0 and cuda and dtype != torch.float32:
