@@ -23,7 +23,7 @@ from .cuda_graphs import CudaGraphCapture, ShapeGraphs
 from .engine import TensorRTSession
 from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
-from .unrolled import as_tree
+from .tree import Speculation, as_tree
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16,
@@ -160,17 +160,16 @@ class Backend:
     device = "cpu"
     cuda_graphs = False  # calls replayed from CUDA graphs: the runtime must keep its caches static
 
-    def __init__(self, speculation, model_dtype: torch.dtype, has_logits: bool, has_sampling: bool,
-                 drafter_dtype: torch.dtype | None = None):
-        """speculation: what the drafter graph proposes (a chain depth K, a TreeShape or a DynamicTree);
+    def __init__(self, speculation: int | Speculation, model_dtype: torch.dtype, has_logits: bool,
+                 has_sampling: bool, drafter_dtype: torch.dtype | None = None):
+        """speculation: what the drafter graph proposes (tree.Speculation; a bare int K is a chain);
         model_dtype: the target graph's float dtype (its caches, its aux outputs); drafter_dtype: the
         drafter graph's (its caches and aux input), when it differs."""
-        tree = as_tree(speculation)
-        self.speculation = speculation
-        self.depth, self.model_dtype, self.drafter_dtype = tree.depth, model_dtype, drafter_dtype or model_dtype
-        self.num_nodes = tree.num_nodes  # drafts per call (K for a chain)
-        self.step_rows = tree.step_rows  # the drafter's new K/V rows after its input rows
-        self.verify_width = tree.num_nodes + 1  # the widest verify call: the last token and every draft
+        self.speculation = as_tree(speculation)
+        self.depth, self.model_dtype, self.drafter_dtype = self.speculation.depth, model_dtype, drafter_dtype or model_dtype
+        self.num_nodes = self.speculation.num_nodes  # drafts per call (K for a chain)
+        self.step_rows = self.speculation.step_rows  # the drafter's new K/V rows after its input rows
+        self.verify_width = self.speculation.verify_width  # the widest verify call
         self.has_logits, self.has_sampling = has_logits, has_sampling
 
     def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 load -> model passes -> quantize -> export (ONNX passes + lint inside) -> engines -> validate -> manifest
 Everything is written into a temporary directory beside the output and renamed at the end
-(manifest.atomic_build_dir), so a failure, Ctrl-C or SIGTERM never leaves a half build, and --force
+(output_dir.atomic_build_dir), so a failure, Ctrl-C or SIGTERM never leaves a half build, and --force
 replaces only an earlier build, never a checkpoint the build reads.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
-from .manifest import atomic_build_dir, source_hashes, write_manifest
+from .manifest import BuiltModel, Engine, GraphFile, Manifest, source_hashes, write_manifest
+from .output_dir import atomic_build_dir
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .passes.onnx_cleanup import onnx_pipeline
@@ -34,7 +36,6 @@ from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
 from .recipe import QUANTIZED, Recipe, resolve_sources
 from .teacher_forced import measure_delta
-from .tree import speculation_of
 from .validate import lossless_backend, validate_build_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -141,20 +142,20 @@ def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
     return qtarget, qdrafter, {**report, **measured}
 
 
-def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict:
+def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict[str, GraphFile]:
     """target.onnx, drafter.onnx (and drafter_sampling.onnx), quantized models through the Q/DQ rewrites."""
     precision, sampling = recipe["precision"], recipe["sampling"]
-    speculation = speculation_of(recipe["speculation"])
+    speculation = recipe.speculation
     quantized = {role: precision[role] in QUANTIZED for role in ("target", "drafter")}
 
-    def drafter_graph(file: str, sample: bool) -> dict:
+    def drafter_graph(file: str, sample: bool) -> GraphFile:
         report = export_drafter(drafter, speculation, sample, build_dir / file, quantized["drafter"])
-        return {"file": file, "sampling": sample, **report}
+        return GraphFile(file, sampling=sample, report=report)
 
     # A quantized target also returns its logits: its lossless check reads each call's margins.
     logits = sampling or quantized["target"]
     target_report = export_target(target, build_dir / "target.onnx", logits, quantized["target"])
-    graphs = {"target": {"file": "target.onnx", "return_logits": logits, **target_report},
+    graphs = {"target": GraphFile("target.onnx", return_logits=logits, report=target_report),
               "drafter": drafter_graph("drafter.onnx", False)}
     if sampling:
         graphs["drafter_sampling"] = drafter_graph("drafter_sampling.onnx", True)
@@ -249,39 +250,38 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
 
         with log("TensorRT engines"):
             if has_trt:
-                engines = build_engines(recipe, tmp, target, drafter)
+                engines, skipped = build_engines(recipe, tmp, target, drafter), None
             else:
-                engines = {"skipped": f"{no_trt_reason}: stopped after the ONNX stage; "
-                                      "this build runs on ONNX Runtime"}
-                echo(f"  {engines['skipped']}")
+                engines, skipped = [], f"{no_trt_reason}: stopped after the ONNX stage; this build runs on ONNX Runtime"
+                echo(f"  {skipped}")
 
-        content = {
-            "recipe": recipe.data, "sources": {"target": str(target_dir), "drafter": str(drafter_dir)},
-            "source_files": source_files,
-            "depth": depth, "speculation": recipe["speculation"], "sampling": sampling,
-            "max_context": recipe["profiles"]["context"]["max"],
-            "models": model_summary(target, drafter, precision, target_dtype, drafter_dtype),
-            "graphs": graphs, "passes": {"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
-            "quantization": quant_report, "engines": engines, "conformance": conformance_record,
-            "backends": (["tensorrt"] if has_trt else []) + (
-                [] if "nvfp4" in model_precisions else ["onnxruntime"]) + (
-                [] if "fp8" in model_precisions else ["torch"]),
-        }
+        manifest = Manifest(
+            recipe=recipe.data, speculation=recipe.speculation, depth=depth, sampling=sampling,
+            max_context=recipe["profiles"]["context"]["max"],
+            target=built_target(target, str(target_dir), precision["target"], target_dtype),
+            drafter=built_drafter(drafter, str(drafter_dir), precision["drafter"], drafter_dtype),
+            graphs=graphs, engines=tuple(engines) if has_trt else (), engines_skipped=None if has_trt else skipped,
+            backends=(("tensorrt",) if has_trt else ()) + (() if "nvfp4" in model_precisions else ("onnxruntime",))
+            + (() if "fp8" in model_precisions else ("torch",)),
+            source_files=source_files,
+            passes={"model": [r.to_json() for r in pass_records], "skipped_by_recipe": sorted(skip)},
+            quantization=quant_report, conformance=conformance_record)
         with log("validate"):
-            write_manifest(tmp, {**content, "stage_seconds": log.seconds})  # validation reads it
+            manifest = write_manifest(tmp, replace(manifest, stage_seconds=log.seconds))  # validation reads it
             if precision["target"] in QUANTIZED:
-                delta = content["quantization"]["delta"] = delta_stage(recipe, tmp, target_dir)
+                delta = delta_stage(recipe, tmp, target_dir)
                 echo(f"  delta {delta['delta']:.3g} (p99.9 of the top-2 margin's shift between call widths "
                      f"{delta['widths'][0]} and {delta['widths'][1]}; max |logit difference| "
                      f"{delta['max_logit_difference']:.3g}, {delta['argmax_flips']} argmax flips in {delta['positions']})")
-                write_manifest(tmp, {**content, "stage_seconds": log.seconds})
-            content["validation"] = validate_build_dir(tmp, reference=unquantized, quick=True)
-            if not content["validation"]["ok"]:
+                manifest = write_manifest(tmp, replace(manifest, quantization={**quant_report, "delta": delta},
+                                                       stage_seconds=log.seconds))
+            manifest = replace(manifest, validation=validate_build_dir(tmp, reference=unquantized, quick=True))
+            if not manifest.validation["ok"]:
                 raise EagleExportError("the build failed its own validation: "
-                                       + "; ".join(content["validation"]["failures"]),
+                                       + "; ".join(manifest.validation["failures"]),
                                        "report this with the recipe; nothing was written")
         with log("manifest"):
-            manifest = write_manifest(tmp, {**content, "stage_seconds": log.seconds})
+            manifest = write_manifest(tmp, replace(manifest, stage_seconds=log.seconds))
     return manifest
 
 
@@ -289,33 +289,32 @@ def _onnx_pass_names() -> set[str]:
     return {p.name for p in onnx_pipeline().passes}
 
 
-def model_summary(target, drafter, precision, target_dtype, drafter_dtype) -> dict:
-    t, d = target.config, drafter.config
-    return {
-        "target": {"architecture": t.architecture, "num_layers": t.num_layers, "hidden_size": t.hidden_size,
-                   "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size,
-                   "aux_layer_ids": list(target.aux_layer_ids), "precision": precision["target"],
-                   "dtype": target_dtype, "eos_token_id": t.eos_token_id,
-                   "max_position_embeddings": t.max_position_embeddings},
-        "drafter": {"eagle_version": d.eagle_version, "hidden_size": d.hidden_size, "num_kv_heads": d.num_kv_heads,
-                    "head_dim": d.head_dim, "draft_vocab_size": d.draft_vocab_size, "precision": precision["drafter"],
-                    "dtype": drafter_dtype},
-    }
+def built_target(target, source: str, precision: str, dtype: str) -> BuiltModel:
+    t = target.config
+    return BuiltModel(source, precision, dtype, t.hidden_size, t.num_kv_heads, t.head_dim, t.num_layers,
+                      tuple(target.aux_layer_ids),
+                      tuple(t.eos_token_id) if isinstance(t.eos_token_id, list) else t.eos_token_id,
+                      vocab_size=t.vocab_size, max_positions=t.max_position_embeddings, architecture=t.architecture)
 
 
-def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[dict]:
+def built_drafter(drafter, source: str, precision: str, dtype: str) -> BuiltModel:
+    d = drafter.config
+    return BuiltModel(source, precision, dtype, d.hidden_size, d.num_kv_heads, d.head_dim,
+                      eagle_version=d.eagle_version, draft_vocab_size=d.draft_vocab_size)
+
+
+def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[Engine]:
     """Serialize one engine per graph for this GPU (only reached where TensorRT and CUDA exist)."""
     import tensorrt
 
     gpu = gpu_info()
     specs = {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),
-             "drafter": C.drafter_graph(drafter.config, speculation_of(recipe["speculation"]), False)}
+             "drafter": C.drafter_graph(drafter.config, recipe.speculation, False)}
     engines = []
     for graph, spec in specs.items():
         name = engine_file_name(graph, gpu["compute_capability"], tensorrt.__version__)
-        build_engine(build_dir / f"{graph}.onnx", build_dir / name, engine_profiles(spec, recipe.data, graph),
+        build_engine(build_dir / f"{graph}.onnx", build_dir / name, engine_profiles(spec, recipe.speculation, recipe["profiles"], graph),
                      workspace_bytes=recipe["engine"]["workspace_gib"] << 30,
                      timing_cache_path=build_dir / "timing.cache")
-        engines.append({"graph": graph, "file": name, "tensorrt": tensorrt.__version__,
-                        "compute_capability": gpu["compute_capability"], "gpu": gpu["name"]})
+        engines.append(Engine(graph, name, tensorrt.__version__, gpu["compute_capability"], gpu["name"]))
     return engines

@@ -155,7 +155,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
                                  len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
                                  draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
-                                 cost_cache=CostCache(cache_path(path, manifest.data),
+                                 cost_cache=CostCache(cache_path(path, manifest),
                                                       cost_key(chosen, threads, static_cache)),
                                  vocab_size=t.vocab_size, static_cache=static_cache)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
@@ -163,7 +163,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
 
 def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[str]:
     """draft_to_target.npy against the manifest: one target id per draft id, each inside the vocabulary."""
-    size = manifest.data["models"]["drafter"].get("draft_vocab_size")
+    size = manifest.drafter.draft_vocab_size
     vocab = manifest.target.vocab_size
     problems = []
     if draft_to_target.ndim != 1 or isinstance(size, int) and len(draft_to_target) != size:

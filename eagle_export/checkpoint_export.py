@@ -41,7 +41,8 @@ from .checkpoint import DTYPES, drafter_state_for_saving, load_drafter, load_tar
 from .drafter import Drafter
 from .errors import EagleExportError
 from .config import read_config_json
-from .manifest import MANIFEST, Manifest, atomic_build_dir, check_output, output_place
+from .manifest import MANIFEST, Manifest
+from .output_dir import atomic_build_dir, check_output, output_place
 from .modelopt_hf import export_quantized, quantization_config, unify_fused_scales
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
@@ -81,11 +82,11 @@ def resolve_source(source, target=None) -> dict:
     source = Path(source)
     if os.path.lexists(source / MANIFEST):  # (one that cannot be read is named by Manifest.read)
         manifest = Manifest.read(source)
-        recipe = manifest.data["recipe"]
+        recipe = manifest.recipe
         return {"target_dir": Path(manifest.target.source), "drafter_dir": Path(manifest.drafter.source),
                 "precision": manifest.drafter.precision, "keep": recipe["precision"]["keep_high_precision"],
                 "calibration": recipe["calibration"], "depth": manifest.depth, "build": str(source),
-                "conformance": manifest.data.get("conformance")}
+                "conformance": manifest.conformance}
     if target is None:
         raise EagleExportError(f"{source} is not a build directory (no manifest.json), so the target is unknown",
                                "pass --target TARGET_DIR with a drafter directory, or pass a build directory")

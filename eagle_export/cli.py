@@ -209,10 +209,10 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
     from .build import build as run_build
 
     manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
-    checks = manifest["validation"]["checks"]
+    checks = manifest.validation["checks"]
     passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
-    click.echo(f"built {out_dir}: {len(manifest['artifacts'])} artifacts, backends "
-               f"{', '.join(manifest['backends'])}; validation {passed}/{len(checks)} checks passed"
+    click.echo(f"built {out_dir}: {len(manifest.artifacts)} artifacts, backends "
+               f"{', '.join(manifest.backends)}; validation {passed}/{len(checks)} checks passed"
                + (f", {skipped} skipped (`eagle-export validate` says why)" if skipped else ""))
 
 
@@ -312,11 +312,6 @@ def _measure_costs(runtime) -> None:
     click.echo(f"measured in {time.perf_counter() - start:.1f} s", err=True)
 
 
-def _target_of(manifest: dict) -> tuple:
-    """What makes two builds' plain decoding the same: the target checkpoint's files and its precision."""
-    return manifest.get("source_files", {}).get("target"), manifest["models"]["target"]["precision"]
-
-
 @main.command("gpu-kit")
 @click.option("--shapes", default="llama-3.2-1b,llama-3.1-8b,qwen3-8b", show_default=True,
               help="Real configs to make with random weights (llama-3.2-1b, llama-3.1-8b, qwen3-8b), or tiny (a CPU run).")
@@ -413,7 +408,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
             o.runtime.costs = CostCurves()
     first = next(iter(opened.values()))
     for name, other in opened.items():
-        if _target_of(other.manifest.data) != _target_of(first.manifest.data):
+        if other.manifest.target_identity != first.manifest.target_identity:
             raise EagleExportError(f"{name} and {first.path} are builds of different targets (checkpoint files or "
                                    "precision differ): bench compares speculation on one target",
                                    "pass builds made from the same target checkpoint at the same target precision")

@@ -109,9 +109,9 @@ def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphS
 
 
 def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
-    """speculation: a chain depth K (or a chain TreeShape), a TreeShape or a DynamicTree (tree.py)."""
-    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
-    tree = not (isinstance(speculation, int) or getattr(speculation, "is_chain", False))
+    """speculation: a tree.Speculation (its `num_nodes` and `is_chain`; tree.py imports this module,
+    so it is not imported here)."""
+    nodes, tree = speculation.num_nodes, not speculation.is_chain
     cache = (1, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
     new_cache = (1, BATCH, cfg.num_kv_heads, DRAFT_NEW_TOKENS, cfg.head_dim)
     inputs = [TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),

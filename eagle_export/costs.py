@@ -149,13 +149,13 @@ class CostCache:
             pass  # unwritable: the curves stay in memory for this process
 
 
-def cache_path(build_dir: Path, manifest: dict) -> Path:
+def cache_path(build_dir: Path, manifest) -> Path:
     """The build directory's costs.json, or one in the user cache when the build is read-only."""
     from .sample import cache_root
 
     if os.access(build_dir, os.W_OK):
         return build_dir / COSTS_FILE
-    stamp = manifest.get("created", "") + "".join(a["sha256"][:8] for a in manifest.get("artifacts", {}).values())
+    stamp = (manifest.created or "") + "".join(a["sha256"][:8] for a in manifest.artifacts.values())
     return cache_root() / "costs" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 

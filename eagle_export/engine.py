@@ -15,24 +15,24 @@ import torch
 from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
 from .manifest import Engine
-from .recipe import verify_width
+from .tree import Speculation
 
 # A cache view always has at least one slot (masked out by cache_lens when empty), so no profile
 # has to cover zero-length tensors.
 MIN_PAST = 1
 
 
-def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of every dynamic axis for one optimization profile.
+def axis_ranges(speculation: Speculation, profiles: dict, graph: str, phase: str) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of every dynamic axis for one optimization profile; `profiles` is a recipe's
+    `profiles` block (batch and context ranges).
 
     target/prefill: the prompt (tokens up to the context); target/decode: a verify call, up to
-    `recipe.verify_width` tokens; drafter/prefill: the prompt's rows; drafter/decode: W <= K+1 newly accepted
-    rows (an accepted path and the target's token)."""
-    batch = recipe["profiles"]["batch"]
-    ctx = recipe["profiles"]["context"]
-    k = recipe["depth"]
-    speculation = recipe.get("speculation", {"kind": "chain", "depth": k})  # (manifests from before the block)
-    decode_tokens = verify_width(speculation) if graph == "target" else k + 1
+    `speculation.verify_width` tokens; drafter/prefill: the prompt's rows; drafter/decode: W <= depth+1
+    newly accepted rows (an accepted path and the target's token). The drafter's new K/V rows are its
+    input rows plus `speculation.step_rows`."""
+    batch = profiles["batch"]
+    ctx = profiles["context"]
+    decode_tokens = speculation.verify_width if graph == "target" else speculation.depth + 1
     ranges = {BATCH: (batch["min"], batch["opt"], batch["max"])}
     if phase == "prefill":
         ranges[TOKENS] = (1, min(ctx["opt"], ctx["max"]), ctx["max"])
@@ -46,7 +46,8 @@ def axis_ranges(recipe: dict, graph: str, phase: str) -> dict[str, tuple[int, in
         raise ValueError(f"unknown phase {phase!r}")
     if graph == "drafter":
         lo, opt, hi = ranges[TOKENS]
-        ranges[DRAFT_NEW_TOKENS] = (lo + k - 1, opt + k - 1, hi + k - 1)
+        extra = speculation.step_rows
+        ranges[DRAFT_NEW_TOKENS] = (lo + extra, opt + extra, hi + extra)
     return ranges
 
 
@@ -64,9 +65,9 @@ def profile_shapes(spec: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> 
     return shapes
 
 
-def engine_profiles(spec: GraphSpec, recipe: dict, graph: str) -> list[dict[str, tuple]]:
+def engine_profiles(spec: GraphSpec, speculation: Speculation, profiles: dict, graph: str) -> list[dict[str, tuple]]:
     """Profile 0 serves prefill, profile 1 decode; the runtime picks by phase."""
-    return [profile_shapes(spec, axis_ranges(recipe, graph, phase)) for phase in ("prefill", "decode")]
+    return [profile_shapes(spec, axis_ranges(speculation, profiles, graph, phase)) for phase in ("prefill", "decode")]
 
 
 def engine_file_name(graph: str, compute_capability: str, trt_version: str) -> str:

@@ -39,11 +39,12 @@ from .checkpoint import load_drafter, load_target
 from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from .errors import EagleExportError
 from .files import file_error, free_bytes, reading
-from .manifest import output_place
+from .output_dir import output_place
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
 from .qdq import EXPORT_OPSET, finish_quantized, fp8_weight_codes
-from .unrolled import TargetGraph, UnrolledDrafter, check_depth
+from .tree import check_depth
+from .unrolled import TargetGraph, UnrolledDrafter
 
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -149,7 +150,7 @@ def export_target(target, path: Path, return_logits: bool, quantized: bool = Fal
 
 
 def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: bool = False) -> dict:
-    """speculation: a chain depth K, a TreeShape or a DynamicTree (tree.py)."""
+    """speculation: a tree.Speculation, or a bare int K for a chain (the Python API's entry point)."""
     graph = UnrolledDrafter(drafter, speculation, sampling).eval()
     spec = C.drafter_graph(drafter.config, graph.tree, sampling)
     args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: graph.depth + 1}, dtype=drafter.fc.weight.dtype)

@@ -1,32 +1,28 @@
-"""The build manifest (what was built, from what, with which proof) and the atomic build directory.
+"""The build manifest: what was built, from what, with which proof.
 
-`manifest.json` is written as a plain dict (`write_manifest`); readers that act on it (opening a
-build, validating it) go through `Manifest`, a typed view of the fields they need, so a field is
-named in one place and an incomplete manifest fails with a clear error. The JSON format is the same.
+One type both ways: `build` constructs a `Manifest` and `write_manifest` writes its `to_json()`;
+readers (opening a build, validating it, inspect, export-checkpoint) get it from `Manifest.read`,
+so a field is named in one place and an incomplete manifest fails with a clear error. Only this
+module reads manifest.json as raw JSON: the artifact check (`verify_artifacts`) runs on the raw
+dict before any field is trusted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import errno
-import glob
 import hashlib
 import json
 import os
-import shutil
-import signal
-import tempfile
-import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from . import __version__
 from .costs import COSTS_FILE
 from .doctor import package_version, tensorrt_version
 from .errors import EagleExportError
-from .files import is_dir, list_dir, read_json, read_text, reading, resolved
+from .files import is_dir, list_dir, read_json, read_text, reading
 from .recipe import QUANTIZED
+from .tree import Speculation
 
 MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its fields are covered too
@@ -74,12 +70,14 @@ def library_versions() -> dict[str, str | None]:
             "tensorrt": tensorrt_version()}
 
 
-def write_manifest(build_dir: Path, content: dict) -> dict:
-    manifest = {"format": MANIFEST_FORMAT, "tool": "eagle-export", "version": __version__,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "libraries": library_versions(), **content, "artifacts": artifact_hashes(build_dir),
-                "manifest_hash": MANIFEST_HASH}
-    (build_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+def write_manifest(build_dir: Path, manifest: Manifest) -> Manifest:
+    """Write `manifest` as build_dir's manifest.json, stamped now (format, version, libraries) and
+    listing every file of the build with its hash; its own sha256 beside it."""
+    manifest = replace(
+        manifest, format=MANIFEST_FORMAT, version=__version__, libraries=library_versions(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        artifacts=artifact_hashes(build_dir))
+    (build_dir / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
     write_manifest_hash(build_dir)
     return manifest
 
@@ -111,11 +109,11 @@ def read_manifest(build_dir: str | Path) -> dict:
     return manifest
 
 
-def old_format_note(manifest: dict) -> str | None:
+def old_format_note(manifest: Manifest) -> str | None:
     """What `validate` and `inspect` say of a manifest of an older format: its fields are trusted as old."""
-    if manifest.get("format") == MANIFEST_FORMAT:
+    if manifest.format == MANIFEST_FORMAT:
         return None
-    return (f"manifest format {manifest.get('format')} (an older eagle-export, before builds hashed their own "
+    return (f"manifest format {manifest.format} (an older eagle-export, before builds hashed their own "
             f"manifest): its fields are not covered by a hash; rebuild to get format {MANIFEST_FORMAT}")
 
 
@@ -125,6 +123,15 @@ class Agreement:
     (manifest.quantization.<role>), over this many positions."""
     top1_agreement: float
     positions: int
+
+
+# manifest.models.<role>: the keys each role records, in the order written (BuiltModel's fields but
+# `source`, which manifest.sources holds, and `agreement`, which manifest.quantization holds)
+MODEL_KEYS = {
+    "target": ("architecture", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size",
+               "aux_layer_ids", "precision", "dtype", "eos_token_id", "max_position_embeddings"),
+    "drafter": ("eagle_version", "hidden_size", "num_kv_heads", "head_dim", "draft_vocab_size", "precision", "dtype"),
+}
 
 
 @dataclass(frozen=True)
@@ -142,18 +149,48 @@ class BuiltModel:
     agreement: Agreement | None = None  # quantized models only
     vocab_size: int | None = None  # recorded for the target only
     max_positions: int | None = None  # the target's max_position_embeddings (recorded since format 2)
+    architecture: str | None = None  # the target's
+    eagle_version: str | None = None  # the drafter's
+    draft_vocab_size: int | None = None  # the drafter's
 
     @property
     def quantized(self) -> bool:
         return self.precision in QUANTIZED
 
+    @classmethod
+    def from_json(cls, role: str, model: dict, source: str, measured: dict | None) -> BuiltModel:
+        eos = model.get("eos_token_id")
+        return cls(source, model["precision"], model["dtype"], model["hidden_size"], model["num_kv_heads"],
+                   model["head_dim"], model.get("num_layers", 1), tuple(model.get("aux_layer_ids", ())),
+                   tuple(eos) if isinstance(eos, list) else eos,
+                   Agreement(measured["top1_agreement"], measured["positions"]) if measured else None,
+                   model.get("vocab_size"), model.get("max_position_embeddings"), model.get("architecture"),
+                   model.get("eagle_version"), model.get("draft_vocab_size"))
+
+    def to_json(self, role: str) -> dict:
+        values = {**{f.name: getattr(self, f.name) for f in fields(self)},
+                  "max_position_embeddings": self.max_positions, "aux_layer_ids": list(self.aux_layer_ids),
+                  "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id}
+        return {key: values[key] for key in MODEL_KEYS[role]}
+
 
 @dataclass(frozen=True)
 class GraphFile:
-    """manifest.graphs.<graph>: the ONNX file and how it was exported."""
+    """manifest.graphs.<graph>: the ONNX file, how it was exported, and the export's report (node
+    counts, pass results, lint findings, seconds: shown, never acted on)."""
     file: str
     return_logits: bool = False  # target
     sampling: bool = False  # drafter
+    report: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_json(cls, graph: str, data: dict) -> GraphFile:
+        report = {k: v for k, v in data.items() if k not in ("file", "return_logits", "sampling")}
+        return cls(data["file"], data.get("return_logits", False), data.get("sampling", False), report)
+
+    def to_json(self, graph: str) -> dict:
+        own = {"return_logits": self.return_logits} if graph == "target" else {"sampling": self.sampling}
+        return {"file": self.file, **own, **self.report}
 
 
 @dataclass(frozen=True)
@@ -168,71 +205,65 @@ class Engine:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A typed view of a build's manifest.json; `data` is the JSON as written."""
-    data: dict
-    depth: int
+    """A build's manifest.json, both ways: `build` constructs one and writes `to_json()`
+    (`write_manifest`); readers get it from `Manifest.read` / `from_json`, which name an incomplete
+    manifest with a clear error. Report sections (quantization, conformance, validation, passes,
+    stage seconds) are kept as the JSON objects their stages write: they are shown and checked by
+    the code that wrote them, not interpreted here."""
+    recipe: dict  # the normalized recipe it was built from
+    speculation: Speculation
+    depth: int  # the drafter graph's unroll depth (speculation.depth)
     sampling: bool
     max_context: int
     target: BuiltModel
     drafter: BuiltModel
-    target_graph: GraphFile
-    drafter_graph: GraphFile
-    drafter_sampling_graph: GraphFile | None
+    graphs: dict[str, GraphFile]  # target, drafter (and drafter_sampling)
     engines: tuple[Engine, ...]
     engines_skipped: str | None  # why there are none
-    skipped_passes: tuple[str, ...]
-    evaluation_prompts: tuple[tuple[int, ...], ...]  # a quantized build's held-out prompts (none before 0.1)
-    artifacts: dict[str, dict]
+    backends: tuple[str, ...]
     source_files: dict[str, dict[str, str]]  # role -> {file: sha256} of its checkpoint (none before 0.2)
-    delta: float | None = None  # a quantized target's width noise in top-2 margins (manifest.quantization.delta)
+    passes: dict  # {model: [pass records], skipped_by_recipe: [names]}
+    quantization: dict  # per-role agreement, delta, evaluation prompts; {skipped: why} when unquantized
+    conformance: dict | None = None
+    validation: dict | None = None
+    stage_seconds: dict | None = None
+    # written by write_manifest
+    artifacts: dict[str, dict] = field(default_factory=dict)
+    format: int | None = MANIFEST_FORMAT
+    version: str | None = None
+    created: str | None = None
+    libraries: dict | None = None
 
     @property
-    def speculation(self):
-        """What the drafter graph proposes: a chain depth K, a TreeShape or a DynamicTree (builds
-        before trees record none: a chain of `depth`)."""
-        from .tree import speculation_of
+    def target_graph(self) -> GraphFile:
+        return self.graphs["target"]
 
-        return speculation_of(self.data.get("speculation") or {"kind": "chain", "depth": self.depth})
+    @property
+    def drafter_graph(self) -> GraphFile:
+        return self.graphs["drafter"]
 
-    @classmethod
-    def read(cls, build_dir: str | Path) -> Manifest:
-        return cls.from_json(read_manifest(build_dir), Path(build_dir) / MANIFEST)
+    @property
+    def drafter_sampling_graph(self) -> GraphFile | None:
+        return self.graphs.get("drafter_sampling")
 
-    @classmethod
-    def from_json(cls, data: dict, where: str | Path = MANIFEST) -> Manifest:
-        try:
-            quantization = data["quantization"]
+    @property
+    def profiles(self) -> dict:
+        """The recipe's batch and context ranges: what the engines' profiles were built for."""
+        return self.recipe["profiles"]
 
-            def model(role: str) -> BuiltModel:
-                m = data["models"][role]
-                measured = quantization.get(role)
-                return BuiltModel(
-                    data["sources"][role], m["precision"], m["dtype"], m["hidden_size"], m["num_kv_heads"],
-                    m["head_dim"], m.get("num_layers", 1), tuple(m.get("aux_layer_ids", ())),
-                    tuple(m["eos_token_id"]) if isinstance(m.get("eos_token_id"), list) else m.get("eos_token_id"),
-                    Agreement(measured["top1_agreement"], measured["positions"]) if measured else None,
-                    m.get("vocab_size"), m.get("max_position_embeddings"))
+    @property
+    def skipped_passes(self) -> tuple[str, ...]:
+        return tuple(self.passes["skipped_by_recipe"])
 
-            def graph(name: str) -> GraphFile | None:
-                g = data["graphs"].get(name)
-                if g is None:
-                    return None
-                return GraphFile(g["file"], g.get("return_logits", False), g.get("sampling", False))
+    @property
+    def evaluation_prompts(self) -> tuple[tuple[int, ...], ...]:
+        """A quantized build's held-out prompts (none before 0.1)."""
+        return tuple(tuple(p) for p in self.quantization.get("evaluation", {}).get("prompt_ids", ()))
 
-            engines = data["engines"]
-            return cls(
-                data, data["depth"], data["sampling"], data["max_context"], model("target"), model("drafter"),
-                graph("target"), graph("drafter"), graph("drafter_sampling"),
-                tuple(Engine(e["graph"], e["file"], e["tensorrt"], e["compute_capability"], e.get("gpu", "?"))
-                      for e in engines) if isinstance(engines, list) else (),
-                None if isinstance(engines, list) else engines.get("skipped", ""),
-                tuple(data["passes"]["skipped_by_recipe"]),
-                tuple(tuple(p) for p in quantization.get("evaluation", {}).get("prompt_ids", ())),
-                data["artifacts"], data.get("source_files", {}),
-                float(quantization["delta"]["delta"]) if "delta" in quantization else None)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
-                                   "rebuild with `eagle-export build --force`") from None
+    @property
+    def delta(self) -> float | None:
+        """A quantized target's width noise in top-2 margins (quantization.delta)."""
+        return float(self.quantization["delta"]["delta"]) if "delta" in self.quantization else None
 
     @property
     def models(self) -> dict[str, BuiltModel]:
@@ -247,6 +278,50 @@ class Manifest:
         eos = self.target.eos_token_id
         return eos if isinstance(eos, tuple) else ((eos,) if eos is not None else ())
 
+    @property
+    def target_identity(self) -> tuple:
+        """What makes two builds' plain decoding the same: the target checkpoint's files and its precision."""
+        return str(sorted((self.source_files.get("target") or {}).items())), self.target.precision
+
+    @classmethod
+    def read(cls, build_dir: str | Path) -> Manifest:
+        return cls.from_json(read_manifest(build_dir), Path(build_dir) / MANIFEST)
+
+    @classmethod
+    def from_json(cls, data: dict, where: str | Path = MANIFEST) -> Manifest:
+        try:
+            quantization, engines = data["quantization"], data["engines"]
+            models = {role: BuiltModel.from_json(role, data["models"][role], data["sources"][role],
+                                                 quantization.get(role)) for role in MODEL_KEYS}
+            return cls(
+                data.get("recipe", {}), Speculation.from_block(data.get("speculation"), data["depth"]), data["depth"],
+                data["sampling"], data["max_context"], models["target"], models["drafter"],
+                {name: GraphFile.from_json(name, g) for name, g in data["graphs"].items()},
+                tuple(Engine(e["graph"], e["file"], e["tensorrt"], e["compute_capability"], e.get("gpu", "?"))
+                      for e in engines) if isinstance(engines, list) else (),
+                None if isinstance(engines, list) else engines.get("skipped", ""),
+                tuple(data.get("backends", ())), data.get("source_files", {}), data["passes"], quantization,
+                data.get("conformance"), data.get("validation"), data.get("stage_seconds"), data["artifacts"],
+                data.get("format"), data.get("version"), data.get("created"), data.get("libraries"))
+        except (KeyError, TypeError, ValueError, AttributeError, EagleExportError) as e:
+            raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
+                                   "rebuild with `eagle-export build --force`") from None
+
+    def to_json(self) -> dict:
+        data = {"format": self.format, "tool": "eagle-export", "version": self.version, "created": self.created,
+                "libraries": self.libraries, "recipe": self.recipe,
+                "sources": {role: m.source for role, m in self.models.items()}, "source_files": self.source_files,
+                "depth": self.depth, "speculation": self.speculation.to_block(), "sampling": self.sampling,
+                "max_context": self.max_context,
+                "models": {role: m.to_json(role) for role, m in self.models.items()},
+                "graphs": {name: g.to_json(name) for name, g in self.graphs.items()}, "passes": self.passes,
+                "quantization": self.quantization,
+                "engines": [asdict(e) for e in self.engines] if self.engines_skipped is None
+                else {"skipped": self.engines_skipped},
+                "conformance": self.conformance, "backends": list(self.backends), "validation": self.validation,
+                "stage_seconds": self.stage_seconds, "artifacts": self.artifacts, "manifest_hash": MANIFEST_HASH}
+        return {key: value for key, value in data.items() if value is not None}
+
 
 def contradictions(manifest: Manifest) -> list[str]:
     """Values of a manifest that contradict its graphs or its model, whatever any hash says: a context
@@ -254,7 +329,7 @@ def contradictions(manifest: Manifest) -> list[str]:
     position count, end-of-sequence ids outside the target's vocabulary. Empty when consistent."""
     problems = []
     context = manifest.max_context
-    profile = ((manifest.data.get("recipe") or {}).get("profiles") or {}).get("context") or {}
+    profile = (manifest.recipe.get("profiles") or {}).get("context") or {}
     positions = manifest.target.max_positions
     if not isinstance(context, int) or isinstance(context, bool) or context < 2:
         problems.append(f"max_context {str(context)[:40]} is not a context length")
@@ -336,82 +411,6 @@ def is_build_dir(path: Path) -> bool:
         return False
 
 
-BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
-
-
-def output_place(out_dir) -> Path:
-    """`out_dir` resolved, once its nearest existing parent is known to be a directory this user may
-    write in (a file, a link loop or a locked directory there is named before any work)."""
-    out_dir = resolved(out_dir)
-    above = next(d for d in (out_dir.parent, *out_dir.parents) if os.path.lexists(d))
-    if not is_dir(above):
-        raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
-                               "choose an -o whose parent is a directory")
-    if not os.access(above, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-        raise EagleExportError(f"cannot write the output in {above} (permission denied)",
-                               "choose an output directory you can write to (-o)")
-    return out_dir
-
-
-def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
-    """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
-    only what `replaceable` = (description, test) recognises as this tool's own output, never an
-    input of the build or a directory holding one (`-o ''` is the current directory)."""
-    for source in inputs:
-        source = resolved(source)
-        if out_dir == source or out_dir in source.parents:
-            what = "is" if out_dir == source else f"holds {source}, which is"
-            raise EagleExportError(f"the output {out_dir} {what} an input of this build",
-                                   "choose an -o outside the checkpoints the build reads")
-    if out_dir.exists() or out_dir.is_symlink():
-        if not force:
-            raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
-        description, test = replaceable
-        if not out_dir.is_dir() or not test(out_dir):
-            raise EagleExportError(f"{out_dir} exists and is not {description}: --force replaces only those",
-                                   "choose another -o, or move that directory away yourself")
-    return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
-            for source in map(resolved, inputs) if source in out_dir.parents]
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
-
-
-def sweep_leftovers(out_dir: Path) -> list[Path]:
-    """Remove what a killed build (SIGKILL, power loss) left beside `out_dir`: `.NAME.partial-PID-*`
-    of a dead process, and `.NAME.old-PID` (a replaced build) once `out_dir` exists again."""
-    removed = []
-    for kind in ("partial", "old"):
-        prefix = f".{out_dir.name}.{kind}-"
-        for path in out_dir.parent.glob(glob.escape(prefix) + "*"):
-            pid = path.name[len(prefix):].split("-")[0]
-            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _process_alive(int(pid)):
-                continue
-            if kind == "old" and not out_dir.is_dir():
-                continue  # killed between its two renames: this may be the only copy of the old build
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _remove_empty(directories) -> None:
-    """Remove these directories (deepest first) where still empty: those a failed build created."""
-    for directory in directories:
-        with contextlib.suppress(OSError):
-            directory.rmdir()
-
-
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the partial build is removed
-
-
 def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
     """(changed, unavailable): how the checkpoints the build was made from differ from their hashes
     in the manifest, and those that cannot be compared (gone, or no hashes recorded)."""
@@ -433,58 +432,6 @@ def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
     return changed, unavailable
 
 
-@contextlib.contextmanager
-def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=BUILD_OUTPUT, warn=None):
-    """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
-
-    A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An
-    existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
-    only once the new build is complete. Without `force` the final rename cannot replace a build that
-    another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
-    out_dir = output_place(out_dir)
-    for message in check_output(out_dir, inputs, force, replaceable):
-        (warn or print)(f"warning: {message}")
-    parent = out_dir.parent
-    created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        sweep_leftovers(out_dir)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=parent))
-    except OSError as e:
-        _remove_empty(created)
-        raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
-                               "choose an output directory you can write to (-o)") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would outlive the rename
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:
-        yield tmp
-        if force and (out_dir.exists() or out_dir.is_symlink()):
-            check_output(out_dir, (), force, replaceable)  # still ours, whatever happened meanwhile
-            old = parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.rename(tmp, out_dir)
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-                    raise
-                raise EagleExportError(f"{out_dir} appeared while this build ran (another build to the same -o "
-                                       "finished first); it was kept and this build discarded",
-                                       "pass --force to replace it, or choose another -o") from None
-    except BaseException:  # includes KeyboardInterrupt and SIGTERM: the partial build goes, whatever stopped it
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)  # and the parent directories it made for the output
-        raise
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
 def inspect_build(path: str | Path) -> dict:
     """`eagle-export inspect BUILD`: what a build holds, from its manifest (nothing is loaded): the
     pair and precisions, how it speculates (the verify width its target calls take), its graphs and
@@ -492,23 +439,21 @@ def inspect_build(path: str | Path) -> dict:
     from .tree import describe
 
     path = Path(path)
-    manifest = Manifest.from_json(read_manifest(path), path / MANIFEST)
-    data = manifest.data
+    manifest = Manifest.read(path)
     speculation = manifest.speculation
-    nodes = speculation if isinstance(speculation, int) else speculation.num_nodes
-    validation = data.get("validation", {})
-    engines = data.get("engines", {})
+    validation = manifest.validation or {}
     report = {
-        "kind": "build", "path": str(path), "recipe": data.get("recipe", {}).get("name"), "created": data.get("created"),
-        "target": f"{data['sources']['target']} ({data['models']['target']['precision']})",
-        "drafter": f"{data['sources']['drafter']} ({data['models']['drafter']['precision']})",
-        "speculation": describe(speculation), "depth": manifest.depth, "nodes": nodes, "verify_width": nodes + 1,
-        "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": data.get("backends"),
-        "graphs": sorted(g["file"] for g in data.get("graphs", {}).values()),
-        "engines": engines.get("skipped") or sorted(engines),
-        "lossless_delta": data.get("quantization", {}).get("delta", {}).get("delta"),
+        "kind": "build", "path": str(path), "recipe": manifest.recipe.get("name"), "created": manifest.created,
+        "target": f"{manifest.target.source} ({manifest.target.precision})",
+        "drafter": f"{manifest.drafter.source} ({manifest.drafter.precision})",
+        "speculation": describe(speculation), "depth": manifest.depth, "nodes": speculation.num_nodes,
+        "verify_width": speculation.verify_width,
+        "sampling": manifest.sampling, "max_context": manifest.max_context, "backends": list(manifest.backends),
+        "graphs": sorted(g.file for g in manifest.graphs.values()),
+        "engines": manifest.engines_skipped or sorted(e.file for e in manifest.engines),
+        "lossless_delta": manifest.delta,
         "validation": _validation_line(validation.get("checks", []), validation.get("ok")),
-        "warnings": [note for note in [old_format_note(data)] if note] + contradictions(manifest),
+        "warnings": [note for note in [old_format_note(manifest)] if note] + contradictions(manifest),
     }
     return report
 

@@ -41,6 +41,7 @@ from .progress import track
 from .prompts import ChatTemplate, chat_prompts
 from .reference import draft_chain, mean_accepted_length, speculative_generate
 from .target import Target
+from .tree import TreeShape
 from .unrolled import TargetGraph, UnrolledDrafter
 
 PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
@@ -383,7 +384,7 @@ def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
         out_dir / "target.onnx", TargetGraph(qtarget, True).eval(), spec,
         C.example_args(spec, EXAMPLE_SIZES, generator, qtarget.embed_tokens.weight.dtype))
     if qdrafter is not None:
-        spec = C.drafter_graph(qdrafter.config, depth, False)
+        spec = C.drafter_graph(qdrafter.config, TreeShape.chain(depth), False)
         report["drafter"] = export_drafter(qdrafter, depth, False, out_dir / "drafter.onnx", quantized=True)
         report["drafter"]["check"] = check_quantized_graph(
             out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(), spec,

@@ -20,7 +20,7 @@ import yaml
 from .contract import MAX_DEPTH, MAX_TREE_NODES
 from .errors import EagleExportError
 from .files import is_dir, read_text
-from .tree import TreeShape
+from .tree import DynamicTree, Speculation, TreeShape
 
 SPECULATION_KINDS = ("chain", "static_tree", "dynamic_tree")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
@@ -96,6 +96,10 @@ class Recipe:
 
     def __getitem__(self, key):
         return self.data[key]
+
+    @property
+    def speculation(self) -> Speculation:
+        return Speculation.from_block(self.data["speculation"])
 
     def resolve_path(self, value: str) -> str:
         """`sample` stays a name; a relative path is taken from the recipe's directory, then from where
@@ -197,7 +201,7 @@ def _check_ranges(data: dict, lines: dict, problems: list[str]) -> None:
         if not 1 <= r["min"] <= r["opt"] <= r["max"]:
             problems.append(f"{_at(lines, ('profiles', axis))}: profiles.{axis}: needs 1 <= min <= opt <= max, found "
                             f"min={r['min']} opt={r['opt']} max={r['max']}")
-    width = verify_width(data["speculation"])
+    width = Speculation.from_block(data["speculation"]).verify_width
     if data["profiles"]["context"]["max"] <= width:
         problems.append(f"{_at(lines, ('profiles', 'context'))}: profiles.context.max must exceed "
                         f"the verify width ({width}: the last token and every draft): a verify step alone "
@@ -240,6 +244,7 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
         except (EagleExportError, TypeError) as e:
             problems.append(f"{where}: {getattr(e, 'problem', e)}")
             return
+        # kept a static_tree even when its shape is a chain ([1, 1, 1]): the recipe said tree
         data["speculation"] = {"kind": kind, "parents": list(shape.parents), "depth": shape.depth,
                                "nodes": shape.num_nodes}
     else:
@@ -253,13 +258,12 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
         if data["sampling"]:  # EAGLE-2's top-k expansion is a greedy rule: sampled drafts come from a chain or a static tree
             problems.append(f"{where}: a dynamic_tree drafts greedily; sampling: true needs a chain or a static_tree")
             return
-        data["speculation"] = {"kind": kind, "top_k": block["top_k"], "depth": block["depth"], "nodes": block["nodes"]}
+        try:  # nodes beyond the candidates the top-k expansion draws
+            data["speculation"] = DynamicTree(block["top_k"], block["depth"], block["nodes"]).to_block()
+        except EagleExportError as e:
+            problems.append(f"{where}: {e.problem}")
+            return
     data["depth"] = data["speculation"]["depth"]
-
-
-def verify_width(speculation: dict) -> int:
-    """Tokens in one verify call: the last accepted token and every draft (a chain's K, a tree's nodes)."""
-    return 1 + (speculation["depth"] if speculation["kind"] == "chain" else speculation["nodes"])
 
 
 def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None,

@@ -23,7 +23,7 @@ from .doctor import NO_GPU_SELFTEST, cuda_available, gpu_info, package_conflicts
 from .engine import axis_ranges, profile_shapes
 from .errors import EagleExportError
 from .tree import random_verify_mask
-from .manifest import MANIFEST
+from .manifest import MANIFEST, Manifest
 
 LOOPS = 50              # lossless repetitions on TensorRT: a stream race shows up as a rare mismatch
 BENCH_BATCHES = (1, 4)
@@ -78,10 +78,10 @@ def _sessions(state):
 
 def engine_io(state) -> tuple:
     """Engine I/O dtypes and profile shapes equal what the project computed from the recipe."""
-    recipe, wrong = state["opened"].manifest.data["recipe"], []
+    manifest, wrong = state["opened"].manifest, []
     for graph, (session, _, spec) in _sessions(state).items():
         for profile, phase in enumerate(("prefill", "decode")):
-            for name, shapes in profile_shapes(spec, axis_ranges(recipe, graph, phase)).items():
+            for name, shapes in profile_shapes(spec, axis_ranges(manifest.speculation, manifest.profiles, graph, phase)).items():
                 got = tuple(tuple(d) for d in session.engine.get_tensor_profile_shape(name, profile))
                 wrong += [f"{graph}/{phase} {name}: {got} != {shapes}"] if got != shapes else []
         model_dtype = resolve_dtype(getattr(state["opened"].manifest, graph).dtype)  # what the build exported
@@ -265,9 +265,9 @@ def tree_vs_chain(state) -> tuple:
     from .recipe import parse_recipe
     from .runtime import GenerationConfig
 
-    data = json.loads((state["build_dir"] / MANIFEST).read_text())
-    recipe = {k: v for k, v in data["recipe"].items() if k not in ("depth", "speculation")}
-    recipe.update(target=data["sources"]["target"], drafter=data["sources"]["drafter"])
+    manifest = Manifest.read(state["build_dir"])
+    recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation")}
+    recipe.update(target=manifest.target.source, drafter=manifest.drafter.source)
     tree_dir = Path(tempfile.mkdtemp(prefix="eagle-export-selftest-")) / "tree"
     run_build(parse_recipe(yaml.safe_dump(recipe), "selftest tree twin", overrides={"speculation": TREE, "sampling": False}),
               tree_dir, echo=lambda line: None)

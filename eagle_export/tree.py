@@ -21,8 +21,65 @@ from .lazy import lazy
 torch = lazy("torch")  # a recipe's or manifest's tree shape is read without it
 
 
+class Speculation:
+    """What one drafter call proposes and one verify call checks: a static tree (`TreeShape`; a chain
+    of K drafts is `TreeShape.chain(K)`) or an EAGLE-2 dynamic tree (`DynamicTree`). Every size the
+    graphs, profiles and runtime derive from it is a property here, nowhere else:
+
+        num_nodes     drafts per call (K for a chain)
+        verify_width  num_nodes + 1: the last accepted token and every draft
+        step_rows     the drafter's new K/V rows after its input rows (K - 1 for a chain)
+        depth         the drafter graph's unroll depth: the longest root path
+        is_chain      every node's parent is the node before it
+        can_sample    a sampling graph can be built (a dynamic tree's top-k expansion is greedy only)
+
+    Recipes and manifests hold it as a `speculation` block (`to_block` / `from_block`)."""
+
+    num_nodes: int
+    depth: int
+    step_rows: int
+    is_chain = False
+    can_sample = True
+
+    @property
+    def verify_width(self) -> int:
+        return self.num_nodes + 1
+
+    def to_block(self) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def from_block(block: dict | None, depth: int | None = None) -> Speculation:
+        """A normalized `speculation` block (recipe.py writes them) -> its Speculation. No block means
+        a chain of `depth`: manifests written before trees existed hold only their `depth`."""
+        if not block:
+            if depth is None:
+                raise ValueError("a speculation block or a chain depth is needed")
+            return TreeShape.chain(depth)
+        if block["kind"] == "chain":
+            return TreeShape.chain(block["depth"])
+        if block["kind"] == "static_tree":
+            return TreeShape(tuple(block["parents"]))
+        return DynamicTree(block["top_k"], block["depth"], block["nodes"])
+
+
+def check_depth(depth: int) -> None:
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= C.MAX_DEPTH:
+        raise EagleExportError(f"speculation depth {depth!r} is out of range",
+                               f"choose a depth K from 1 to {C.MAX_DEPTH}")
+
+
+def as_tree(speculation: int | Speculation) -> Speculation:
+    """The user-facing entry points' coercion (recipes' `depth:`, `--depth`, the Python API): a bare
+    int K is the chain `TreeShape.chain(K)`. Inside the package a Speculation is passed as is."""
+    if isinstance(speculation, Speculation):
+        return speculation
+    check_depth(speculation)
+    return TreeShape.chain(speculation)
+
+
 @dataclass(frozen=True)
-class TreeShape:
+class TreeShape(Speculation):
     """A static tree: the same parents for every sequence and round."""
 
     parents: tuple[int, ...]
@@ -107,12 +164,17 @@ class TreeShape:
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, self.num_nodes - 1))
 
+    def to_block(self) -> dict:
+        if self.is_chain:
+            return {"kind": "chain", "depth": self.depth}
+        return {"kind": "static_tree", "parents": list(self.parents), "depth": self.depth, "nodes": self.num_nodes}
+
     def parent_tensor(self) -> torch.Tensor:
         return torch.tensor(self.parents, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
-class DynamicTree:
+class DynamicTree(Speculation):
     """An EAGLE-2 dynamic tree, chosen in the drafter graph per sequence and round within fixed shapes:
     the root's top_k drafts are level 1; each later level expands the top_k drafts of each of the
     previous level's top_k nodes (by joint draft probability, the product along the path) and keeps
@@ -122,6 +184,7 @@ class DynamicTree:
     top_k: int
     depth: int
     nodes: int
+    can_sample = False  # EAGLE-2's top-k expansion is a greedy rule
 
     def __post_init__(self):
         ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (self.top_k, self.depth, self.nodes))
@@ -143,6 +206,9 @@ class DynamicTree:
     def step_rows(self) -> int:
         """Drafter step rows after step 0: top_k per level below the last."""
         return (self.depth - 1) * self.top_k
+
+    def to_block(self) -> dict:
+        return {"kind": "dynamic_tree", "top_k": self.top_k, "depth": self.depth, "nodes": self.nodes}
 
 
 def _ancestry(parents: torch.Tensor) -> torch.Tensor:
@@ -320,21 +386,11 @@ def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     return order, torch.where(valid, packed, -1), valid
 
 
-def speculation_of(block: dict) -> int | TreeShape | DynamicTree:
-    """A recipe's (or manifest's) normalized `speculation` block -> what the drafter graph takes: a
-    chain's depth K, a static TreeShape or a DynamicTree."""
-    if block["kind"] == "chain":
-        return block["depth"]
-    if block["kind"] == "static_tree":
-        return TreeShape(tuple(block["parents"]))
-    return DynamicTree(block["top_k"], block["depth"], block["nodes"])
-
-
-def describe(speculation: int | TreeShape | DynamicTree) -> str:
+def describe(speculation: Speculation) -> str:
     """One line for tables and logs: 'chain K=4', 'static tree depth 2 (12 nodes)', 'dynamic tree
     top_k=8 depth=3 nodes=16'."""
     if isinstance(speculation, DynamicTree):
         return f"dynamic tree top_k={speculation.top_k} depth={speculation.depth} nodes={speculation.nodes}"
-    if isinstance(speculation, int) or speculation.is_chain:
-        return f"chain K={speculation if isinstance(speculation, int) else speculation.depth}"
+    if speculation.is_chain:
+        return f"chain K={speculation.depth}"
     return f"static tree depth {speculation.depth} ({speculation.num_nodes} nodes)"

@@ -2,20 +2,22 @@
 
 Their inputs and outputs follow `contract.py` name for name and in order.
 
-UnrolledDrafter runs K chain speculation steps in one forward, so one engine launch proposes K
-tokens. Step 0 runs all W input rows (the newly accepted tokens, per the EAGLE-3 convention:
-token t_{p+1} with the target's aux state a_p at position p); the draft is read at each sequence's
-last valid row. Steps 1..K-1 each feed the previous draft token (embedded in the target
-vocabulary) and the previous step's feedback state, one row per sequence. Attention sees the valid
-cache slots, the valid step-0 rows and every earlier step; the step K/V stay in-graph and are
-concatenated there (small), the cache is only read.
+UnrolledDrafter drafts a whole tree (tree.Speculation: a chain, a static tree or an EAGLE-2
+dynamic tree) in one forward, so one engine launch proposes every node. Step 0 runs all W input
+rows (the newly accepted tokens, per the EAGLE-3 convention: token t_{p+1} with the target's aux
+state a_p at position p); the root's drafts are read at each sequence's last valid row. Each later
+step d = 1..depth-1 feeds one row per node with children at depth d (a chain: one row, the previous
+draft; a dynamic tree: the top_k candidates of the level, chosen in the graph), its token embedded in the target vocabulary with its parent step's feedback state. A row
+attends to the valid cache slots, the valid step-0 rows and its own ancestors among the earlier
+step rows (`StaticLevel.step_mask`; a dynamic tree builds the same mask per sequence); the step K/V
+stay in-graph and are concatenated there (small), the cache is only read.
 
-The input width W is the `tokens` axis: decoding passes W = K+1 rows (at most K accepted drafts and
-the bonus token, padded, with `num_valid`), and the drafter's prefill passes the whole prompt in
-one call. `new_key`/`new_value` hold the W step-0 entries, then one per later step; the runtime
-writes the first num_valid at cache_len. Under the EAGLE-3 convention the later steps' entries are
-never read back (the next call rewrites those positions from the target's aux states), so a
-runtime may skip writing them.
+The input width W is the `tokens` axis: decoding passes W <= depth+1 rows (an accepted path and the
+bonus token, padded, with `num_valid`), and the drafter's prefill passes the whole prompt in one
+call. `new_key`/`new_value` hold the W step-0 entries, then `step_rows` more (K - 1 for a chain);
+the runtime writes the first num_valid at cache_len. Under the EAGLE-3 convention the later steps'
+entries are never read back (the next call rewrites those positions from the target's aux states),
+so a runtime may skip writing them.
 
 Sampling graphs draw each draft by inverse CDF from the given uniform noise: the draft is the
 first draft-vocabulary index whose cumulative probability exceeds u (searchsorted, right side),
@@ -32,7 +34,7 @@ from . import contract as C
 from .drafter import Drafter
 from .errors import EagleExportError
 from .target import Target
-from .tree import DynamicTree, TreeShape, ancestor_mask
+from .tree import DynamicTree, Speculation, TreeShape, ancestor_mask, as_tree
 
 MIN_TEMPERATURE = 1e-5  # a temperature of 0 asks for greedy: the sampling graph treats it as nearly so
 # fp32 resolves a step of log(1 - 1e-3) at scores down to MAX_DEPTH * log(1e-30) = -553
@@ -45,12 +47,6 @@ def node_log_prob(q: torch.Tensor) -> torch.Tensor:
     q = 1.0 in fp32) and stays finite (q = 0): the best N candidates then always hold every chosen
     node's ancestors, however a backend's TopK breaks ties."""
     return q.float().clamp(MIN_SCORE_PROB, MAX_SCORE_PROB).log()
-
-
-def check_depth(depth: int) -> None:
-    if not isinstance(depth, int) or not 1 <= depth <= C.MAX_DEPTH:
-        raise EagleExportError(f"speculation depth {depth!r} is out of range",
-                               f"choose a depth K from 1 to {C.MAX_DEPTH}")
 
 
 class TargetGraph(nn.Module):
@@ -67,14 +63,6 @@ class TargetGraph(nn.Module):
         if self.return_logits:
             return greedy_ids, logits, aux, new_key, new_value
         return greedy_ids, aux, new_key, new_value
-
-
-def as_tree(speculation) -> TreeShape | DynamicTree:
-    """What a drafter graph proposes per round: an int K is the chain TreeShape.chain(K)."""
-    if isinstance(speculation, (TreeShape, DynamicTree)):
-        return speculation
-    check_depth(speculation)
-    return TreeShape.chain(speculation)
 
 
 class StaticLevel:
@@ -98,15 +86,15 @@ class StaticLevel:
 
 
 class UnrolledDrafter(nn.Module):
-    def __init__(self, drafter: Drafter, speculation, sampling: bool):
-        """speculation: a chain depth K, a TreeShape or a DynamicTree (see `as_tree`)."""
+    def __init__(self, drafter: Drafter, speculation: int | Speculation, sampling: bool):
+        """speculation: what one call proposes (tree.Speculation; a bare int K is a chain, see `as_tree`)."""
         super().__init__()
         self.tree = as_tree(speculation)
         if drafter.embed_tokens is None:
             raise EagleExportError("the drafter has no embedding table",
                                    "load it with load_drafter(path, target=target) to share the target's")
         self.dynamic = isinstance(self.tree, DynamicTree)
-        if self.dynamic and sampling:
+        if sampling and not self.tree.can_sample:
             raise EagleExportError("dynamic trees are drafted greedily only",
                                    "sample with a chain or a static tree, or set temperature 0")
         widest = self.tree.top_k if self.dynamic else max(self.tree.ranks) + 1
@@ -133,7 +121,7 @@ class UnrolledDrafter(nn.Module):
 
     @property
     def is_chain(self) -> bool:
-        return not self.dynamic and self.tree.is_chain
+        return self.tree.is_chain
 
     def _static_levels(self) -> list[StaticLevel]:
         levels, frontier, rows = [], [-1], []

@@ -337,7 +337,7 @@ def _tau_tier(manifest: Manifest, runtime) -> tuple:
     prompts the build recorded, within TAU_TOLERANCE of the unquantized pair's on the same prompts
     (greedy, so deterministic: recorded by the build); and the quantized drafter's tau within
     TAU_TOLERANCE of its unquantized self's (both measured by the build, same prompts, same run)."""
-    q = manifest.data["quantization"]
+    q = manifest.quantization
     name = f"T3 acceptance kept ({runtime.backend.name})"
     if "tau_reference" not in q or not manifest.evaluation_prompts:
         return name, None, "not run: the build measured no tau (evaluation.tau off, or made before it)", {}
@@ -388,12 +388,13 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
     data = read_manifest(build_dir)
     checks = _Checks(on_check)
     problems = verify_artifacts(build_dir, data)  # before any field is read: an edited manifest is not trusted
-    old = old_format_note(data)
-    checks.append(("artifact hashes", not problems, "; ".join(problems) or
-                   f"{len(data['artifacts'])} files and the manifest match" + (f"; {old}" if old else "")))
     if problems:  # nothing else is trustworthy
+        checks.append(("artifact hashes", False, "; ".join(problems)))
         return _summary(checks)
     manifest = Manifest.from_json(data, build_dir / MANIFEST)
+    old = old_format_note(manifest)
+    checks.append(("artifact hashes", True,
+                   f"{len(manifest.artifacts)} files and the manifest match" + (f"; {old}" if old else "")))
     contradicting = contradictions(manifest)
     if contradicting:  # whatever the hashes say, these values cannot run
         checks.append(("manifest values", False, "; ".join(contradicting)))

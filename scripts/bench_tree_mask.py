@@ -13,7 +13,6 @@ Run: python scripts/bench_tree_mask.py OLD_BUILD NEW_BUILD [--reps 7] [--prefill
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from eagle_export import contract as C
 from eagle_export.backends import ort_session, run_bound
 from eagle_export.layers import causal_mask
+from eagle_export.manifest import Manifest
 from eagle_export.tree import TreeShape, verify_mask
 
 PAST = 256
@@ -36,8 +36,7 @@ def main():
     parser.add_argument("--prefill", default="512,1024,2048")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    manifest = json.loads((args.new / "manifest.json").read_text())
-    depth = manifest["recipe"]["depth"]
+    depth = Manifest.read(args.new).depth
     sessions = {name: ort_session(d / "target.onnx", threads=1) for name, d in (("old", args.old), ("new", args.new))}
     past_input = next(i for i in sessions["new"].get_inputs() if i.name == C.PAST_KEY)
     layers, heads, dim = past_input.shape[0], past_input.shape[2], past_input.shape[4]

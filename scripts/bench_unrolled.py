@@ -27,6 +27,7 @@ from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.backends import ort_session
 from eagle_export.export import export_drafter, export_target
 from eagle_export import contract as C
+from eagle_export.tree import TreeShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import write_tiny_drafter  # noqa: E402
@@ -72,7 +73,7 @@ def main():
 
         unrolled, single = (ort_session(tmp / "drafter4.onnx", threads=args.threads),
                            ort_session(tmp / "drafter1.onnx", threads=args.threads))
-        spec4, spec1 = C.drafter_graph(drafter.config, 4, False), C.drafter_graph(drafter.config, 1, False)
+        spec4, spec1 = C.drafter_graph(drafter.config, TreeShape.chain(4), False), C.drafter_graph(drafter.config, TreeShape.chain(1), False)
         print(f"ONNX Runtime CPU, {args.threads} thread(s), past {args.past}, median of {args.runs} runs (ms):")
         for batch in (1, 4):
             feed4 = feeds(spec4, drafter, 4, 5, batch, args.past)

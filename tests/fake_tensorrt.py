@@ -22,11 +22,13 @@ _DTYPES = {"int64": DataType.INT64, "float32": DataType.FLOAT, "bool": DataType.
 
 
 class FakeEngine:
-    def __init__(self, spec: C.GraphSpec, profiles: list[dict], model_dtype: str = "HALF", depth: int = 1,
+    def __init__(self, spec: C.GraphSpec, profiles: list[dict], model_dtype: str, speculation,
                  location: TensorLocation = TensorLocation.HOST):
-        """model_dtype: the DataType name of the graph's MODEL_DTYPE tensors; location: where every
-        tensor lives (HOST lets CPU torch tensors bind; a real engine of ours says DEVICE)."""
-        self.spec, self.profiles, self.depth, self.location = spec, profiles, depth, location
+        """model_dtype: the DataType name of the graph's MODEL_DTYPE tensors; speculation: the build's
+        tree.Speculation (a drafter engine's new K/V rows are its input rows plus `step_rows`);
+        location: where every tensor lives (HOST lets CPU torch tensors bind; a real engine of ours
+        says DEVICE)."""
+        self.spec, self.profiles, self.speculation, self.location = spec, profiles, speculation, location
         self.tensors = list(spec.inputs) + list(spec.outputs)
         self.dtypes = {t.name: _DTYPES.get(t.dtype, DataType[model_dtype]) for t in self.tensors}
         self.contexts = []
@@ -83,7 +85,7 @@ class FakeContext:
         axes = {}
         for t in self.engine.spec.inputs:
             axes.update({axis: self.shapes[t.name][i] for i, axis in t.dynamic_axes.items()})
-        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + self.engine.depth - 1
+        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + self.engine.speculation.step_rows
         return [axes[d] if isinstance(d, str) else d for d in self.engine.spec[name].shape]
 
     def execute_async_v3(self, stream):

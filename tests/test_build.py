@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_export.build import conformance_prompts
 from eagle_export.build_dir import OpenBuild, open_build
-from eagle_export.manifest import write_manifest_hash
+from eagle_export.manifest import Manifest, write_manifest_hash
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.recipe import load_recipe
@@ -87,6 +87,7 @@ def test_build_writes_a_complete_manifest(built):
     assert manifest["engines"]["skipped"].startswith("TensorRT is not installed")
     assert "onnxruntime" in manifest["backends"] and "tensorrt" not in manifest["backends"]
     assert oct(out.stat().st_mode & 0o777) != oct(0o700)
+    assert Manifest.read(out).to_json() == manifest  # one type both ways: what build wrote reads back whole
 
 
 def test_validate_passes_then_names_a_modified_file(built, tmp_path):
@@ -752,6 +753,7 @@ def test_fp8_build_quantizes_records_metrics_and_stays_lossless(fp8_built):
     assert all(checks[name]["status"] == "passed" and "1/4 prompts" in checks[name]["detail"]
                for name in GRAPH_CHECKS)
     assert manifest["validation"]["skipped"] == [] and all(c["ok"] is True for c in checks.values())
+    assert Manifest.read(out).to_json() == manifest
 
 
 T0 = "T0 synthetic drafters, exact (onnxruntime)"

@@ -3,28 +3,30 @@
 import pytest
 
 from eagle_export.config import DrafterConfig, TargetConfig
-from eagle_export.contract import drafter_graph, target_graph
+from eagle_export.contract import DRAFT_NEW_TOKENS, drafter_graph, target_graph
 from eagle_export.doctor import buildable_precisions
-from eagle_export.engine import (MIN_PAST, engine_compatibility_problems, engine_file_name, engine_profiles,
+from eagle_export.engine import (MIN_PAST, axis_ranges, engine_compatibility_problems, engine_file_name, engine_profiles,
                                  pick_engine)
 from eagle_export.errors import EagleExportError
 from eagle_export.manifest import Engine
 from eagle_export.recipe import parse_recipe
+from eagle_export.tree import TreeShape
 from tiny_models import tiny_drafter_config, tiny_target_config
 
 RECIPE = parse_recipe("target: t\ndrafter: d\ndepth: 4\nprofiles:\n  batch: {min: 1, opt: 2, max: 8}\n"
-                      "  context: {min: 16, opt: 256, max: 1024}\n").data
+                      "  context: {min: 16, opt: 256, max: 1024}\n")
+PROFILES, CHAIN = RECIPE["profiles"], RECIPE.speculation
 
 
 @pytest.fixture
 def specs():
     target_cfg = TargetConfig.from_hf(tiny_target_config("llama"))
     drafter_cfg = DrafterConfig.from_hf(tiny_drafter_config("3.1"))
-    return target_graph(target_cfg, 3, return_logits=False), drafter_graph(drafter_cfg, 4, sampling=False)
+    return target_graph(target_cfg, 3, return_logits=False), drafter_graph(drafter_cfg, CHAIN, sampling=False)
 
 
 def test_target_profiles_cover_prefill_and_verify(specs):
-    prefill, decode = engine_profiles(specs[0], RECIPE, "target")
+    prefill, decode = engine_profiles(specs[0], CHAIN, PROFILES, "target")
     assert prefill["input_ids"] == ((1, 1), (2, 256), (8, 1024))
     assert decode["input_ids"] == ((1, 1), (2, 5), (8, 5))  # verify K+1 tokens
     assert decode["past_key"] == ((6, 1, 2, MIN_PAST, 16), (6, 2, 2, 256, 16), (6, 8, 2, 1024, 16))
@@ -35,22 +37,24 @@ def test_target_profiles_cover_prefill_and_verify(specs):
 
 
 def test_target_decode_profile_covers_a_trees_verify_width(specs):
-    tree = {**RECIPE, "speculation": {"kind": "static_tree", "depth": 4, "nodes": 16}}
-    _, decode = engine_profiles(specs[0], tree, "target")
+    tree = TreeShape.from_branching([4, 1, 1, 1])  # 16 nodes, depth 4, 12 drafter step rows
+    _, decode = engine_profiles(specs[0], tree, PROFILES, "target")
     assert decode["input_ids"] == ((1, 1), (2, 17), (8, 17)) and decode["tree_mask"][2] == (8, 17, 17)
-    assert engine_profiles(specs[1], tree, "drafter")[1]["input_ids"][2] == (8, 5)  # an accepted path + 1
+    assert engine_profiles(specs[1], tree, PROFILES, "drafter")[1]["input_ids"][2] == (8, 5)  # an accepted path + 1
+    # the drafter's new K/V rows: its input rows and every step row (a chain's K - 1 would be 3)
+    assert axis_ranges(tree, PROFILES, "drafter", "decode")[DRAFT_NEW_TOKENS] == (13, 17, 17)
 
 
 def test_every_dynamic_input_has_a_profile_with_ordered_bounds(specs):
     for spec, graph in zip(specs, ("target", "drafter")):
-        for shapes in engine_profiles(spec, RECIPE, graph):
+        for shapes in engine_profiles(spec, CHAIN, PROFILES, graph):
             assert set(shapes) == {t.name for t in spec.inputs if t.dynamic_axes}
             for lo, opt, hi in shapes.values():
                 assert all(a <= b <= c for a, b, c in zip(lo, opt, hi))
 
 
 def test_drafter_decode_profile_is_k_plus_one_rows(specs):
-    _, decode = engine_profiles(specs[1], RECIPE, "drafter")
+    _, decode = engine_profiles(specs[1], CHAIN, PROFILES, "drafter")
     assert decode["input_ids"][2] == (8, 5) and decode["aux_hidden"][2] == (8, 5, 192)
 
 
@@ -123,7 +127,7 @@ def test_example_args_follow_the_spec_by_name():
     target_cfg = TargetConfig.from_hf(tiny_target_config("llama"))
     drafter_cfg = DrafterConfig.from_hf(tiny_drafter_config("3.1"))
     sizes = {C.BATCH: 3, C.TOKENS: 5, C.PAST: 6}
-    for spec in (target_graph(target_cfg, 3, return_logits=True), drafter_graph(drafter_cfg, 4, sampling=True)):
+    for spec in (target_graph(target_cfg, 3, return_logits=True), drafter_graph(drafter_cfg, CHAIN, sampling=True)):
         zeros = spec.feeds(C.example_args(spec, sizes, dtype=torch.float16))
         random = spec.feeds(C.example_args(spec, sizes, torch.Generator().manual_seed(0), torch.float16))
         for t in spec.inputs:
@@ -191,7 +195,7 @@ def fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dty
 
     engines = {}
     for graph, spec, dtype in (("target", specs[0], target_dtype), ("drafter", specs[1], drafter_dtype)):
-        engines[graph.encode()] = fake.FakeEngine(spec, engine_profiles(spec, RECIPE, graph), dtype, DEPTH,
+        engines[graph.encode()] = fake.FakeEngine(spec, engine_profiles(spec, CHAIN, PROFILES, graph), dtype, CHAIN,
                                                   location or fake.TensorLocation.HOST)
         (tmp_path / f"{graph}.engine").write_bytes(graph.encode())
     monkeypatch.setitem(sys.modules, "tensorrt", fake.module(engines))

@@ -24,7 +24,7 @@ from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.layers import causal_mask
-from eagle_export.tree import verify_mask
+from eagle_export.tree import TreeShape, verify_mask
 from eagle_export.backends import ort_session, run_onnx
 from eagle_export.export import (EXAMPLE_SIZES, ONNX_IR_VERSION, export_drafter, export_graph, export_models,
                                  export_target)
@@ -102,7 +102,7 @@ def test_drafter_onnx_matches_torch_fp32(tmp_path, dirs, version, depth, samplin
     _, drafter = load_pair(dirs, version)
     path = tmp_path / "drafter.onnx"
     export_drafter(drafter, depth, sampling, path)
-    session, spec = ort_session(path), C.drafter_graph(drafter.config, depth, sampling)
+    session, spec = ort_session(path), C.drafter_graph(drafter.config, TreeShape.chain(depth), sampling)
     module = UnrolledDrafter(drafter, depth, sampling)
     # batch 1 and ragged batch 3 at sizes other than the export example's, and an empty cache (S = 0)
     for num_valid, cache_lens, past in [([depth], [5], 7), ([1, depth + 1, 2], [0, 9, 4], 12), ([2, 1], [0, 0], 0)]:
@@ -169,7 +169,7 @@ def test_fp16_ort_agrees_with_fp32_torch(fp16_models, dirs):
     assert (got["logits"] - logits).abs().max() <= 2e-2
     assert greedy_agreement(got["greedy_ids"], greedy) >= 0.995
 
-    spec = C.drafter_graph(drafter16.config, 4, True)
+    spec = C.drafter_graph(drafter16.config, TreeShape.chain(4), True)
     session, module = ort_session(out / "drafter_sampling.onnx"), UnrolledDrafter(drafter32, 4, True)
     agree = []
     for seed in range(8):
@@ -210,7 +210,7 @@ def test_bf16_reference_agrees_with_fp32_torch(tmp_path, dirs):
     assert greedy_agreement(got["greedy_ids"][decisive], greedy[decisive]) >= 0.995
     assert greedy_agreement(got["greedy_ids"], greedy) >= 0.97
 
-    spec = C.drafter_graph(drafter.config, 4, False)
+    spec = C.drafter_graph(drafter.config, TreeShape.chain(4), False)
     args = drafter_inputs(drafter, 4, [5, 1, 3, 4], [3, 0, 8, 6], 9, False, 0, torch.bfloat16)
     got, expected = run_reference(tmp_path / "drafter.onnx", spec, args), UnrolledDrafter(drafter32, 4, False)(
         *as_float(args))
@@ -224,7 +224,7 @@ def speculative_greedy(target_session, drafter_session, target, drafter, prompt,
     """Greedy draft-verify at batch 1 with the runtime's cache bookkeeping: whole-capacity cache views,
     new K/V written at each offset, rollback by length. Returns (tokens, accepted drafts per round)."""
     tspec = C.target_graph(target.config, len(AUX), False)
-    dspec = C.drafter_graph(drafter.config, depth, False)
+    dspec = C.drafter_graph(drafter.config, TreeShape.chain(depth), False)
     capacity = len(prompt) + max_new + depth + 1
     tk, tv = target.empty_cache(1, capacity)
     dk, dv = drafter.empty_cache(1, capacity)
@@ -349,7 +349,7 @@ def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkey
     _, drafter = load_pair(dirs, "3.1")
     export_drafter(drafter, 2, False, tmp_path / "drafter.onnx")
     assert (tmp_path / "drafter.onnx.data").stat().st_size > (tmp_path / "drafter.onnx").stat().st_size
-    spec = C.drafter_graph(drafter.config, 2, False)
+    spec = C.drafter_graph(drafter.config, TreeShape.chain(2), False)
     args = drafter_inputs(drafter, 2, [3, 1], [4, 0], 6, False)
     compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec.feeds(args)), UnrolledDrafter(drafter, 2, False)(*args),
             1e-4)
@@ -373,7 +373,7 @@ def test_export_command_writes_both_graphs(tmp_path, dirs):
     assert summary["depth"] == 2 and summary["aux_layer_ids"] == list(AUX)
     target, drafter_model = load_pair(dirs, "3")
     for name, spec in (("target.onnx", C.target_graph(target.config, len(target.aux_layer_ids), False)),
-                       ("drafter.onnx", C.drafter_graph(drafter_model.config, 2, False))):
+                       ("drafter.onnx", C.drafter_graph(drafter_model.config, TreeShape.chain(2), False))):
         assert declared_shapes(out / name) == {t.name: t.shape for t in spec.outputs}, name  # names and shapes
     again = CliRunner().invoke(main, ["export", "--target", str(dirs["target"]), "--draft", str(dirs["3"]),
                                       "--depth", "2", "-o", str(out)])
@@ -461,7 +461,7 @@ def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, dep
         probs = (torch.softmax(got["logits"], -1) - torch.softmax(expected[1], -1)).abs().max()
         assert probs <= 1e-4
     export_drafter(drafter, depth, True, tmp_path / "drafter.onnx")
-    spec = C.drafter_graph(drafter.config, depth, True)
+    spec = C.drafter_graph(drafter.config, TreeShape.chain(depth), True)
     args = drafter_inputs(drafter, depth, [depth + 1, 2], [7, 0], 9, True)
     compare(spec, run_onnx(ort_session(tmp_path / "drafter.onnx"), spec.feeds(args)),
             UnrolledDrafter(drafter, depth, True)(*args), 1e-4, relative=True)  # probabilities: absolute

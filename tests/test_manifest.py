@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagle_export.errors import EagleExportError
-from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, atomic_build_dir, read_manifest, sweep_leftovers,
-                                   verify_artifacts, write_manifest, write_manifest_hash)
+from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, read_manifest, verify_artifacts, write_manifest,
+                                   write_manifest_hash)
+from eagle_export.output_dir import atomic_build_dir, sweep_leftovers
 
 # The sample build's manifest.json as eagle-export 0.1.0 wrote it before the typed view (its two
 # checkpoint paths anonymized): an existing build must still open.
@@ -23,7 +24,7 @@ def make_build(root):
     with atomic_build_dir(root / "build") as tmp:
         (tmp / "target.onnx").write_bytes(b"x" * 1000)
         (tmp / "drafter.onnx").write_bytes(b"y" * 500)
-        write_manifest(tmp, {"recipe": {"depth": 4}})
+        write_manifest(tmp, Manifest.from_json(json.loads(SAMPLE_0_1_0.read_text())))
     return root / "build"
 
 
@@ -96,7 +97,7 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path, sig):
         import time, pathlib
         import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from eagle_export.manifest import atomic_build_dir
+        from eagle_export.output_dir import atomic_build_dir
         with atomic_build_dir(pathlib.Path({str(tmp_path)!r}) / "build") as tmp:
             (tmp / "target.onnx").write_bytes(b"partial")
             print("started", flush=True)
@@ -128,9 +129,11 @@ def test_every_file_is_listed_and_every_listed_name_stays_inside(tmp_path):
     (build / "tokenizer.json").unlink()
     listed = read_manifest(build)["artifacts"]
     emptied = edit_manifest(build, lambda m: m.update(artifacts={}))  # verification must not turn off
-    assert sorted(verify_artifacts(build, emptied)) == ["drafter.onnx: not listed in the manifest (added after the "
-                                                        "build)", "target.onnx: not listed in the manifest (added "
-                                                        "after the build)"]
+    assert sorted(verify_artifacts(build, emptied)) == [
+        "'drafter.onnx': the manifest runs it but does not list it as an artifact",
+        "'target.onnx': the manifest runs it but does not list it as an artifact",
+        "drafter.onnx: not listed in the manifest (added after the build)",
+        "target.onnx: not listed in the manifest (added after the build)"]
     edit_manifest(build, lambda m: m.update(artifacts=listed))
     for name in ("../outside.onnx", str(tmp_path / "outside.onnx")):
         moved = edit_manifest(build, lambda m: m.update(graphs={"target": {"file": name}}, artifacts={
@@ -224,7 +227,7 @@ def test_a_manifest_written_before_the_typed_view_reads():
     assert (m.depth, m.sampling, m.max_context) == (4, False, 2048)
     assert m.target == BuiltModel("checkpoints/smollm2-135m-instruct", "fp32", "fp32", hidden_size=576,
                                   num_kv_heads=3, head_dim=64, num_layers=30, aux_layer_ids=(2, 15, 27), eos_token_id=2,
-                                  vocab_size=49152)
+                                  vocab_size=49152, architecture="LlamaForCausalLM")
     assert m.drafter.source == "samples/eagle3.1-smollm2-135m" and m.drafter.num_kv_heads == 3
     assert m.drafter.num_layers == 1 and m.target.agreement is None and not m.quantized_roles
     assert m.target_graph == GraphFile("target.onnx") and m.drafter_graph == GraphFile("drafter.onnx")

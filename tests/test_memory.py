@@ -9,6 +9,7 @@ from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.export import EXPORT_PEAK_FIXED_BYTES, check_export_fits, weight_bytes
+from eagle_export.tree import TreeShape
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 
@@ -73,9 +74,9 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     lazy = [v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
     assert sum(t.nbytes for t in lazy) >= 0.99 * sum(v.const_value.nbytes for v in model.graph.initializers.values())
     (tmp_path / "again").mkdir()
-    save_model(onnx_pipeline(C.drafter_graph(drafter.config, 2, False))(model).model, tmp_path / "again" / "drafter.onnx")
+    save_model(onnx_pipeline(C.drafter_graph(drafter.config, TreeShape.chain(2), False))(model).model, tmp_path / "again" / "drafter.onnx")
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["drafter.onnx", "drafter.onnx.data"]
-    spec = C.drafter_graph(drafter.config, 2, False)
+    spec = C.drafter_graph(drafter.config, TreeShape.chain(2), False)
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(1, 2, drafter.config.num_kv_heads, 5, drafter.config.head_dim, generator=g)
     feeds = spec.feeds((torch.randint(0, 320, (2, 3), generator=g), torch.randn(2, 3, 192, generator=g),

@@ -22,6 +22,7 @@ from eagle_export.export import EXAMPLE_SIZES, export_drafter, export_target
 from eagle_export.nvfp4 import NVFP4Linear, use_graph_weights
 from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.tree import TreeShape
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -122,7 +123,7 @@ def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
     path = tmp_path / "drafter_fp8.onnx"
     report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["fp8_weights"] == 7 and report["lint_findings"] == []  # fc and lm_head stay fp32
-    spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
+    spec = C.drafter_graph(qdrafter.config, TreeShape.chain(DEPTH), sampling=False)
     args = random_args(spec, DEPTH + 1)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
     got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
@@ -163,7 +164,7 @@ def test_nvfp4_drafter_graph_matches_packed_torch(tmp_path, nvfp4):
     path = tmp_path / "drafter_nvfp4.onnx"
     report = export_drafter(qdrafter, DEPTH, False, path, quantized=True)
     assert report["nvfp4_weights"] == 7 and report["lint_findings"] == []
-    spec = C.drafter_graph(qdrafter.config, DEPTH, sampling=False)
+    spec = C.drafter_graph(qdrafter.config, TreeShape.chain(DEPTH), sampling=False)
     args = random_args(spec, DEPTH + 1)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
     got = run_graph(path, spec.feeds(args))

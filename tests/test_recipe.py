@@ -126,8 +126,10 @@ def test_dynamic_trees():
     ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 3}\n", "3 nodes cannot reach depth 6"),
     ("speculation: {kind: dynamic_tree, top_k: 4, depth: 6, nodes: 99}\n", "nodes: 99 must be between 1 and 64"),
     ("sampling: true\nspeculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 8}\n", "a dynamic_tree drafts greedily"),
-    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 40}\nprofiles:\n  context: {min: 1, opt: 8, max: 40}\n",
-     "profiles.context.max must exceed the verify width (41"),
+    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 3, nodes: 36}\nprofiles:\n  context: {min: 1, opt: 8, max: 36}\n",
+     "profiles.context.max must exceed the verify width (37"),
+    ("speculation: {kind: dynamic_tree, top_k: 4, depth: 2, nodes: 40}\n",
+     "speculation: dynamic tree top_k=4, depth=2, nodes=40 is out of range"),
 ])
 def test_bad_speculation_blocks_name_the_key(text, message):
     problems = errors_of(BASE + text)

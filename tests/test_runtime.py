@@ -167,8 +167,8 @@ class ProfileChecked(TorchBackend):
 
     def __init__(self, *graphs, recipe):
         super().__init__(*graphs)
-        self.profiles = {"target": engine_profiles(self.graphs[None][1], recipe, "target"),
-                         "drafter": engine_profiles(self.graphs[False][1], recipe, "drafter")}
+        self.profiles = {graph: engine_profiles(self.graphs[key][1], recipe.speculation, recipe["profiles"], graph)
+                         for graph, key in (("target", None), ("drafter", False))}
         self.past_slots = {0: set(), 1: set()}  # profile -> cache sizes fed
         self.target_tokens = {0: set(), 1: set()}  # profile -> target call widths
         self.verify_width = self.profiles["target"][1][C.INPUT_IDS][2][1]
@@ -198,7 +198,7 @@ def test_every_call_fits_the_engine_profiles_up_to_the_context_limit(target, dra
     every shape, prefill and decode, lies inside the profiles built from profiles.context.max."""
     depth = 4
     recipe = parse_recipe(f"target: t\ndrafter: d\ndepth: {depth}\nprofiles:\n  batch: {{min: 1, opt: 1, max: 2}}\n"
-                          f"  context: {{min: 1, opt: 16, max: {max_context}}}\n").data
+                          f"  context: {{min: 1, opt: 16, max: {max_context}}}\n")
     runtime = make_runtime(target, drafter, depth, max_context=max_context, backend_cls=ProfileChecked,
                            recipe=recipe, depth_policy="fixed")
     longest = [(7 * i) % 90 + 1 for i in range(max_context - 1)]
@@ -213,9 +213,9 @@ class ProfileCheckedTrees(RandomTrees, ProfileChecked):
 
 def test_tree_verify_calls_fit_the_decode_profile_built_for_the_trees_width(target, drafter):
     depth, nodes = 4, 12
-    recipe = parse_recipe(f"target: t\ndrafter: d\ndepth: {depth}\nprofiles:\n  batch: {{min: 1, opt: 1, max: 2}}\n"
-                          f"  context: {{min: 1, opt: 16, max: 64}}\n").data
-    recipe["speculation"] = {"kind": "dynamic_tree", "top_k": 4, "depth": depth, "nodes": nodes}
+    recipe = parse_recipe("target: t\ndrafter: d\nprofiles:\n  batch: {min: 1, opt: 1, max: 2}\n"
+                          "  context: {min: 1, opt: 16, max: 64}\n"
+                          f"speculation: {{kind: dynamic_tree, top_k: 4, depth: {depth}, nodes: {nodes}}}\n")
     prompts = PROMPTS[:2]
     expected = [p + target.generate_greedy(p, 30) for p in prompts]
     runtime = make_runtime(target, drafter, depth, max_context=64, backend_cls=ProfileCheckedTrees, recipe=recipe,

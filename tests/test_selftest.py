@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from eagle_export import doctor, selftest
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
+from eagle_export.tree import TreeShape
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path, monkeypatch):
@@ -88,7 +89,7 @@ def test_engine_io_step_compares_the_engines_profiles_and_dtypes_with_the_comput
     from tiny_models import tiny_drafter_config, tiny_target_config
 
     graph_specs = (target_graph(TargetConfig.from_hf(tiny_target_config("llama")), 3, return_logits=False),
-                   drafter_graph(DrafterConfig.from_hf(tiny_drafter_config("3.1")), DEPTH, sampling=False))
+                   drafter_graph(DrafterConfig.from_hf(tiny_drafter_config("3.1")), TreeShape.chain(DEPTH), sampling=False))
     for graph, spec in zip(("target", "drafter"), graph_specs):
         elem = {"int64": onnx.TensorProto.INT64, "bool": onnx.TensorProto.BOOL}
         inputs = [helper.make_tensor_value_info(t.name, elem.get(t.dtype, onnx.TensorProto.FLOAT16), list(t.shape))

@@ -1,0 +1,147 @@
+"""The atomic output directory: a build (or an exported checkpoint) is written into a temporary
+directory beside its output and renamed into place only when complete, so a failure, Ctrl-C or
+SIGTERM never leaves half an output, and `--force` replaces only this tool's own output, never what
+the user owns (an input of the build, a directory holding one, a file of theirs)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from .errors import EagleExportError
+from .files import is_dir, resolved
+from .manifest import is_build_dir
+
+BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
+
+
+def output_place(out_dir) -> Path:
+    """`out_dir` resolved, once its nearest existing parent is known to be a directory this user may
+    write in (a file, a link loop or a locked directory there is named before any work)."""
+    out_dir = resolved(out_dir)
+    above = next(d for d in (out_dir.parent, *out_dir.parents) if os.path.lexists(d))
+    if not is_dir(above):
+        raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
+                               "choose an -o whose parent is a directory")
+    if not os.access(above, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise EagleExportError(f"cannot write the output in {above} (permission denied)",
+                               "choose an output directory you can write to (-o)")
+    return out_dir
+
+
+def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
+    """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
+    only what `replaceable` = (description, test) recognises as this tool's own output, never an
+    input of the build or a directory holding one (`-o ''` is the current directory)."""
+    for source in inputs:
+        source = resolved(source)
+        if out_dir == source or out_dir in source.parents:
+            what = "is" if out_dir == source else f"holds {source}, which is"
+            raise EagleExportError(f"the output {out_dir} {what} an input of this build",
+                                   "choose an -o outside the checkpoints the build reads")
+    if out_dir.exists() or out_dir.is_symlink():
+        if not force:
+            raise EagleExportError(f"{out_dir} already exists", "pass --force to replace it, or choose another -o")
+        description, test = replaceable
+        if not out_dir.is_dir() or not test(out_dir):
+            raise EagleExportError(f"{out_dir} exists and is not {description}: --force replaces only those",
+                                   "choose another -o, or move that directory away yourself")
+    return [f"the output {out_dir} lies inside the input {source}: the checkpoint directory now holds a build"
+            for source in map(resolved, inputs) if source in out_dir.parents]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def sweep_leftovers(out_dir: Path) -> list[Path]:
+    """Remove what a killed build (SIGKILL, power loss) left beside `out_dir`: `.NAME.partial-PID-*`
+    of a dead process, and `.NAME.old-PID` (a replaced build) once `out_dir` exists again."""
+    removed = []
+    for kind in ("partial", "old"):
+        prefix = f".{out_dir.name}.{kind}-"
+        for path in out_dir.parent.glob(glob.escape(prefix) + "*"):
+            pid = path.name[len(prefix):].split("-")[0]
+            if not path.is_dir() or path.is_symlink() or not pid.isdigit() or _process_alive(int(pid)):
+                continue
+            if kind == "old" and not out_dir.is_dir():
+                continue  # killed between its two renames: this may be the only copy of the old build
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _remove_empty(directories) -> None:
+    """Remove these directories (deepest first) where still empty: those a failed build created."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the partial build is removed
+
+
+@contextlib.contextmanager
+def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=BUILD_OUTPUT, warn=None):
+    """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
+
+    A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An
+    existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
+    only once the new build is complete. Without `force` the final rename cannot replace a build that
+    another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
+    out_dir = output_place(out_dir)
+    for message in check_output(out_dir, inputs, force, replaceable):
+        (warn or print)(f"warning: {message}")
+    parent = out_dir.parent
+    created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        sweep_leftovers(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=parent))
+    except OSError as e:
+        _remove_empty(created)
+        raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
+                               "choose an output directory you can write to (-o)") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would outlive the rename
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        yield tmp
+        if force and (out_dir.exists() or out_dir.is_symlink()):
+            check_output(out_dir, (), force, replaceable)  # still ours, whatever happened meanwhile
+            old = parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out_dir)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+                raise EagleExportError(f"{out_dir} appeared while this build ran (another build to the same -o "
+                                       "finished first); it was kept and this build discarded",
+                                       "pass --force to replace it, or choose another -o") from None
+    except BaseException:  # includes KeyboardInterrupt and SIGTERM: the partial build goes, whatever stopped it
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)  # and the parent directories it made for the output
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
