@@ -2,7 +2,7 @@
 
 load -> model passes -> quantize -> export (ONNX passes + lint inside) -> engines -> validate -> manifest
 Everything is written into a temporary directory beside the output and renamed at the end
-(output_dir.atomic_build_dir), so a failure, Ctrl-C or SIGTERM never leaves a half build, and --force
+(output_dir.atomic_output_dir), so a failure, Ctrl-C or SIGTERM never leaves a half build, and --force
 replaces only an earlier build, never a checkpoint the build reads.
 """
 
@@ -27,8 +27,8 @@ from .doctor import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
-from .manifest import BuiltModel, Engine, GraphFile, Manifest, source_hashes, write_manifest
-from .output_dir import atomic_build_dir
+from .manifest import BUILD_OUTPUT, BuiltModel, Engine, GraphFile, Manifest, source_hashes, write_manifest
+from .output_dir import atomic_output_dir
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .passes.onnx_cleanup import onnx_pipeline
@@ -203,7 +203,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
     depth, sampling = recipe["depth"], recipe["sampling"]
     model_precisions = {precision["target"], precision["drafter"]}
     target_dir, drafter_dir = resolve_sources(recipe)
-    with atomic_build_dir(out_dir, force, inputs=(target_dir, drafter_dir), warn=echo) as tmp:
+    with atomic_output_dir(out_dir, BUILD_OUTPUT, force, inputs=(target_dir, drafter_dir), warn=echo) as tmp:
         with log("load checkpoints"):
             # hashed before loading: a file changed meanwhile fails the check later, never passes it
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}

@@ -24,7 +24,7 @@ from .nvfp4 import use_graph_weights
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
-from .runtime import SpeculativeRuntime
+from .runtime import PairShapes, SpeculativeRuntime
 from .tree import DynamicTree
 from .unrolled import TargetGraph, UnrolledDrafter
 
@@ -152,12 +152,13 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
     tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None
-    runtime = SpeculativeRuntime(chosen, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
-                                 len(t.aux_layer_ids) * t.hidden_size, manifest.max_context,
-                                 draft_to_target=draft_to_target, tokenizer=tokenizer, depth_policy=depth_policy,
+    shapes = PairShapes(t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
+                        len(t.aux_layer_ids) * t.hidden_size, manifest.max_context, t.vocab_size)
+    runtime = SpeculativeRuntime(chosen, shapes, draft_to_target=draft_to_target, tokenizer=tokenizer,
+                                 depth_policy=depth_policy,
                                  cost_cache=CostCache(cache_path(path, manifest),
                                                       cost_key(chosen, threads, static_cache)),
-                                 vocab_size=t.vocab_size, static_cache=static_cache)
+                                 static_cache=static_cache)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
 
 

@@ -42,7 +42,7 @@ from .drafter import Drafter
 from .errors import EagleExportError
 from .config import read_config_json
 from .manifest import MANIFEST, Manifest
-from .output_dir import atomic_build_dir, check_output, output_place
+from .output_dir import atomic_output_dir, check_output, output_place
 from .modelopt_hf import export_quantized, quantization_config, unify_fused_scales
 from .nvfp4 import pack_nvfp4
 from .prompts import ChatTemplate, chat_prompts
@@ -225,7 +225,7 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         raise EagleExportError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     src = resolve_source(source, target)
     inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
-    check_output(output_place(out_dir), inputs, force, EXPORT_OUTPUT)  # before any work; again at the rename
+    check_output(output_place(out_dir), EXPORT_OUTPUT, inputs, force)  # before any work; again at the rename
     # A build's fp16/bf16/fp32 is its engines' precision; a checkpoint keeps the drafter's own dtype.
     precision = precision or (src["precision"] if src["precision"] in QUANTIZED else None)
     quantized = precision in QUANTIZED
@@ -303,7 +303,7 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if hf_quant_config is not None:
         config["quantization_config"] = quantization_config(hf_quant_config)
 
-    with atomic_build_dir(out_dir, force, inputs, replaceable=EXPORT_OUTPUT, warn=progress) as tmp:
+    with atomic_output_dir(out_dir, EXPORT_OUTPUT, force, inputs, warn=progress) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weight_names(fmt, state), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if hf_quant_config is not None:

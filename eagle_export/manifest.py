@@ -411,6 +411,10 @@ def is_build_dir(path: Path) -> bool:
         return False
 
 
+# what `build --force` may replace (output_dir.check_output)
+BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
+
+
 def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
     """(changed, unavailable): how the checkpoints the build was made from differ from their hashes
     in the manifest, and those that cannot be compared (gone, or no hashes recorded)."""

@@ -17,9 +17,6 @@ from pathlib import Path
 
 from .errors import EagleExportError
 from .files import is_dir, resolved
-from .manifest import is_build_dir
-
-BUILD_OUTPUT = ("a build made by eagle-export (a directory with its manifest.json)", is_build_dir)
 
 
 def output_place(out_dir) -> Path:
@@ -36,7 +33,7 @@ def output_place(out_dir) -> Path:
     return out_dir
 
 
-def check_output(out_dir: Path, inputs=(), force: bool = False, replaceable=BUILD_OUTPUT) -> list[str]:
+def check_output(out_dir: Path, replaceable, inputs=(), force: bool = False) -> list[str]:
     """Refuse an output that would destroy what the user owns; return warnings. `--force` replaces
     only what `replaceable` = (description, test) recognises as this tool's own output, never an
     input of the build or a directory holding one (`-o ''` is the current directory)."""
@@ -96,7 +93,7 @@ def _terminate(signum, frame):
 
 
 @contextlib.contextmanager
-def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replaceable=BUILD_OUTPUT, warn=None):
+def atomic_output_dir(out_dir: str | Path, replaceable, force: bool = False, inputs=(), warn=None):
     """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
 
     A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An
@@ -104,7 +101,7 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
     only once the new build is complete. Without `force` the final rename cannot replace a build that
     another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
     out_dir = output_place(out_dir)
-    for message in check_output(out_dir, inputs, force, replaceable):
+    for message in check_output(out_dir, replaceable, inputs, force):
         (warn or print)(f"warning: {message}")
     parent = out_dir.parent
     created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
@@ -124,7 +121,7 @@ def atomic_build_dir(out_dir: str | Path, force: bool = False, inputs=(), replac
     try:
         yield tmp
         if force and (out_dir.exists() or out_dir.is_symlink()):
-            check_output(out_dir, (), force, replaceable)  # still ours, whatever happened meanwhile
+            check_output(out_dir, replaceable, (), force)  # still ours, whatever happened meanwhile
             old = parent / f".{out_dir.name}.old-{os.getpid()}"
             out_dir.rename(old)
             tmp.rename(out_dir)

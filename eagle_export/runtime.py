@@ -172,13 +172,35 @@ def request_record(result: SequenceResult, depth: int, timings: Timings) -> dict
     }
 
 
+@dataclass(frozen=True)
+class PairShapes:
+    """What the runtime allocates and checks for a target-drafter pair: the caches [L,B,Hkv,slots,D]
+    of the target (L layers) and of the drafter (one layer), the aux states' width (the target's
+    hidden size times the aux layers), the target vocabulary (prompt ids must lie below it; None:
+    not checked), and the context limit (max_context slots per sequence)."""
+
+    target_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    drafter_kv_heads: int
+    drafter_head_dim: int
+    aux_width: int
+    max_context: int
+    vocab_size: int | None = None
+
+    @classmethod
+    def of_models(cls, target, drafter, max_context: int) -> PairShapes:
+        """The shapes of the torch modules' configs."""
+        t, d = target.config, drafter.config
+        return cls(t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim, target.aux_width,
+                   max_context, t.vocab_size)
+
+
 class SpeculativeRuntime:
-    def __init__(self, backend: Backend, num_layers: int, num_kv_heads: int, head_dim: int,
-                 drafter_kv_heads: int, drafter_head_dim: int, aux_width: int, max_context: int,
-                 draft_to_target: torch.Tensor | None = None, tokenizer=None, depth_policy="goodput",
-                 costs: CostCurves | None = None, cost_cache: CostCache | None = None, vocab_size: int | None = None,
-                 static_cache: bool | None = None):
-        self.backend = backend
+    def __init__(self, backend: Backend, shapes: PairShapes, draft_to_target: torch.Tensor | None = None,
+                 tokenizer=None, depth_policy="goodput", costs: CostCurves | None = None,
+                 cost_cache: CostCache | None = None, static_cache: bool | None = None):
+        self.backend, self.shapes = backend, shapes
         # None: static exactly when the backend replays CUDA graphs (they read the caches they were captured with).
         self.static_cache = backend.cuda_graphs if static_cache is None else static_cache
         if backend.cuda_graphs and not self.static_cache:
@@ -186,15 +208,15 @@ class SpeculativeRuntime:
                                    "leave static_cache unset (or True) with cuda_graphs")
         self._static_caches: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> caches at max_context
         self._streaming: set[int] = set()  # static mode: batch sizes whose caches a stream is using
-        self.vocab_size = vocab_size  # prompt ids must lie below it (None: unknown, not checked)
+        self.vocab_size = shapes.vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.depth_policy = depth_policy
         check_policy(depth_policy)  # an unknown name fails here, not mid-generation
         self.cost_cache = cost_cache
         self.costs = costs or (cost_cache.load() if cost_cache else CostCurves())
         self.depth = backend.depth
-        self.target_cache_shape = (num_layers, num_kv_heads, head_dim)
-        self.drafter_cache_shape = (1, drafter_kv_heads, drafter_head_dim)
-        self.aux_width, self.max_context = aux_width, max_context
+        self.target_cache_shape = (shapes.target_layers, shapes.target_kv_heads, shapes.target_head_dim)
+        self.drafter_cache_shape = (1, shapes.drafter_kv_heads, shapes.drafter_head_dim)
+        self.aux_width, self.max_context = shapes.aux_width, shapes.max_context
         self.draft_to_target = draft_to_target
         self.tokenizer = tokenizer
         self.timings = Timings()
@@ -204,10 +226,8 @@ class SpeculativeRuntime:
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
         """A runtime whose cache shapes come from the torch modules' configs."""
-        t, d = target.config, drafter.config
-        return cls(backend, t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
-                   target.aux_width, max_context, draft_to_target=drafter.to_target_ids(
-                       torch.arange(d.draft_vocab_size)), tokenizer=tokenizer, vocab_size=t.vocab_size, **kw)
+        return cls(backend, PairShapes.of_models(target, drafter, max_context), tokenizer=tokenizer,
+                   draft_to_target=drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size)), **kw)
 
     def cost_curves(self, batch: int) -> CostCurves:
         """The measured costs, measuring (and caching) this batch size on its first use."""

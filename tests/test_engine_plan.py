@@ -293,13 +293,13 @@ def test_tensorrt_backend_allocates_each_cache_in_its_engines_dtype(monkeypatch,
     import torch
 
     from eagle_export.backends import TensorRTBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime, _State
+    from eagle_export.runtime import GenerationConfig, PairShapes, SpeculativeRuntime, _State
 
     fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dtype="FLOAT")
     backend = TensorRTBackend(tmp_path / "target.engine", tmp_path / "drafter.engine", DEPTH, has_logits=False)
     assert (backend.model_dtype, backend.drafter_dtype) == (torch.float16, torch.float32)
     monkeypatch.setattr(TensorRTBackend, "device", "cpu")
-    runtime = SpeculativeRuntime(backend, 6, 2, 16, 2, 16, 192, max_context=64)
+    runtime = SpeculativeRuntime(backend, PairShapes(6, 2, 16, 2, 16, 192, max_context=64))
     state = _State(runtime, [[1, 2, 3]], GenerationConfig(max_new_tokens=4))
     assert state.target_k.dtype == state.target_v.dtype == torch.float16
     assert state.draft_k.dtype == state.draft_v.dtype == torch.float32

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagle_export.errors import EagleExportError
-from eagle_export.manifest import (BuiltModel, GraphFile, Manifest, read_manifest, verify_artifacts, write_manifest,
+from eagle_export.manifest import (BUILD_OUTPUT, BuiltModel, GraphFile, Manifest, read_manifest, verify_artifacts, write_manifest,
                                    write_manifest_hash)
-from eagle_export.output_dir import atomic_build_dir, sweep_leftovers
+from eagle_export.output_dir import atomic_output_dir, sweep_leftovers
 
 # The sample build's manifest.json as eagle-export 0.1.0 wrote it before the typed view (its two
 # checkpoint paths anonymized): an existing build must still open.
@@ -21,7 +21,7 @@ SAMPLE_0_1_0 = Path(__file__).parent / "data" / "manifest_0.1.0_sample.json"
 
 
 def make_build(root):
-    with atomic_build_dir(root / "build") as tmp:
+    with atomic_output_dir(root / "build", BUILD_OUTPUT) as tmp:
         (tmp / "target.onnx").write_bytes(b"x" * 1000)
         (tmp / "drafter.onnx").write_bytes(b"y" * 500)
         write_manifest(tmp, Manifest.from_json(json.loads(SAMPLE_0_1_0.read_text())))
@@ -57,7 +57,7 @@ def test_not_a_build_and_corrupt_manifest(tmp_path):
 
 def test_failure_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
-        with atomic_build_dir(tmp_path / "build") as tmp:
+        with atomic_output_dir(tmp_path / "build", BUILD_OUTPUT) as tmp:
             (tmp / "half.onnx").write_bytes(b"1")
             raise RuntimeError("stage failed")
     assert os.listdir(tmp_path) == []
@@ -66,13 +66,13 @@ def test_failure_leaves_nothing(tmp_path):
 def test_existing_output_needs_force_and_survives_a_failed_rebuild(tmp_path):
     build = make_build(tmp_path)
     with pytest.raises(EagleExportError, match="--force"):
-        with atomic_build_dir(build):
+        with atomic_output_dir(build, BUILD_OUTPUT):
             pass
     with pytest.raises(RuntimeError):
-        with atomic_build_dir(build, force=True):
+        with atomic_output_dir(build, BUILD_OUTPUT, force=True):
             raise RuntimeError("stage failed")
     assert verify_artifacts(build, read_manifest(build)) == []  # the old build is untouched
-    with atomic_build_dir(build, force=True) as tmp:
+    with atomic_output_dir(build, BUILD_OUTPUT, force=True) as tmp:
         (tmp / "new.onnx").write_bytes(b"n")
     assert os.listdir(build) == ["new.onnx"] and sorted(os.listdir(tmp_path)) == ["build"]
 
@@ -85,7 +85,7 @@ def test_unwritable_output_directory(tmp_path):
         locked.mkdir(mode=0o500)
         target = str(locked / "build")
     with pytest.raises(EagleExportError, match="cannot write the build"):
-        with atomic_build_dir(target):
+        with atomic_output_dir(target, BUILD_OUTPUT):
             pass
 
 
@@ -97,8 +97,9 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path, sig):
         import time, pathlib
         import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from eagle_export.output_dir import atomic_build_dir
-        with atomic_build_dir(pathlib.Path({str(tmp_path)!r}) / "build") as tmp:
+        from eagle_export.manifest import BUILD_OUTPUT
+        from eagle_export.output_dir import atomic_output_dir
+        with atomic_output_dir(pathlib.Path({str(tmp_path)!r}) / "build", BUILD_OUTPUT) as tmp:
             (tmp / "target.onnx").write_bytes(b"partial")
             print("started", flush=True)
             time.sleep(60)
@@ -170,7 +171,7 @@ def test_force_replaces_only_a_build_of_ours(tmp_path):
     afile.write_text("keep")
     for out in (mine, other, afile):
         with pytest.raises(EagleExportError, match="not a build made by eagle-export") as err:
-            with atomic_build_dir(out, force=True) as tmp:
+            with atomic_output_dir(out, BUILD_OUTPUT, force=True) as tmp:
                 (tmp / "x.onnx").write_bytes(b"x")
         assert "--force replaces only" in err.value.problem
     assert (mine / "notes.txt").read_text() == "notes" and (other / "manifest.json").is_file()
@@ -184,11 +185,11 @@ def test_force_never_replaces_an_input_or_a_directory_holding_one(tmp_path):
     (drafter / "manifest.json").write_text(json.dumps({"tool": "eagle-export"}))  # even one that looks like ours
     for out in (drafter, drafter.parent, tmp_path):
         with pytest.raises(EagleExportError, match="an input of this build"):
-            with atomic_build_dir(out, force=True, inputs=[drafter]):
+            with atomic_output_dir(out, BUILD_OUTPUT, force=True, inputs=[drafter]):
                 pass
     assert (drafter / "config.json").is_file()
     warnings = []
-    with atomic_build_dir(drafter / "build", inputs=[drafter], warn=warnings.append) as tmp:
+    with atomic_output_dir(drafter / "build", BUILD_OUTPUT, inputs=[drafter], warn=warnings.append) as tmp:
         (tmp / "x.onnx").write_bytes(b"x")
     assert len(warnings) == 1 and "inside the input" in warnings[0] and (drafter / "build" / "x.onnx").is_file()
 
@@ -197,7 +198,7 @@ def test_a_second_build_to_the_same_output_fails_and_keeps_the_first(tmp_path):
     """Two builds to one -o without --force: the one that finishes second is refused at its rename
     (no check-then-rename window), the first stays whole, and nothing partial is left."""
     with pytest.raises(EagleExportError, match="appeared while this build ran") as err:
-        with atomic_build_dir(tmp_path / "build") as tmp:
+        with atomic_output_dir(tmp_path / "build", BUILD_OUTPUT) as tmp:
             (tmp / "second.onnx").write_bytes(b"2")
             make_build(tmp_path)  # the other build finishes first
     assert "--force" in err.value.fix
