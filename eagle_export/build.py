@@ -22,7 +22,7 @@ from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
 from . import conformance
 from .conformance import conformance_check
-from .doctor import buildable_precisions, gpu_info, tensorrt_version
+from .environment import buildable_precisions, gpu_info, tensorrt_version
 from .engine import build_engine, engine_file_name, engine_profiles
 from .errors import EagleExportError
 from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype

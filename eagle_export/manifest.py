@@ -23,7 +23,8 @@ from pathlib import Path
 
 from . import __version__
 from .costs import COSTS_FILE
-from .doctor import package_version, tensorrt_version
+from .environment import package_version, tensorrt_version
+from .engine import Engine
 from .errors import EagleExportError
 from .files import is_dir, list_dir, read_json, read_text, reading, resolved
 from .recipe import QUANTIZED
@@ -154,16 +155,6 @@ class GraphFile:
     file: str
     return_logits: bool = False  # target
     sampling: bool = False  # drafter
-
-
-@dataclass(frozen=True)
-class Engine:
-    """One entry of manifest.engines: a TensorRT engine for one graph, GPU and TensorRT release."""
-    graph: str
-    file: str
-    tensorrt: str
-    compute_capability: str
-    gpu: str = "?"
 
 
 @dataclass(frozen=True)
