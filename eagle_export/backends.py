@@ -20,7 +20,7 @@ import torch
 
 from . import contract as C
 from .cuda_graphs import CudaGraphCapture, ShapeGraphs
-from .engine import TensorRTSession
+from .trt_session import TensorRTSession
 from .errors import EagleExportError
 from .fp4_reference import reference_evaluator
 from .tree import Speculation, as_tree

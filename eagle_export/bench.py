@@ -29,8 +29,8 @@ from .costs import disagreement
 from .depth_policy import POLICIES, break_even_acceptance
 from .errors import EagleExportError
 from .progress import track
-from .reference import acceptance_by_depth, mean_accepted_length
 from .runtime import GenerationConfig, SpeculativeRuntime
+from .stats import acceptance_by_depth, mean_accepted_length
 from .synthetic import SyntheticDrafts, label, verify_width_continuations
 from .tree import describe
 

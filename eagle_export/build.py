@@ -23,11 +23,11 @@ from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
 from . import conformance
 from .conformance import conformance_check
-from .doctor import buildable_precisions, gpu_info, tensorrt_version
-from .engine import build_engine, engine_file_name, engine_profiles
+from .environment import buildable_precisions, gpu_info, tensorrt_version
 from .errors import EagleExportError
 from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
-from .manifest import BUILD_OUTPUT, BuiltModel, Engine, GraphFile, Manifest, source_hashes, write_manifest
+from .engine import Engine, build_engine, engine_file_name, engine_profiles
+from .manifest import BUILD_OUTPUT, BuiltModel, GraphFile, Manifest, source_hashes, write_manifest
 from .output_dir import atomic_output_dir
 from .passes.base import PassManager
 from .passes.model_pipeline import EagleModels, model_passes

@@ -14,7 +14,7 @@ import torch
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from .checkpoint import load_drafter, load_target
 from .costs import CostCache, cache_path, cost_key
-from .doctor import gpu_info, tensorrt_version
+from .environment import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
 from .files import load_int_array, load_tokenizer

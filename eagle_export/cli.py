@@ -520,7 +520,8 @@ def selftest(gpu, build_dir, report_path):
     TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
     Runtime CUDA, and a batch 1/4 bench on each backend; each step one line, all in one JSON report.
     Exit 1 when a step fails; exit 0 with one line on a machine without a GPU."""
-    from .doctor import NO_GPU_SELFTEST, cuda_available
+    from .doctor import NO_GPU_SELFTEST
+    from .environment import cuda_available
 
     if not cuda_available():  # answered before the suite's imports (torch, onnx: seconds)
         click.echo(NO_GPU_SELFTEST)
@@ -584,7 +585,8 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
                      continuation_prompts, max_new_tokens, depth, out_dir, json_file):
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
 
-    from .quantize import export_and_check, quantize_models
+    from .quantize import quantize_models
+    from .quantized_graphs import export_and_check
 
     report, qtarget, qdrafter = quantize_models(
         target_dir, drafter_dir, precision, depth, exclude=tuple(k for k in keep.split(",") if k),

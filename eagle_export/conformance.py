@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_root
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
@@ -278,8 +279,6 @@ CACHE_FORMAT = 2  # 2: findings by the paired log-probability gain, not an acc@1
 
 
 def cache_dir() -> Path:
-    from .sample import cache_root
-
     return cache_root() / "conformance"
 
 

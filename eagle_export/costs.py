@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import contract as C
-from .doctor import package_version, tensorrt_version
+from .cache import cache_root
+from .environment import package_version, tensorrt_version
 from .lazy import lazy
 
 torch = lazy("torch")  # the manifest (read by `inspect BUILD`) names COSTS_FILE; measuring needs torch
@@ -151,8 +152,6 @@ class CostCache:
 
 def cache_path(build_dir: Path, manifest) -> Path:
     """The build directory's costs.json, or one in the user cache when the build is read-only."""
-    from .sample import cache_root
-
     if os.access(build_dir, os.W_OK):
         return build_dir / COSTS_FILE
     stamp = (manifest.created or "") + "".join(a["sha256"][:8] for a in manifest.artifacts.values())

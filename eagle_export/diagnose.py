@@ -33,7 +33,8 @@ from .drafter import Drafter
 from .errors import EagleExportError
 from .progress import track
 from .prompts import ChatTemplate, chat_prompts
-from .reference import acceptance_by_depth, mean_accepted_length, replay_greedy
+from .reference import replay_greedy
+from .stats import acceptance_by_depth, mean_accepted_length
 from .target import Target
 
 BINS = 10

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from . import __version__
 from .costs import COSTS_FILE
-from .doctor import package_version, tensorrt_version
+from .environment import package_version, tensorrt_version
+from .engine import Engine
 from .errors import EagleExportError
 from .files import is_dir, list_dir, read_json, read_text, reading
 from .recipe import QUANTIZED
@@ -191,16 +192,6 @@ class GraphFile:
     def to_json(self, graph: str) -> dict:
         own = {"return_logits": self.return_logits} if graph == "target" else {"sampling": self.sampling}
         return {"file": self.file, **own, **self.report}
-
-
-@dataclass(frozen=True)
-class Engine:
-    """One entry of manifest.engines: a TensorRT engine for one graph, GPU and TensorRT release."""
-    graph: str
-    file: str
-    tensorrt: str
-    compute_capability: str
-    gpu: str = "?"
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from typing import Iterable, Iterator
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .cache import cache_root
 from .errors import EagleExportError
 from .files import load_tokenizer, read_json, read_text
-from .sample import cache_root
 
 # name -> (distribution, pinned version for downloads, path of the data file inside the distribution)
 DATA_FILES = {

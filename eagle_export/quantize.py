@@ -23,26 +23,21 @@ from __future__ import annotations
 
 import copy
 import warnings
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import contract as C
-from .backends import run_graph
 from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
-from .export import EXAMPLE_SIZES, export_drafter, export_target
 from .nvfp4 import pack_nvfp4
 from .progress import track
 from .prompts import ChatTemplate, chat_prompts
-from .reference import draft_chain, mean_accepted_length, speculative_generate
+from .reference import draft_chain, speculative_generate
+from .stats import mean_accepted_length
 from .target import Target
-from .tree import TreeShape
-from .unrolled import TargetGraph, UnrolledDrafter
 
 PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
 DEFAULT_EXCLUDE = ("lm_head", "fc")
@@ -354,39 +349,3 @@ def quantize_models(target_dir, drafter_dir, precision: str, depth: int = 4,
         target, drafter, precision, precision, calib, evals[:eval_prompts], evals[:continuation_prompts],
         evals[:tau_prompts], exclude, depth, max_new_tokens, progress)
     return {**report, **measured}, qtarget, qdrafter
-
-
-# ---------------------------------------------------------------- the quantized graphs
-
-@torch.no_grad()
-def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec, args: tuple) -> dict:
-    """The exported graph against the quantized torch module it came from, on the same inputs:
-    exact agreement of integer outputs, max abs difference of the others."""
-    expected = dict(zip(spec.output_names, module(*args)))
-    got = run_graph(path, spec.feeds(args))
-    report = {}
-    for name, value in expected.items():
-        if value.dtype == torch.int64:
-            report[name + "_equal"] = bool(torch.equal(got[name], value))
-        else:
-            report[name + "_max_abs_diff"] = float((got[name].float() - value.float()).abs().max())
-    return report
-
-
-def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
-    """target.onnx and drafter.onnx from the quantized models, each checked against its torch module
-    on random inputs of the export's sizes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(0)
-    spec = C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True)
-    report = {"target": export_target(qtarget, out_dir / "target.onnx", True, quantized=True)}
-    report["target"]["check"] = check_quantized_graph(
-        out_dir / "target.onnx", TargetGraph(qtarget, True).eval(), spec,
-        C.example_args(spec, EXAMPLE_SIZES, generator, qtarget.embed_tokens.weight.dtype))
-    if qdrafter is not None:
-        spec = C.drafter_graph(qdrafter.config, TreeShape.chain(depth), False)
-        report["drafter"] = export_drafter(qdrafter, depth, False, out_dir / "drafter.onnx", quantized=True)
-        report["drafter"]["check"] = check_quantized_graph(
-            out_dir / "drafter.onnx", UnrolledDrafter(qdrafter, depth, False).eval(), spec,
-            C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: depth + 1}, generator, qdrafter.fc.weight.dtype))
-    return report

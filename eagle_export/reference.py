@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafter import Drafter
+from .stats import acceptance_by_depth, mean_accepted_length
 from .target import Target
 from .tree import rejection_sample_path
 
@@ -47,24 +48,6 @@ class SpeculativeResult:
     @property
     def acceptance_by_depth(self) -> list[float]:
         return acceptance_by_depth(self.accepted, self.depth)
-
-
-def mean_accepted_length(accepted: list[int], empty: float = float("nan")) -> float:
-    """tau: mean tokens per round, the accepted drafts plus the target's own token (`empty` for no rounds)."""
-    return sum(m + 1 for m in accepted) / len(accepted) if accepted else empty
-
-
-def acceptance_by_depth(accepted: list[int], depth: int, unreached: float = float("nan"),
-                        verified: list[int] | None = None) -> list[float]:
-    """For depth i: the fraction of rounds that accepted draft i among those that accepted drafts 1..i-1
-    and verified draft i (`verified`: drafts verified per round, all `depth` when None; `unreached`
-    where no round got that far)."""
-    verified = verified if verified is not None else [depth] * len(accepted)
-    rates = []
-    for i in range(1, depth + 1):
-        reached = sum(m >= i - 1 and k >= i for m, k in zip(accepted, verified))
-        rates.append(sum(m >= i for m in accepted) / reached if reached else unreached)
-    return rates
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

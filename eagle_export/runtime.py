@@ -51,7 +51,7 @@ from .costs import CostCache, CostCurves, measure
 from .depth_policy import check_policy, make_policy
 from .errors import EagleExportError
 from .layers import causal_mask
-from .reference import acceptance_by_depth, mean_accepted_length
+from .stats import acceptance_by_depth, mean_accepted_length
 from .synthetic import SyntheticDrafts
 from .tree import greedy_accepted_path
 

@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from .cache import cache_root
 from .errors import EagleExportError
 from .progress import track
 
@@ -52,13 +53,6 @@ LAYER_TENSOR_NAMES = {
 }
 GLOBAL_TENSOR_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
-
-
-def cache_root() -> Path:
-    if os.environ.get("EAGLE_EXPORT_CACHE"):
-        return Path(os.environ["EAGLE_EXPORT_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "eagle-export"
 
 
 def sample_target_dir() -> Path:

@@ -19,8 +19,9 @@ import torch
 from . import contract as C
 from .backends import OnnxRuntimeBackend, ort_session, run_onnx
 from .checkpoint import resolve_dtype
-from .doctor import NO_GPU_SELFTEST, cuda_available, gpu_info, package_conflicts, package_version, tensorrt_version
+from .doctor import NO_GPU_SELFTEST, package_conflicts
 from .engine import axis_ranges, profile_shapes
+from .environment import cuda_available, gpu_info, package_version, tensorrt_version
 from .errors import EagleExportError
 from .tree import random_verify_mask
 from .manifest import MANIFEST, Manifest

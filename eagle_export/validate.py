@@ -47,8 +47,9 @@ from .manifest import (MANIFEST, Agreement, Manifest, contradictions, old_format
                        verify_sources)
 from .progress import track
 from .quantize import drafter_calibration_batches
-from .reference import draft_chain, mean_accepted_length
+from .reference import draft_chain
 from .runtime import GenerationConfig
+from .stats import mean_accepted_length
 from .synthetic import MODES, SyntheticDrafts
 from .teacher_forced import agreement, explain_divergence, position_variance
 from .tree import random_verify_mask

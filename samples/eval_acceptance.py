@@ -29,9 +29,10 @@ from eagle_export.bench import bench
 from eagle_export.build_dir import open_build
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.prompts import LONG_CONTEXT_SKIP, ChatTemplate, chat_prompts, prompt_sets
-from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
+from eagle_export.reference import replay_greedy, speculative_generate
 from eagle_export.runtime import GenerationConfig
 from eagle_export.sample import sample_target_dir
+from eagle_export.stats import acceptance_by_depth, mean_accepted_length
 
 DEPTHS = (1, 2, 3, 4, 5, 6)
 AUX_LAYER_IDS = (2, 15, 27)

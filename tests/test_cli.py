@@ -92,7 +92,7 @@ def light_command_imports(args, env=None) -> list[str]:
 def test_commands_that_need_no_model_import_no_heavy_library(args):
     """torch alone takes 1-2 s to import on an idle 2-core machine and 5-10 s under load: usage errors,
     help, doctor and selftest without a GPU must answer without it (on this CPU-only machine)."""
-    from eagle_export.doctor import nvidia_driver_loaded
+    from eagle_export.environment import nvidia_driver_loaded
 
     if nvidia_driver_loaded() and args[0] in ("doctor", "selftest"):
         pytest.skip("a GPU machine: doctor and selftest probe the GPU through torch there")

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.diagnose import chain_figures, diagnose, reliability
-from eagle_export.reference import acceptance_by_depth, speculative_generate
+from eagle_export.reference import speculative_generate
+from eagle_export.stats import acceptance_by_depth
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

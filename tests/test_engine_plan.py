@@ -4,11 +4,11 @@ import pytest
 
 from eagle_export.config import DrafterConfig, TargetConfig
 from eagle_export.contract import DRAFT_NEW_TOKENS, drafter_graph, target_graph
-from eagle_export.doctor import buildable_precisions
-from eagle_export.engine import (MIN_PAST, axis_ranges, engine_compatibility_problems, engine_file_name, engine_profiles,
+from eagle_export.environment import buildable_precisions
+from eagle_export.engine import (MIN_PAST, Engine, axis_ranges, engine_compatibility_problems, engine_file_name,
+                                 engine_profiles,
                                  pick_engine)
 from eagle_export.errors import EagleExportError
-from eagle_export.manifest import Engine
 from eagle_export.recipe import parse_recipe
 from eagle_export.tree import TreeShape
 from tiny_models import tiny_drafter_config, tiny_target_config
@@ -99,7 +99,8 @@ def test_tensorrt_builds_and_runs_a_strongly_typed_graph(tmp_path):
     import torch
     from onnx import TensorProto, helper
 
-    from eagle_export.engine import TensorRTSession, build_engine
+    from eagle_export.engine import build_engine
+    from eagle_export.trt_session import TensorRTSession
 
     if not torch.cuda.is_available():
         pytest.skip("TensorRT engines need a CUDA GPU")
@@ -220,7 +221,7 @@ def target_feeds(tokens, past, batch=2, dtype=None):
 def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch, tmp_path, specs):
     """The runtime writes the caches on torch's current stream: the engine must run on it (before:
     on a stream of its own, unordered with those writes), and switch profiles there too."""
-    from eagle_export.engine import TensorRTSession
+    from eagle_export.trt_session import TensorRTSession
 
     engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
     session = TensorRTSession(tmp_path / "target.engine")
@@ -238,7 +239,7 @@ def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch
 
 
 def test_out_of_profile_shapes_name_the_tensor_and_the_profile_range(monkeypatch, tmp_path, specs):
-    from eagle_export.engine import TensorRTSession
+    from eagle_export.trt_session import TensorRTSession
 
     fake_sessions(monkeypatch, tmp_path, specs)
     session = TensorRTSession(tmp_path / "target.engine")
@@ -256,7 +257,7 @@ def test_bound_tensors_must_have_the_engines_dtype_and_device(monkeypatch, tmp_p
     import torch
 
     import fake_tensorrt as fake
-    from eagle_export.engine import TensorRTSession
+    from eagle_export.trt_session import TensorRTSession
 
     fake_sessions(monkeypatch, tmp_path, specs)
     with pytest.raises(EagleExportError) as e:
@@ -269,7 +270,7 @@ def test_bound_tensors_must_have_the_engines_dtype_and_device(monkeypatch, tmp_p
 
 
 def test_a_refused_address_or_missing_input_is_an_error_not_a_silent_run(monkeypatch, tmp_path, specs):
-    from eagle_export.engine import TensorRTSession
+    from eagle_export.trt_session import TensorRTSession
 
     engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
     session = TensorRTSession(tmp_path / "target.engine")

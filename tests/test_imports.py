@@ -1,9 +1,12 @@
-"""The package's modules import each other without a cycle, function-level imports included.
+"""The package's modules import each other without a cycle, the runtime loads no build-time module,
+and no module imports a later pipeline stage; function-level imports included.
 
 A cycle kept alive only by imports inside functions still ties two modules into one: neither can
 be read, tested or changed alone. The walk reads every module's source (no import is executed),
 resolves each `import` / `from ... import` to the package modules it loads (a package's
 `__init__` included), and looks for a strongly connected component with more than one module.
+The same graph gives the runtime's import closure (what `import eagle_export.runtime` may load)
+and the edges that point from a pipeline stage to a later one.
 """
 
 import ast
@@ -13,11 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"eagle_export": ROOT / "eagle_export", "eagle_export.passes": ROOT / "passes"}
 
 
-def package_modules() -> dict[str, Path]:
+def package_modules(package_dirs: dict[str, Path] = PACKAGE_DIRS) -> dict[str, Path]:
+    """Module name -> source file, sub-folders included (folder a/b/c.py is module package.a.b.c)."""
     modules = {}
-    for package, folder in PACKAGE_DIRS.items():
-        for path in sorted(folder.glob("*.py")):
-            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    for package, folder in package_dirs.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
     return modules
 
 
@@ -47,8 +54,8 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = package_modules()
+def import_graph(package_dirs: dict[str, Path] = PACKAGE_DIRS) -> dict[str, set[str]]:
+    modules = package_modules(package_dirs)
     return {name: imported_modules(name, path, set(modules)) for name, path in modules.items()}
 
 
@@ -83,6 +90,64 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def import_paths(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module `start` loads, directly or through others, with one shortest import chain to it."""
+    paths, queue = {start: [start]}, [start]
+    for v in queue:  # breadth first: the queue grows as it is read
+        for w in sorted(graph[v] - paths.keys()):
+            paths[w] = paths[v] + [w]
+            queue.append(w)
+    return paths
+
+
+def last_name(module: str) -> str:
+    """`eagle_export.models.target` -> `target`: the tests name modules so, to hold across folder moves."""
+    return module.rpartition(".")[2]
+
+
+# What `import eagle_export.runtime` must not load: the recipe schema, the build manifest, the sample
+# target's converter, the models' export wrappers, the exporter, the quantizer, and the torch models.
+BUILD_TIME = {"recipe", "manifest", "sample", "unrolled", "export", "quantize", "target", "drafter"}
+
+
+def build_time_imports(graph: dict[str, set[str]], start: str = "eagle_export.runtime") -> list[str]:
+    """The import chains from `start` to each build-time module it loads."""
+    return [" -> ".join(map(last_name, chain)) for module, chain in sorted(import_paths(graph, start).items())
+            if last_name(module) in BUILD_TIME]
+
+
+# The pipeline, in order (module names below `eagle_export.`): a module may import its own stage and
+# earlier ones, never a later one. Data (the prompt sets, the sample target) comes first: the
+# quantizer calibrates on prompts and a recipe names the sample target.
+STAGES = {
+    "base": "eagle_export errors files lazy progress cache environment output_dir",
+    "data": "sample prompts",
+    "models": "config layers target drafter contract nvfp4 modelopt_hf checkpoint checkpoint_info",
+    "speculation": "tree stats synthetic reference",
+    "passes": "passes passes.base passes.onnx_types passes.trt_onnx_support passes.trt_lint passes.onnx_pin "
+              "passes.onnx_cleanup passes.eagle_models passes.fold_norms passes.fuse_projections "
+              "passes.draft_vocab passes.model_pipeline",
+    "export": "unrolled qdq export",
+    "quantize": "quantize",
+    "engine": "engine",
+    "runtime": "trt_session fp4_reference cuda_graphs backends costs depth_policy runtime",
+    "build": "recipe manifest teacher_forced conformance build_dir validate build",
+    "tools": "doctor bench diagnose checkpoint_export gpu_kit selftest quantized_graphs",
+    "cli": "cli",
+}
+
+
+def stage_numbers(stages: dict[str, str] = STAGES, package: str = "eagle_export") -> dict[str, int]:
+    """Module -> its stage's place in the pipeline."""
+    return {(name if name == package else f"{package}.{name}"): number
+            for number, names in enumerate(stages.values()) for name in names.split()}
+
+
+def later_stage_imports(graph: dict[str, set[str]], stage: dict[str, int]) -> list[str]:
+    """Edges `a -> b` where b's stage comes after a's."""
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if stage[b] > stage[a]]
+
+
 def test_the_walk_sees_relative_absolute_and_function_level_imports():
     graph = import_graph()
     assert {"eagle_export.contract", "eagle_export.errors"} <= graph["eagle_export.backends"]
@@ -94,3 +159,40 @@ def test_the_walk_sees_relative_absolute_and_function_level_imports():
 
 def test_the_package_has_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def test_the_walk_finds_modules_in_sub_folders(tmp_path):
+    """Modules moved into sub-packages keep being seen, relative imports resolved from where they are."""
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "top.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "mod.py").write_text("from ..top import x\nfrom . import other\n")
+    (tmp_path / "pkg" / "sub" / "other.py").write_text("")
+    graph = import_graph({"pkg": tmp_path / "pkg"})
+    assert set(graph) == {"pkg", "pkg.top", "pkg.sub", "pkg.sub.mod", "pkg.sub.other"}
+    assert graph["pkg.sub.mod"] == {"pkg.top", "pkg.sub.other"}
+
+
+def test_the_closure_and_stage_checks_see_a_planted_edge():
+    graph = {"p.runtime": {"p.backends"}, "p.backends": {"p.errors"}, "p.errors": set(), "p.models.target": set()}
+    assert build_time_imports(graph, "p.runtime") == []
+    graph["p.errors"] = {"p.models.target"}  # two steps away, in a sub-folder
+    assert build_time_imports(graph, "p.runtime") == ["runtime -> backends -> errors -> target"]
+    stage = {"p.errors": 0, "p.models.target": 1, "p.backends": 2, "p.runtime": 2}
+    assert later_stage_imports(graph, stage) == ["p.errors -> p.models.target"]
+
+
+def test_the_runtime_imports_no_build_time_module():
+    """`import eagle_export.runtime` (a user's only import) loads none of the build's code."""
+    chains = build_time_imports(import_graph())
+    assert not chains, "the runtime loads build-time modules:\n" + "\n".join(chains)
+
+
+def test_every_module_has_a_pipeline_stage():
+    assert sorted(set(import_graph()) - set(stage_numbers())) == []
+
+
+def test_no_module_imports_a_later_pipeline_stage():
+    edges = later_stage_imports(import_graph(), stage_numbers())
+    assert not edges, "imports of a later pipeline stage:\n" + "\n".join(edges)

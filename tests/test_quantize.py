@@ -318,3 +318,26 @@ def test_a_dynamic_per_tensor_activation_scale_is_refused_naming_its_quantizer(m
                                                r"scale.*dynamic per-tensor") as e:
         Q.quantize(copy.deepcopy(target), "fp8", Q.target_calibration_batches(target, prompts))
     assert "calibrate static activation scales" in e.value.fix
+
+
+@pytest.mark.slow  # 20 s of CPU: calibration, metrics and two exports
+def test_quantize_command_exports_and_checks_both_graphs(tmp_path):
+    """`quantize -o`: both graphs written and each checked against its quantized module (ids exactly)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from eagle_export.cli import main
+
+    target_dir = write_tiny_target(tmp_path / "t", "llama", num_hidden_layers=3)
+    drafter_dir = write_tiny_drafter(tmp_path / "d", "3.1", aux=(0, 1, 2))
+    result = CliRunner().invoke(main, ["quantize", "--target", str(target_dir), "--draft", str(drafter_dir),
+                                       "--precision", "fp8", "--calib-prompts", "2", "--eval-prompts", "2",
+                                       "--depth", str(DEPTH), "-o", str(tmp_path / "out"),
+                                       "--json", str(tmp_path / "report.json")])
+    assert result.exit_code == 0, result.output
+    graphs = json.loads((tmp_path / "report.json").read_text())["graphs"]
+    assert (tmp_path / "out" / "target.onnx").is_file() and (tmp_path / "out" / "drafter.onnx").is_file()
+    assert graphs["target"]["check"]["greedy_ids_equal"] and graphs["drafter"]["check"]["draft_ids_equal"]
+    assert graphs["target"]["fp8_weights"] == 3 * 7 and graphs["drafter"]["fp8_weights"] == 7
+    assert graphs["target"]["check"]["logits_max_abs_diff"] < 1e-3

@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eagle_export import doctor, selftest
+from eagle_export import doctor, environment, selftest
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.tree import TreeShape
@@ -28,7 +28,7 @@ def test_every_step_is_one_line_and_one_entry_of_the_report_and_a_failure_exits_
     steps = [("environment", lambda s: (True, "torch 2.x")), ("build", lambda s: (True, "engines")),
              ("out-of-profile input", refused), ("FP8 tactics", lambda s: (None, "not an FP8 build"))]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(doctor, "nvidia_driver_loaded", lambda: True)
+    monkeypatch.setattr(environment, "nvidia_driver_loaded", lambda: True)
     monkeypatch.setattr(selftest, "STEPS", steps)
     result = CliRunner().invoke(main, ["selftest", "--gpu", "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 1
@@ -44,7 +44,7 @@ def test_a_failed_build_step_stops_the_steps_that_need_engines(tmp_path, monkeyp
     later = []
     steps = [("build", lambda s: (False, "no engines")), ("engine I/O", lambda s: later.append(1) or (True, ""))]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(doctor, "nvidia_driver_loaded", lambda: True)
+    monkeypatch.setattr(environment, "nvidia_driver_loaded", lambda: True)
     monkeypatch.setattr(selftest, "STEPS", steps)
     report = selftest.selftest(None, tmp_path / "r.json", echo=lambda line: None)
     assert not later and report["ok"] is False and len(report["steps"]) == 1
@@ -57,7 +57,7 @@ def test_a_build_without_engines_still_runs_the_steps_that_need_none(tmp_path, m
     steps = [(name, lambda s, name=name: ran.append(name) or (True, "")) for name, _ in selftest.STEPS]
     steps[1] = ("build", lambda s: (False, "EagleExportError: no TensorRT engines"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(doctor, "nvidia_driver_loaded", lambda: True)
+    monkeypatch.setattr(environment, "nvidia_driver_loaded", lambda: True)
     monkeypatch.setattr(selftest, "STEPS", steps)
     report = selftest.selftest(tmp_path, tmp_path / "r.json", echo=lambda line: None)
     assert ran == ["environment", "NVFP4 gating", "torch CUDA graphs lossless", "bench", "tree vs chain"]
