@@ -85,7 +85,7 @@ def test_engine_io_step_compares_the_engines_profiles_and_dtypes_with_the_comput
     from eagle_export.backends import TensorRTBackend
     from eagle_export.config import DrafterConfig, TargetConfig
     from eagle_export.contract import drafter_graph, target_graph
-    from test_engine_plan import DEPTH, RECIPE, fake_sessions
+    from test_engine_plan import DEPTH, PROFILES, fake_sessions
     from tiny_models import tiny_drafter_config, tiny_target_config
 
     graph_specs = (target_graph(TargetConfig.from_hf(tiny_target_config("llama")), 3, return_logits=False),
@@ -96,15 +96,16 @@ def test_engine_io_step_compares_the_engines_profiles_and_dtypes_with_the_comput
                   for t in spec.inputs]
         onnx.save(helper.make_model(helper.make_graph([], graph, inputs, [])), tmp_path / f"{graph}.onnx")
 
-    def state(recipe):
+    def state(profiles):
         backend = TensorRTBackend(tmp_path / "target.engine", tmp_path / "drafter.engine", DEPTH, has_logits=False)
-        manifest = NS(data={"recipe": recipe}, target=NS(dtype="fp16", vocab_size=320), drafter=NS(dtype="fp16"),
+        manifest = NS(speculation=TreeShape.chain(DEPTH), profiles=profiles, target=NS(dtype="fp16", vocab_size=320),
+                      drafter=NS(dtype="fp16"),
                       target_graph=NS(file="target.onnx"), drafter_graph=NS(file="drafter.onnx"))
         return {"opened": NS(manifest=manifest, runtime=NS(backend=backend)), "build_dir": tmp_path}
 
     fake_sessions(monkeypatch, tmp_path, graph_specs)
-    assert selftest.engine_io(state(RECIPE)) == (True, "every profile shape and input dtype as computed")
-    smaller = {**RECIPE, "profiles": {**RECIPE["profiles"], "context": {"min": 16, "opt": 256, "max": 512}}}
+    assert selftest.engine_io(state(PROFILES)) == (True, "every profile shape and input dtype as computed")
+    smaller = {**PROFILES, "context": {"min": 16, "opt": 256, "max": 512}}
     ok, fact = selftest.engine_io(state(smaller))
     assert ok is False and "target/prefill past_key: ((6, 1, 2, 1, 16), (6, 2, 2, 1, 16), (6, 8, 2, 1024, 16)) != " \
                            "((6, 1, 2, 1, 16), (6, 2, 2, 1, 16), (6, 8, 2, 512, 16))" in fact
