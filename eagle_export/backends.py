@@ -97,7 +97,7 @@ def output_shapes(session, feeds: dict[str, torch.Tensor], step_rows: int, nodes
         axes.update({d: shape[j] for j, d in enumerate(i.shape) if isinstance(d, str)})
         cache = shape if i.name == C.PAST_KEY else cache
     if C.TOKENS in axes:
-        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + step_rows
+        axes[C.DRAFTER_NEW_ROWS] = axes[C.TOKENS] + step_rows
 
     def size(output, j, d):
         if isinstance(d, int):

@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from .config import DrafterConfig, TargetConfig
 
 BATCH, TOKENS, PAST = "batch", "tokens", "past"  # the dynamic axes of the inputs
-# The drafter's new K/V axis, W + the step rows after step 0 (K-1 for a chain, the nodes with children
-# for a static tree, (depth-1)*top_k for a dynamic one): named so because ONNX has no arithmetic on axis names.
-DRAFT_NEW_TOKENS = "tokens_plus_depth_minus_1"
+# The drafter's new K/V axis: its W input rows plus the step rows after step 0 (tree.Speculation.step_rows:
+# K-1 for a chain, the nodes with children for a static tree, (depth-1)*top_k for a dynamic one); an axis
+# of its own because ONNX has no arithmetic on axis names. Its on-graph name predates trees and is kept:
+# the runtime sizes outputs by axis name (backends.output_shapes), so every build made before still binds.
+DRAFTER_NEW_ROWS = "tokens_plus_depth_minus_1"
 MODEL_DTYPE = "model"
 ONNX_OPSET = 17  # TensorRT 10.x parses opsets 9..20; every op used here exists at 17
 MAX_DEPTH = 8  # the deepest unrolled drafter graph (speculation depth K)
@@ -113,7 +115,7 @@ def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
     so it is not imported here)."""
     nodes, tree = speculation.num_nodes, not speculation.is_chain
     cache = (1, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
-    new_cache = (1, BATCH, cfg.num_kv_heads, DRAFT_NEW_TOKENS, cfg.head_dim)
+    new_cache = (1, BATCH, cfg.num_kv_heads, DRAFTER_NEW_ROWS, cfg.head_dim)
     inputs = [TensorSpec(INPUT_IDS, (BATCH, TOKENS), "int64"),
               TensorSpec(AUX_HIDDEN, (BATCH, TOKENS, cfg.num_aux * cfg.target_hidden_size), MODEL_DTYPE),
               TensorSpec(NUM_VALID, (BATCH,), "int64"),

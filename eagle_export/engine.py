@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .contract import BATCH, DRAFT_NEW_TOKENS, PAST, TOKENS, GraphSpec
+from .contract import BATCH, DRAFTER_NEW_ROWS, PAST, TOKENS, GraphSpec
 from .errors import EagleExportError
 from .tree import Speculation
 
@@ -56,7 +56,7 @@ def axis_ranges(speculation: Speculation, profiles: dict, graph: str, phase: str
     if graph == "drafter":
         lo, opt, hi = ranges[TOKENS]
         extra = speculation.step_rows
-        ranges[DRAFT_NEW_TOKENS] = (lo + extra, opt + extra, hi + extra)
+        ranges[DRAFTER_NEW_ROWS] = (lo + extra, opt + extra, hi + extra)
     return ranges
 
 

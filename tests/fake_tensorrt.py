@@ -85,7 +85,7 @@ class FakeContext:
         axes = {}
         for t in self.engine.spec.inputs:
             axes.update({axis: self.shapes[t.name][i] for i, axis in t.dynamic_axes.items()})
-        axes[C.DRAFT_NEW_TOKENS] = axes[C.TOKENS] + self.engine.speculation.step_rows
+        axes[C.DRAFTER_NEW_ROWS] = axes[C.TOKENS] + self.engine.speculation.step_rows
         return [axes[d] if isinstance(d, str) else d for d in self.engine.spec[name].shape]
 
     def execute_async_v3(self, stream):

@@ -3,7 +3,7 @@
 import pytest
 
 from eagle_export.config import DrafterConfig, TargetConfig
-from eagle_export.contract import DRAFT_NEW_TOKENS, drafter_graph, target_graph
+from eagle_export.contract import DRAFTER_NEW_ROWS, drafter_graph, target_graph
 from eagle_export.environment import buildable_precisions
 from eagle_export.engine import (MIN_PAST, Engine, axis_ranges, engine_compatibility_problems, engine_file_name,
                                  engine_profiles,
@@ -42,7 +42,7 @@ def test_target_decode_profile_covers_a_trees_verify_width(specs):
     assert decode["input_ids"] == ((1, 1), (2, 17), (8, 17)) and decode["tree_mask"][2] == (8, 17, 17)
     assert engine_profiles(specs[1], tree, PROFILES, "drafter")[1]["input_ids"][2] == (8, 5)  # an accepted path + 1
     # the drafter's new K/V rows: its input rows and every step row (a chain's K - 1 would be 3)
-    assert axis_ranges(tree, PROFILES, "drafter", "decode")[DRAFT_NEW_TOKENS] == (13, 17, 17)
+    assert axis_ranges(tree, PROFILES, "drafter", "decode")[DRAFTER_NEW_ROWS] == (13, 17, 17)
 
 
 def test_every_dynamic_input_has_a_profile_with_ordered_bounds(specs):
