@@ -144,8 +144,8 @@ def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=N
     (ids below the vocabulary size, normal caches and hidden states, temperatures in [0.5, 1.5),
     uniform noise), for checks that must see non-trivial values. The new tokens are causal (a prefill
     or a chain's verify call), or those `tree_mask` [B,T,T] gives (a token tree's, e.g.
-    tree.random_verify_mask: root and TOKENS-1 nodes), positions each sequence's length plus the
-    node's depth. (This module imports nothing of the package's: tree.py builds masks on its limits.) dtype: torch.float32 by default."""
+    tree.random_verify_mask: the root and TOKENS-1 nodes), each token's position its sequence's
+    cache length plus its depth. `dtype` defaults to torch.float32."""
     import torch  # here, not at the top: the command line reads MAX_DEPTH from this module at start-up
 
     from .layers import causal_mask
