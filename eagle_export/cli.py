@@ -550,7 +550,11 @@ def selftest(gpu, build_dir, report_path):
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Output directory.")
 @click.option("--force", is_flag=True, help="Overwrite files in a non-empty output directory.")
 def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
-    """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted."""
+    """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted.
+
+    The pair goes through the model passes `build` applies (`eagle-export passes` lists them: q/k/v and
+    gate/up fused, norm gains folded, EAGLE-3.1's fc norm moved into the target), so the graphs are
+    the ones a build exports at this depth and dtype."""
     from .export import export_models
 
     export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
@@ -587,7 +591,12 @@ def list_passes():
 @click.option("--json", "json_file", default=None, type=click.Path(), help="Write the metrics to this file.")
 def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts,
                      continuation_prompts, max_new_tokens, depth, out_dir, json_file):
-    """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
+    """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs.
+
+    The models go through the model passes `build` applies before quantizing (q/k/v and gate/up
+    fused: one weight scale each, as in a build), so the metrics describe the model a build makes.
+    Without --draft, the passes that need the drafter (sharing embeddings, moving EAGLE-3.1's fc
+    norm into the target) have nothing to act on and are skipped."""
 
     from .quantize import export_and_check, quantize_models
 
