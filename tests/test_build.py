@@ -486,15 +486,14 @@ def test_failed_build_leaves_no_partial_output(sources, tmp_path):
 def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path, monkeypatch):
     """Refused by the conformance stage, which checks the build's own loaded models: each checkpoint
     is loaded once (before: a second fp32 copy of both, beside the build's)."""
-    import eagle_export.build as build_module
     import eagle_export.checkpoint as checkpoint_module
-    import eagle_export.conformance as conformance_module
+    import eagle_export.loader as loader_module
 
     loads = []
     for name in ("load_target", "load_drafter"):
         original = getattr(checkpoint_module, name)
         counted = lambda *a, _original=original, _name=name, **k: loads.append(_name) or _original(*a, **k)
-        for module in (checkpoint_module, build_module, conformance_module):
+        for module in (checkpoint_module, loader_module):  # every pair is loaded through loader.load_pair
             monkeypatch.setattr(module, name, counted)
     drafter = write_tiny_drafter(tmp_path / "random", "3.1")  # random weights: near zero under every reading
     recipe = write_recipe(tmp_path / "r.yaml", (sources[0], drafter))
