@@ -63,8 +63,8 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
                                "use the onnxruntime backend (it runs the build's own graphs), restore the "
                                "checkpoints, or rebuild with `eagle-export build --force`")
     target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
-                                passes=passes_skipping(manifest.skipped_passes), drafter_dtype=manifest.drafter.dtype,
-                                aux_layer_ids=manifest.target.aux_layer_ids)
+                                passes=passes_skipping(manifest.skipped_passes),
+                                drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
     if nvfp4_from is not None:
         for role, module, graph in (("target", target, manifest.target_graph), ("drafter", drafter, manifest.drafter_graph)):
             if manifest.models[role].precision == "nvfp4":

@@ -43,7 +43,7 @@ from .reference import draft_chain, mean_accepted_length, speculative_generate
 from .target import Target
 from .unrolled import TargetGraph, UnrolledDrafter
 
-PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
+QUANT_PRESETS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")  # ModelOpt presets `quantize` applies
 DEFAULT_EXCLUDE = ("lm_head", "fc")
 DRAFTER_CALIBRATION_STEPS = 3  # feedback steps after step 0: the states the drafter sees in decoding
 
@@ -62,8 +62,8 @@ def quant_config(precision: str, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> di
     never `fc_norm`): quantizer names are `<module path>.weight_quantizer` / `.input_quantizer`.
     """
     mtq = _mtq()
-    if precision not in PRECISIONS:
-        raise EagleExportError(f"unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    if precision not in QUANT_PRESETS:
+        raise EagleExportError(f"unknown precision {precision!r}", f"use one of {', '.join(QUANT_PRESETS)}")
     preset = {"fp8": mtq.FP8_DEFAULT_CFG, "fp8_weight_only": mtq.FP8_DEFAULT_CFG,
               "nvfp4": mtq.NVFP4_DEFAULT_CFG, "nvfp4_weight_only": mtq.W4A16_NVFP4_CFG}[precision]
     cfg = copy.deepcopy(preset)
