@@ -433,13 +433,12 @@ def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, m
     """`selftest --gpu`'s tree step on a CPU (ONNX Runtime): the build's twin drafting a dynamic tree
     is built from the same sources (greedy, though the build samples), and both run side by side,
     every output equal to plain decoding."""
-    import eagle_export.prompts
     from eagle_export import selftest
 
     out, _ = built
     opened = open_build(out)
     prompts = [opened.encode(t) for t in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13", "w14")]
-    monkeypatch.setattr(eagle_export.prompts, "chat_prompts", lambda template, name, count: prompts[:count])
+    monkeypatch.setattr(selftest, "chat_prompts", lambda template, name, count: prompts[:count])
     monkeypatch.setattr(OpenBuild, "chat_template", lambda self: None)  # the tiny build has none
     state = {"build_dir": out}
     ok, fact = selftest.tree_vs_chain(state)
