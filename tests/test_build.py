@@ -502,6 +502,20 @@ def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path, monkeypa
     assert sorted(loads) == ["load_drafter", "load_target"]
 
 
+def test_the_export_command_writes_the_graphs_a_build_writes(built, tmp_path):
+    """One pair loader: `eagle-export export` at the build's depth and dtype writes its graphs byte for
+    byte (before, export skipped the model passes and wrote other graphs)."""
+    out, _ = built
+    manifest = json.loads((out / "manifest.json").read_text())
+    sources = manifest["sources"]
+    result = CliRunner().invoke(main, ["export", "--target", sources["target"], "--draft", sources["drafter"],
+                                       "--depth", str(manifest["depth"]), "--dtype", "fp32", "--sampling",
+                                       "-o", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    for graph in ("target.onnx", "drafter.onnx", "drafter_sampling.onnx"):
+        assert (tmp_path / "export" / graph).read_bytes() == (out / graph).read_bytes(), graph
+
+
 def test_export_checkpoint_from_a_build_keeps_its_conformance_record(built, tmp_path):
     out, _ = built
     result = CliRunner().invoke(main, ["export-checkpoint", str(out), "-o", str(tmp_path / "ckpt")])
