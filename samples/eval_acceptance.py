@@ -28,7 +28,8 @@ from eagle_export import quantize as Q
 from eagle_export.bench import bench
 from eagle_export.build_dir import open_build
 from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.prompts import LONG_CONTEXT_SKIP, ChatTemplate, chat_prompts, prompt_set_name, prompt_sets
+from eagle_export.prompts import (LONG_CONTEXT_SKIP, PROMPT_SET_ALIASES, ChatTemplate, chat_prompts, prompt_set_name,
+                                  prompt_sets)
 from eagle_export.reference import acceptance_by_depth, mean_accepted_length, replay_greedy, speculative_generate
 from eagle_export.runtime import GenerationConfig
 from eagle_export.sample import sample_target_dir
@@ -94,7 +95,11 @@ def score(args) -> None:
     for name, drafter in drafters:
         results[name] = {}
         for set_name in args.sets:
-            saved = torch.load(data / f"{set_name}.pt")
+            saved_file = data / f"{set_name}.pt"
+            if not saved_file.exists():  # records of earlier runs carry the old spelling (mtbench.pt)
+                saved_file = next((data / f"{old}.pt" for old, new in PROMPT_SET_ALIASES.items() if new == set_name),
+                                  saved_file)
+            saved = torch.load(saved_file)
             max_new = saved["max_new_tokens"]
             accepted = {k: [] for k in DEPTHS}
             for i, rec in enumerate(saved["records"]):
