@@ -97,8 +97,8 @@ def score(args) -> None:
         for set_name in args.sets:
             saved_file = data / f"{set_name}.pt"
             if not saved_file.exists():  # records of earlier runs carry the old spelling (mtbench.pt)
-                saved_file = next((data / f"{old}.pt" for old, new in PROMPT_SET_ALIASES.items() if new == set_name),
-                                  saved_file)
+                saved_file = next((data / f"{old}.pt" for old, new in PROMPT_SET_ALIASES.items()
+                                   if new == set_name and (data / f"{old}.pt").exists()), saved_file)
             saved = torch.load(saved_file)
             max_new = saved["max_new_tokens"]
             accepted = {k: [] for k in DEPTHS}
