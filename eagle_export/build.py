@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from . import contract as C
-from .checkpoint import load_drafter, load_target
 from .build_dir import open_build
 from . import conformance
 from .conformance import conformance_check
@@ -27,10 +26,10 @@ from .environment import buildable_precisions, gpu_info, tensorrt_version
 from .errors import EagleExportError
 from .export import check_export_fits, export_drafter, export_target, resolve_export_dtype
 from .engine import Engine, build_engine, engine_file_name, engine_profiles
+from .loader import load_pair, passes_skipping, prepare_pair
 from .manifest import BUILD_OUTPUT, BuiltModel, GraphFile, Manifest, source_hashes, write_manifest
 from .output_dir import atomic_output_dir
-from .passes.base import PassManager
-from .passes.model_pipeline import EagleModels, model_passes
+from .passes.model_pipeline import model_passes
 from .passes.onnx_cleanup import onnx_pipeline
 from .prompts import ChatTemplate, chat_prompts
 from .quantize import quantize_pair
@@ -210,15 +209,14 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
             check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))  # before loading
-            target = load_target(target_dir, dtype=target_dtype)
+            # the model passes run after the conformance check, which reads the models as loaded
+            target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
                 raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "
                                        f"target's {positions} positions (max_position_embeddings)",
                                        "lower profiles.context.max to the target's position count or less "
                                        "(--set profiles.context.max=N)")
-            drafter = load_drafter(drafter_dir, target=target, dtype=drafter_dtype)
-            target.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config)
 
         with log("check the drafter's conventions"):
             conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo)
@@ -230,8 +228,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             if unknown:
                 raise EagleExportError(f"passes.skip names unknown passes: {', '.join(sorted(unknown))}",
                                        "run `eagle-export passes` for the list")
-            pipeline = PassManager([p for p in model_passes() if p.name not in skip])
-            pass_records = pipeline(EagleModels(target, drafter)).records
+            pass_records = prepare_pair(target, drafter, passes_skipping(skip))
 
         unquantized = target, drafter  # validation measures the graphs against them
         with log("quantize"):

@@ -12,17 +12,15 @@ import onnx
 import torch
 
 from .backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
-from .checkpoint import load_drafter, load_target
 from .costs import CostCache, cache_path, cost_key
 from .environment import gpu_info, tensorrt_version
 from .engine import pick_engine
 from .errors import EagleExportError
 from .files import load_int_array, load_tokenizer
+from .loader import load_pair, passes_skipping
 from .manifest import (MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts,
                        verify_sources)
 from .nvfp4 import use_graph_weights
-from .passes.base import PassManager
-from .passes.model_pipeline import EagleModels, model_passes
 from .prompts import ChatTemplate
 from .runtime import PairShapes, SpeculativeRuntime
 from .tree import DynamicTree
@@ -64,10 +62,9 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
                                "from, and cannot trust them: " + "; ".join(changed + unavailable),
                                "use the onnxruntime backend (it runs the build's own graphs), restore the "
                                "checkpoints, or rebuild with `eagle-export build --force`")
-    target = load_target(manifest.target.source, dtype=manifest.target.dtype,
-                         aux_layer_ids=manifest.target.aux_layer_ids)
-    drafter = load_drafter(manifest.drafter.source, target=target, dtype=manifest.drafter.dtype)
-    PassManager([p for p in model_passes() if p.name not in manifest.skipped_passes])(EagleModels(target, drafter))
+    target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
+                                passes=passes_skipping(manifest.skipped_passes),
+                                drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
     if nvfp4_from is not None:
         for role, module, graph in (("target", target, manifest.target_graph), ("drafter", drafter, manifest.drafter_graph)):
             if manifest.models[role].precision == "nvfp4":

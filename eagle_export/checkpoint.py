@@ -26,6 +26,8 @@ from .target import Target
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# the names config.json's torch_dtype uses
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SEPARATE_VOCAB_MAP_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".npy")
 SPECULATORS_TRAINING_COPIES = ("verifier_lm_head.weight", "verifier_norm.weight")
 

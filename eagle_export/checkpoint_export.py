@@ -37,10 +37,11 @@ from safetensors.torch import save_file
 
 from . import __version__
 from . import quantize as Q
-from .checkpoint import DTYPES, drafter_state_for_saving, load_drafter, load_target, resolve_dtype
+from .checkpoint import DTYPE_NAMES, DTYPES, drafter_state_for_saving, load_drafter, resolve_dtype
 from .drafter import Drafter
 from .errors import EagleExportError
 from .config import read_config_json
+from .loader import load_pair
 from .manifest import MANIFEST, Manifest
 from .output_dir import atomic_output_dir, check_output, output_place
 from .modelopt_hf import export_quantized, quantization_config, unify_fused_scales
@@ -50,7 +51,6 @@ from .recipe import QUANTIZED
 from .reference import parallel_drafts
 
 FORMATS = ("vllm", "sglang", "speculators")
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 PASSES_NOT_APPLIED = {
     "fold_fc_norm": "readers load fc_norm.N.weight and normalize each aux state themselves",
     "fold_fc_norm_into_target": "it rewrites the target, which readers load from its own checkpoint",
@@ -239,17 +239,16 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if embeddings not in ("store", "share"):
         raise EagleExportError(f"unknown embeddings choice {embeddings!r}", "use store or share")
 
-    target_model = load_target(src["target_dir"], dtype="float32")
+    # fp32 for everything computed here (calibration, logits); `out_dtype` only for what is written.
+    # No model pass: the checkpoint keeps the drafter's own layout (q/k/v apart, gains unfolded).
+    target_model, drafter = load_pair(src["target_dir"], src["drafter_dir"], "float32", passes=())
     drafter_cfg_dtype = read_config_json(src["drafter_dir"]).get("torch_dtype")
     out_dtype = resolve_dtype(dtype or (precision if precision in DTYPES else None) or drafter_cfg_dtype or "float32")
-    # fp32 for everything computed here (calibration, logits); `out_dtype` only for what is written.
-    drafter = load_drafter(src["drafter_dir"], target=target_model, dtype="float32")
     if fmt != "speculators" and drafter.config.qk_norm:
         raise EagleExportError("this drafter's decoder layer is a Qwen3 layer (q/k norm), which vLLM's "
                                "LlamaForCausalLMEagle3 layout has no weights for",
                                "export it with --format speculators (vLLM serves Qwen3-layer drafters in that layout)")
-    aux_ids = tuple(drafter.config.resolved_aux_layer_ids(target_model.config))
-    target_model.aux_layer_ids = aux_ids
+    aux_ids = target_model.aux_layer_ids
     own_table = drafter.owns_embeddings and not torch.equal(drafter.embed_tokens.weight, target_model.embed_tokens.weight)
     if embeddings == "share" and own_table:
         raise EagleExportError("the drafter's own embedding table differs from the target's, so it cannot be shared",

@@ -81,7 +81,8 @@ def main(quiet):
               help="Run the drafter under its config's conventions and each plausible alternative (needs --target).")
 @click.option("--strict", is_flag=True, help="With --check: exit 1 when a field is named or no convention matches.")
 @click.option("--prompts", default="mt-bench", show_default=True,
-              help="With --check: mt-bench, sharegpt (chat-templated), or a text file (one prompt a line, as is).")
+              help="With --check: mt-bench (or mtbench), sharegpt (chat-templated), or a text file (one prompt a "
+                   "line, as is).")
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="With --check: how many prompts.")
 @click.option("--new-tokens", default=0, show_default=True, type=int,
               help="With --check: greedy answer tokens to append (0: teacher-force on the prompts alone).")
@@ -104,8 +105,10 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
         report = inspect_checkpoint(path, target)
     if check:
         from .conformance import check_checkpoint, check_prompts
+        from .prompts import prompt_set_name
 
-        report["conformance"] = check_checkpoint(path, target, check_prompts(target, prompts, num_prompts), new_tokens)
+        prompts = check_prompts(target, prompt_set_name(prompts), num_prompts)
+        report["conformance"] = check_checkpoint(path, target, prompts, new_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -349,8 +352,8 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @main.command()
 @click.argument("build_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--dataset", default="mt-bench", show_default=True, callback=utf8,
-              help="mt-bench, humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of conversation), "
-                   "or a text file (one prompt a line).")
+              help="mt-bench (or mtbench), humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of "
+                   "conversation), or a text file (one prompt a line).")
 @click.option("--batch", default="1", show_default=True, help="Batch size, or several: 1,4,16.")
 @click.option("--backend", default="auto", show_default=True, help="auto, tensorrt, onnxruntime or torch.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
@@ -385,10 +388,11 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     from .bench import bench as run_bench
     from .build_dir import open_build
     from .costs import CostCurves
-    from .prompts import chat_prompts
+    from .prompts import chat_prompts, prompt_set_name
     from .runtime import GenerationConfig
     from .synthetic import parse_acceptance
 
+    dataset = prompt_set_name(dataset)
     sizes = [int(b) for b in batch.split(",") if b.strip().isdigit()]
     if len(sizes) != len(batch.split(",")) or min(sizes) < 1:
         raise EagleExportError(f"--batch {batch!r} is not a list of batch sizes",
@@ -474,8 +478,8 @@ def _echo_sweep(result: dict) -> None:
 @click.argument("sources", nargs=-1, required=True, type=click.Path())
 @click.option("--target", type=click.Path(), help="The target directory, for SOURCES that are drafter directories.")
 @click.option("--dataset", multiple=True, callback=utf8,
-              help="mt-bench, humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of conversation), or a "
-                   "text file (one prompt a line); repeatable.  [default: mt-bench]")
+              help="mt-bench (or mtbench), humaneval, sharegpt, long (MT-bench after 1.5-3k tokens of "
+                   "conversation), or a text file (one prompt a line); repeatable.  [default: mt-bench]")
 @click.option("--num-prompts", default=8, show_default=True, type=int, help="How many prompts of each dataset.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Greedy answer tokens per prompt.")
 @click.option("--depth", default=6, show_default=True, type=int, help="Chain depth K to diagnose.")
@@ -496,10 +500,12 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
 
     from .bench import pyplot
     from .diagnose import diagnose_sources, plot, table
+    from .prompts import prompt_set_name
 
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the run
-    report = diagnose_sources(sources, target, dataset or ("mt-bench",), num_prompts, depth, max_new_tokens,
+    datasets = tuple(prompt_set_name(d) for d in dataset) or ("mt-bench",)
+    report = diagnose_sources(sources, target, datasets, num_prompts, depth, max_new_tokens,
                               quantize, calib_prompts, echo=click.echo)
     click.echo(table(report))
     if json_file:
@@ -546,7 +552,11 @@ def selftest(gpu, build_dir, report_path):
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Output directory.")
 @click.option("--force", is_flag=True, help="Overwrite files in a non-empty output directory.")
 def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
-    """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted."""
+    """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted.
+
+    The pair goes through the model passes `build` applies (`eagle-export passes` lists them: q/k/v and
+    gate/up fused, norm gains folded, EAGLE-3.1's fc norm moved into the target), so the graphs are
+    the ones a build exports at this depth and dtype."""
     from .export import export_models
 
     export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
@@ -583,7 +593,12 @@ def list_passes():
 @click.option("--json", "json_file", default=None, type=click.Path(), help="Write the metrics to this file.")
 def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts,
                      continuation_prompts, max_new_tokens, depth, out_dir, json_file):
-    """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs."""
+    """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs.
+
+    The models go through the model passes `build` applies before quantizing (q/k/v and gate/up
+    fused: one weight scale each, as in a build), so the metrics describe the model a build makes.
+    Without --draft, the passes that need the drafter (sharing embeddings, moving EAGLE-3.1's fc
+    norm into the target) have nothing to act on and are skipped."""
 
     from .quantize import quantize_models
     from .quantized_graphs import export_and_check

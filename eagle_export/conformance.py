@@ -53,10 +53,10 @@ from pathlib import Path
 import torch
 
 from .cache import cache_root
-from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
 from .files import load_tokenizer, read_text
+from .loader import load_pair
 from .prompts import ChatTemplate, chat_prompts
 from .reference import parallel_drafts
 from .target import Target
@@ -270,8 +270,7 @@ def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tok
 
 def check_checkpoint(drafter_dir, target_dir, prompts: list[list[int]], new_tokens: int = 0) -> dict:
     """Load the pair in fp32 (whatever they are stored in) and run `conformance_check` on `prompts`."""
-    target = load_target(target_dir, dtype="float32")
-    drafter = load_drafter(drafter_dir, target=target, dtype="float32")
+    target, drafter = load_pair(target_dir, drafter_dir, "float32", passes=())  # the readings need the models as loaded
     return conformance_check(target, drafter, prompts, new_tokens, target.config.eos_ids)
 
 

@@ -31,6 +31,7 @@ from .checkpoint_export import resolve_source
 from .conformance import capture
 from .drafter import Drafter
 from .errors import EagleExportError
+from .loader import prepare_pair
 from .progress import track
 from .prompts import ChatTemplate, chat_prompts
 from .reference import replay_greedy
@@ -201,7 +202,7 @@ def quantized_copies(target: Target, drafters: dict[str, Drafter], precisions, t
     prompts = list(chat_prompts(template, "sharegpt", calib_prompts, max_tokens=512))
     out = {}
     for name, drafter in drafters.items():
-        target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
+        prepare_pair(target, drafter, passes=())  # the target's aux states for this drafter's calibration
         batches = Q.drafter_calibration_batches(target, prompts)
         for precision in precisions:
             copy = deepcopy(drafter)

@@ -35,10 +35,11 @@ import onnx_ir as ir
 import torch
 
 from . import contract as C
-from .checkpoint import load_drafter, load_target
+from .checkpoint import DTYPE_NAMES
 from .config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from .errors import EagleExportError
 from .files import file_error, free_bytes, reading
+from .loader import load_pair
 from .output_dir import output_place
 from .nvfp4 import pack_nvfp4
 from .passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
@@ -47,7 +48,6 @@ from .tree import check_depth
 from .unrolled import TargetGraph, UnrolledDrafter
 
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # The axis sizes graphs are traced at (the drafter's tokens: decoding's W = K+1 rows). The cache has
 # a few slots so that no shape computation is traced on an empty tensor (see the docstring).
 EXAMPLE_SIZES = {C.BATCH: 2, C.TOKENS: 3, C.PAST: 4}
@@ -234,13 +234,10 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
                                    "choose a new output directory, or pass --force to overwrite its files")
     check_export_fits(target_dir, drafter_dir, torch_dtype)
 
-    progress(f"loading target {target_dir} ({DTYPE_NAMES[torch_dtype]})")
-    target = load_target(target_dir, dtype=torch_dtype)
-    progress(f"loading drafter {drafter_dir}")
-    drafter = load_drafter(drafter_dir, target=target, dtype=torch_dtype)
-    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
-    if tuple(aux_ids) != target.aux_layer_ids:
-        target.aux_layer_ids = tuple(aux_ids)  # the target must expose the states this drafter was trained on
+    progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
+             "through the model passes a build applies")
+    target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
+    aux_ids = target.aux_layer_ids  # the states this drafter was trained on
     # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
     # named before, not discovered as a truncated file after.
     needed = sum(t.numel() * t.element_size() for m in (target, drafter, *[drafter] * sampling)

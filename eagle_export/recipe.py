@@ -23,7 +23,7 @@ from .files import is_dir, read_text
 from .tree import DynamicTree, Speculation, TreeShape
 
 SPECULATION_KINDS = ("chain", "static_tree", "dynamic_tree")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
+MODEL_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")  # what a recipe builds each model in
 QUANTIZED = ("fp8", "nvfp4")  # the precisions that go through ModelOpt
 CALIBRATION_SETS = ("mt-bench", "sharegpt", "humaneval")
 # recipes/ and samples/ install as the packages eagle_export.recipes and eagle_export.samples, side by
@@ -51,8 +51,8 @@ SCHEMA = {
         "nodes": (int, None, lambda v: 1 <= v <= MAX_TREE_NODES or f"must be between 1 and {MAX_TREE_NODES}"),
     },
     "precision": {
-        "target": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
-        "drafter": (str, "fp16", lambda v: v in PRECISIONS or f"must be one of {', '.join(PRECISIONS)}"),
+        "target": (str, "fp16", lambda v: v in MODEL_PRECISIONS or f"must be one of {', '.join(MODEL_PRECISIONS)}"),
+        "drafter": (str, "fp16", lambda v: v in MODEL_PRECISIONS or f"must be one of {', '.join(MODEL_PRECISIONS)}"),
         "keep_high_precision": (list, ["lm_head", "fc"], None),
     },
     "profiles": {

@@ -14,10 +14,16 @@ import tempfile
 from pathlib import Path
 
 import onnx
+import onnxruntime
 import torch
+import yaml
 
 from . import contract as C
 from .backends import OnnxRuntimeBackend, ort_session, run_onnx
+from .bench import bench
+from .build import build as run_build
+from .build import check_engine_precisions
+from .build_dir import open_build
 from .checkpoint import resolve_dtype
 from .doctor import NO_GPU_SELFTEST, package_conflicts
 from .engine import axis_ranges, profile_shapes
@@ -25,6 +31,10 @@ from .environment import cuda_available, gpu_info, package_version, tensorrt_ver
 from .errors import EagleExportError
 from .tree import random_verify_mask
 from .manifest import MANIFEST, Manifest
+from .prompts import chat_prompts
+from .recipe import load_recipe, parse_recipe
+from .runtime import GenerationConfig
+from .validate import TOLERANCE
 
 LOOPS = 50              # lossless repetitions on TensorRT: a stream race shows up as a rare mismatch
 BENCH_BATCHES = (1, 4)
@@ -33,8 +43,6 @@ _ELEMENT = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool", onnx
 
 
 def environment(state) -> tuple:
-    import onnxruntime
-
     trt_wheel = next((w for w in ("tensorrt-cu12", "tensorrt-cu13", "tensorrt") if package_version(w)), None)
     ort_builds = {w: package_version(w) for w in ("onnxruntime", "onnxruntime-gpu") if package_version(w)}
     torch_major = (torch.version.cuda or "").split(".")[0]
@@ -49,10 +57,6 @@ def environment(state) -> tuple:
 
 def build(state) -> tuple:
     """The build to test (--build), or the sample built here: both graphs parsed and built with both profiles."""
-    from .build import build as run_build
-    from .build_dir import open_build
-    from .recipe import load_recipe
-
     if state["build_dir"] is None:
         state["build_dir"] = Path(tempfile.mkdtemp(prefix="eagle-export-selftest-")) / "sample"
         run_build(load_recipe(None), state["build_dir"], echo=lambda line: None)
@@ -101,8 +105,6 @@ def _feeds(spec, dtype, tokens, past, batch=2, tree=False):
 
 def against_onnxruntime(state) -> tuple:
     """prefill -> decode -> prefill on one context, each against ONNX Runtime CPU on the same inputs."""
-    from .validate import TOLERANCE
-
     dtype = state["opened"].manifest.target.dtype
     depth, facts, ok = state["opened"].manifest.depth, [], True
     for graph, (session, path, spec) in _sessions(state).items():
@@ -133,8 +135,6 @@ def lossless_loop(state) -> tuple:
     """The lossless loop on TensorRT, repeated: speculative == autoregressive every time."""
     opened = state["opened"]
     prompts = [opened.encode(p) for p in ("Explain what a speculative decoder does.", "List three prime numbers.")]
-    from .runtime import GenerationConfig
-
     config = GenerationConfig(max_new_tokens=32)
     expected = [r.tokens for r in opened.runtime.generate(prompts, config, speculative=False)]
     bad = sum([r.tokens for r in opened.runtime.generate(prompts, config)] != expected for _ in range(LOOPS))
@@ -153,7 +153,7 @@ def out_of_profile(state) -> tuple:
 
 def fp8_tactics(state) -> tuple:
     """FP8 engines on Hopper and later: does the engine inspector show FP8 layers?"""
-    import tensorrt as trt
+    import tensorrt as trt  # optional (absent on machines without a GPU): only this step needs its module
 
     if "fp8" not in {m.precision for m in state["opened"].manifest.models.values()}:
         return None, "not an FP8 build: rerun with --build of `eagle-export build --set precision.target=fp8`"
@@ -165,8 +165,6 @@ def fp8_tactics(state) -> tuple:
 
 
 def nvfp4_refused(state) -> tuple:
-    from .build import check_engine_precisions
-
     gpu = gpu_info()
     if tuple(int(x) for x in gpu["compute_capability"].split(".")) >= (10, 0):
         return None, f"this GPU builds NVFP4 (compute capability {gpu['compute_capability']})"
@@ -179,8 +177,6 @@ def nvfp4_refused(state) -> tuple:
 
 def onnxruntime_cuda(state) -> tuple:
     """ONNX Runtime's CUDA provider running the build's graphs (FP8 ones where the build is FP8)."""
-    import onnxruntime
-
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return None, "ONNX Runtime has no CUDA provider here (pip install onnxruntime-gpu, see doctor)"
     manifest, path = state["opened"].manifest, state["build_dir"]
@@ -196,10 +192,6 @@ def onnxruntime_cuda(state) -> tuple:
 def torch_cuda_graphs(state) -> tuple:
     """The torch backend with static caches and CUDA graphs: speculative == autoregressive (both
     replayed from graphs) at batch 1 and 4, and agreement with eager torch's autoregressive output."""
-    from .build_dir import open_build
-    from .prompts import chat_prompts
-    from .runtime import GenerationConfig
-
     graphed = open_build(state["build_dir"], backend="torch", verify=False, cuda_graphs=True, depth_policy="fixed")
     eager = open_build(state["build_dir"], backend="torch", verify=False, cuda_graphs=False)
     prompts = list(chat_prompts(graphed.chat_template(), "mt-bench", 4))
@@ -224,11 +216,6 @@ BENCH_RUNS = (("tensorrt", "tensorrt", None), ("onnxruntime", "onnxruntime", Non
 
 
 def bench_backends(state) -> tuple:
-    from .bench import bench
-    from .build_dir import open_build
-    from .prompts import chat_prompts
-    from .runtime import GenerationConfig
-
     figures = {}
     for label, backend, cuda_graphs in BENCH_RUNS:
         try:
@@ -257,15 +244,6 @@ def tree_vs_chain(state) -> tuple:
     and benched side by side on the backend `open_build` picks (TensorRT when the builds have engines):
     tau, verify width and speedup per build and batch; every output must equal plain decoding. Where a
     wide verify call costs about what a narrow one does, the tree's higher tau is speed."""
-    import yaml
-
-    from .bench import bench
-    from .build import build as run_build
-    from .build_dir import open_build
-    from .prompts import chat_prompts
-    from .recipe import parse_recipe
-    from .runtime import GenerationConfig
-
     manifest = Manifest.read(state["build_dir"])
     recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation")}
     recipe.update(target=manifest.target.source, drafter=manifest.drafter.source)

@@ -28,7 +28,8 @@ from eagle_export import quantize as Q
 from eagle_export.bench import bench
 from eagle_export.build_dir import open_build
 from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.prompts import LONG_CONTEXT_SKIP, ChatTemplate, chat_prompts, prompt_sets
+from eagle_export.prompts import (LONG_CONTEXT_SKIP, PROMPT_SET_ALIASES, ChatTemplate, chat_prompts, prompt_set_name,
+                                  prompt_sets)
 from eagle_export.reference import replay_greedy, speculative_generate
 from eagle_export.runtime import GenerationConfig
 from eagle_export.sample import sample_target_dir
@@ -36,7 +37,8 @@ from eagle_export.stats import acceptance_by_depth, mean_accepted_length
 
 DEPTHS = (1, 2, 3, 4, 5, 6)
 AUX_LAYER_IDS = (2, 15, 27)
-SETS = ("mtbench", "humaneval", "long", "perturbed")
+SETS = ("mt-bench", "humaneval", "long", "perturbed")
+SETS_HELP = "prompt sets (mtbench, the spelling of earlier runs, is read as mt-bench)"
 
 
 @torch.no_grad()
@@ -94,7 +96,11 @@ def score(args) -> None:
     for name, drafter in drafters:
         results[name] = {}
         for set_name in args.sets:
-            saved = torch.load(data / f"{set_name}.pt")
+            saved_file = data / f"{set_name}.pt"
+            if not saved_file.exists():  # records of earlier runs carry the old spelling (mtbench.pt)
+                saved_file = next((data / f"{old}.pt" for old, new in PROMPT_SET_ALIASES.items()
+                                   if new == set_name and (data / f"{old}.pt").exists()), saved_file)
+            saved = torch.load(saved_file)
             max_new = saved["max_new_tokens"]
             accepted = {k: [] for k in DEPTHS}
             for i, rec in enumerate(saved["records"]):
@@ -178,22 +184,22 @@ def main():
     g.add_argument("--out", required=True)
     g.add_argument("--prompts", type=int, default=10, help="first N prompts of each set")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    g.add_argument("--sets", nargs="+", default=list(SETS), type=prompt_set_name, choices=SETS, help=SETS_HELP)
     g.add_argument("--threads", type=int, default=1)
     s = sub.add_parser("score", help="tau and acceptance by depth of each drafter")
     s.add_argument("drafters", nargs="+")
     s.add_argument("--data", required=True)
-    s.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    s.add_argument("--sets", nargs="+", default=list(SETS), type=prompt_set_name, choices=SETS, help=SETS_HELP)
     s.add_argument("--json", default="acceptance.json")
     s.add_argument("--no-cross-check", dest="cross_check", action="store_false")
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--quantize", nargs="*", default=[], choices=Q.PRECISIONS,
+    s.add_argument("--quantize", nargs="*", default=[], choices=Q.QUANT_PRESETS,
                    help="also score each drafter quantized with ModelOpt at these precisions (target unquantized)")
     b = sub.add_parser("bench", help="live tau of builds through the runtime (eagle_export.bench), per prompt set")
     b.add_argument("builds", nargs="+", help="build directories (`eagle-export build --depth K`)")
     b.add_argument("--prompts", type=int, default=8, help="first N prompts of each set")
     b.add_argument("--max-new-tokens", type=int, default=48)
-    b.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    b.add_argument("--sets", nargs="+", default=list(SETS), type=prompt_set_name, choices=SETS, help=SETS_HELP)
     b.add_argument("--json", default="bench.json", help="results, merged into this file by build and set")
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--tau-only", action="store_true", help="speculative decoding only (no autoregressive baseline)")

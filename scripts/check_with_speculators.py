@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from eagle_export.checkpoint import load_drafter, load_target
+from eagle_export.loader import load_pair
 from eagle_export.prompts import ChatTemplate, chat_prompts
 from eagle_export.quantize import drafter_calibration_batches
 from eagle_export.reference import parallel_drafts
@@ -38,9 +38,7 @@ def main():
     print(f"speculators {version('speculators')}, transformers {version('transformers')}: read",
           {k: getattr(theirs.config, k) for k in ("norm_before_residual", "fc_norm", "norm_output", "norm_before_fc",
                                                    "eagle_aux_hidden_state_layer_ids")})
-    target = load_target(args.target, dtype="float32")
-    ours = load_drafter(args.checkpoint, target=target, dtype="float32")
-    target.aux_layer_ids = ours.config.resolved_aux_layer_ids(target.config)
+    target, ours = load_pair(args.target, args.checkpoint, "float32", passes=())  # ours as written, no pass
     captured = []
     theirs.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     worst, agree, total = [0.0, 0.0], [0, 0], [0, 0]

@@ -434,13 +434,12 @@ def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, m
     """`selftest --gpu`'s tree step on a CPU (ONNX Runtime): the build's twin drafting a dynamic tree
     is built from the same sources (greedy, though the build samples), and both run side by side,
     every output equal to plain decoding."""
-    import eagle_export.prompts
     from eagle_export import selftest
 
     out, _ = built
     opened = open_build(out)
     prompts = [opened.encode(t) for t in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13", "w14")]
-    monkeypatch.setattr(eagle_export.prompts, "chat_prompts", lambda template, name, count: prompts[:count])
+    monkeypatch.setattr(selftest, "chat_prompts", lambda template, name, count: prompts[:count])
     monkeypatch.setattr(OpenBuild, "chat_template", lambda self: None)  # the tiny build has none
     state = {"build_dir": out}
     ok, fact = selftest.tree_vs_chain(state)
@@ -487,15 +486,14 @@ def test_failed_build_leaves_no_partial_output(sources, tmp_path):
 def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path, monkeypatch):
     """Refused by the conformance stage, which checks the build's own loaded models: each checkpoint
     is loaded once (before: a second fp32 copy of both, beside the build's)."""
-    import eagle_export.build as build_module
     import eagle_export.checkpoint as checkpoint_module
-    import eagle_export.conformance as conformance_module
+    import eagle_export.loader as loader_module
 
     loads = []
     for name in ("load_target", "load_drafter"):
         original = getattr(checkpoint_module, name)
         counted = lambda *a, _original=original, _name=name, **k: loads.append(_name) or _original(*a, **k)
-        for module in (checkpoint_module, build_module, conformance_module):
+        for module in (checkpoint_module, loader_module):  # every pair is loaded through loader.load_pair
             monkeypatch.setattr(module, name, counted)
     drafter = write_tiny_drafter(tmp_path / "random", "3.1")  # random weights: near zero under every reading
     recipe = write_recipe(tmp_path / "r.yaml", (sources[0], drafter))
@@ -503,6 +501,20 @@ def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path, monkeypa
     assert result.exit_code == 2 and "matches no convention" in result.output and "--check" in result.output
     assert not (tmp_path / "out").exists()
     assert sorted(loads) == ["load_drafter", "load_target"]
+
+
+def test_the_export_command_writes_the_graphs_a_build_writes(built, tmp_path):
+    """One pair loader: `eagle-export export` at the build's depth and dtype writes its graphs byte for
+    byte (before, export skipped the model passes and wrote other graphs)."""
+    out, _ = built
+    manifest = json.loads((out / "manifest.json").read_text())
+    sources = manifest["sources"]
+    result = CliRunner().invoke(main, ["export", "--target", sources["target"], "--draft", sources["drafter"],
+                                       "--depth", str(manifest["depth"]), "--dtype", "fp32", "--sampling",
+                                       "-o", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    for graph in ("target.onnx", "drafter.onnx", "drafter_sampling.onnx"):
+        assert (tmp_path / "export" / graph).read_bytes() == (out / graph).read_bytes(), graph
 
 
 def test_export_checkpoint_from_a_build_keeps_its_conformance_record(built, tmp_path):

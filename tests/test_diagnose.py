@@ -174,6 +174,17 @@ def test_diagnose_command_on_a_tiny_pair(models, tmp_path):
     assert "acc tf" in result.output and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_old_spelling_mtbench_is_read_as_mt_bench(models, tmp_path):
+    """One name for the prompt set (mt-bench); `mtbench`, the spelling of samples/ runs, still works at the CLI."""
+    _, _, target_dir, drafter_dirs = models
+    out = tmp_path / "d.json"
+    result = CliRunner().invoke(main, ["diagnose", str(drafter_dirs["3"]), "--target", str(target_dir), "--dataset",
+                                       "mtbench", "--num-prompts", "1", "--depth", "2", "--max-new-tokens", "4",
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(out.read_text())["drafters"]["drafter3"]["sets"]) == ["mt-bench"]
+
+
 def test_diagnose_refuses_bad_input(models, tmp_path):
     _, _, target_dir, drafter_dirs = models
     result = CliRunner().invoke(main, ["diagnose", str(drafter_dirs["3"])])

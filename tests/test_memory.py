@@ -47,7 +47,7 @@ def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, mon
         raise AssertionError("loaded before the memory check")
 
     monkeypatch.setattr(export_module, "available_memory_bytes", lambda: 1 << 20)
-    monkeypatch.setattr(export_module, "load_target", no_loading)
+    monkeypatch.setattr(export_module, "load_pair", no_loading)
     result = CliRunner().invoke(main, ["export", "--target", str(pair[0]), "--draft", str(pair[1]), "--dtype", "fp16",
                                        "-o", str(pair[0].parent / "out")])
     assert result.exit_code == 2 and "needs about" in result.output and "Traceback" not in result.output

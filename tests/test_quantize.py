@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from eagle_export import contract as C
+from eagle_export import loader
 from eagle_export import quantize as Q
 from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.errors import EagleExportError
@@ -339,5 +340,31 @@ def test_quantize_command_exports_and_checks_both_graphs(tmp_path):
     graphs = json.loads((tmp_path / "report.json").read_text())["graphs"]
     assert (tmp_path / "out" / "target.onnx").is_file() and (tmp_path / "out" / "drafter.onnx").is_file()
     assert graphs["target"]["check"]["greedy_ids_equal"] and graphs["drafter"]["check"]["draft_ids_equal"]
-    assert graphs["target"]["fp8_weights"] == 3 * 7 and graphs["drafter"]["fp8_weights"] == 7
+    assert graphs["target"]["fp8_weights"] == 3 * 4 and graphs["drafter"]["fp8_weights"] == 4  # qkv, o, gate_up, down
     assert graphs["target"]["check"]["logits_max_abs_diff"] < 1e-3
+
+
+def test_quantize_models_quantizes_the_pair_a_build_makes(tmp_path):
+    """Repro: `quantize` skipped the model passes `build` applies, so it quantized q/k/v (and gate/up)
+    as three (two) Linears with a weight scale each, where a build quantizes one fused qkv_proj
+    (gate_up_proj) with one scale: its metrics described a model no build makes."""
+    target_dir = write_tiny_target(tmp_path / "t", "llama", num_hidden_layers=3)
+    drafter_dir = write_tiny_drafter(tmp_path / "d", "3.1", aux=(0, 1, 2))
+    _, qtarget, qdrafter = Q.quantize_models(target_dir, drafter_dir, "fp8", calib_prompts=2, eval_prompts=2)
+
+    def weight_scales(model, projections):
+        return sorted(name for name, m in model.named_modules()
+                      if name.rsplit(".", 1)[-1] in projections and getattr(m, "weight_quantizer", None) is not None
+                      and m.weight_quantizer.amax is not None)
+
+    attention = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+    mlp = ("gate_proj", "up_proj", "gate_up_proj")
+    assert weight_scales(qtarget, attention) == [f"layers.{i}.self_attn.qkv_proj" for i in range(3)]
+    assert weight_scales(qtarget, mlp) == [f"layers.{i}.mlp.gate_up_proj" for i in range(3)]
+    assert weight_scales(qdrafter, attention) == ["midlayer.self_attn.qkv_proj"]
+    assert weight_scales(qdrafter, mlp) == ["midlayer.mlp.gate_up_proj"]
+    # the same modules a build quantizes: the pair through build's model passes
+    built_target, built_drafter = loader.load_pair(target_dir, drafter_dir, None, passes=loader.passes_skipping(()))
+    for quantized, built in ((qtarget, built_target), (qdrafter, built_drafter)):
+        linears = {name for name, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linears == {name for name, m in quantized.named_modules() if isinstance(m, torch.nn.Linear)}
