@@ -127,7 +127,7 @@ STAGES = {
     "passes": "passes passes.base passes.onnx_types passes.trt_onnx_support passes.trt_lint passes.onnx_pin "
               "passes.onnx_cleanup passes.eagle_models passes.fold_norms passes.fuse_projections "
               "passes.draft_vocab passes.model_pipeline",
-    "export": "unrolled qdq export",
+    "export": "unrolled qdq loader export",
     "quantize": "quantize",
     "engine": "engine",
     "runtime": "trt_session fp4_reference cuda_graphs backends costs depth_policy runtime",
