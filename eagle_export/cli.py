@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from . import __version__, progress
-from .contract import MAX_DEPTH
 from .errors import EagleExportError
+from .models.contract import MAX_DEPTH
 
 
 def _refuse(e: EagleExportError):
@@ -90,7 +90,7 @@ def main(quiet):
 def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit, or what a build
     directory holds (its pair, how it speculates, its graphs and engines)."""
-    from .manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
+    from .build.manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
@@ -100,12 +100,12 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
     if is_build:
         report = inspect_build(path)
     else:
-        from .checkpoint_info import inspect_checkpoint
+        from .models.checkpoint_info import inspect_checkpoint
 
         report = inspect_checkpoint(path, target)
     if check:
-        from .conformance import check_checkpoint, check_prompts
-        from .prompts import prompt_set_name
+        from .build.conformance import check_checkpoint, check_prompts
+        from .data.prompts import prompt_set_name
 
         prompts = check_prompts(target, prompt_set_name(prompts), num_prompts)
         report["conformance"] = check_checkpoint(path, target, prompts, new_tokens)
@@ -156,7 +156,7 @@ def _echo_conformance(result: dict) -> None:
 @main.command("sample-target")
 def sample_target():
     """Print the sample target's directory (SmolLM2-135M-Instruct), converting it on first use."""
-    from .sample import sample_target_dir
+    from .data.sample import sample_target_dir
 
     click.echo(str(sample_target_dir()))
 
@@ -165,7 +165,7 @@ def sample_target():
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json):
     """Report torch, CUDA, TensorRT, ONNX Runtime and ModelOpt, the GPU, and what can be built here."""
-    from .doctor import doctor_report
+    from .tools.doctor import doctor_report
 
     report = doctor_report()
     if as_json:
@@ -201,7 +201,7 @@ def doctor(as_json):
 def build(recipe, out_dir, force, target, drafter, depth, sets):
     """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
     validation, from a recipe."""
-    from .recipe import load_recipe, parse_override, resolve_sources
+    from .build.recipe import load_recipe, parse_override, resolve_sources
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
@@ -209,7 +209,7 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
             overrides[key] = value
     loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
     resolve_sources(loaded)
-    from .build import build as run_build
+    from .build.build import build as run_build
 
     manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
     checks = manifest.validation["checks"]
@@ -224,7 +224,7 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
-    from .validate import validate as run_validate
+    from .build.validate import validate as run_validate
 
     label = {True: "ok  ", False: "FAIL", None: "SKIP"}
 
@@ -252,12 +252,14 @@ def validate(build_dir, as_json):
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Torch backend on a GPU: static caches and one CUDA graph per call width (verify T=1..K+1, "
                    "the drafter's K+1 rows), as vLLM and gpt-fast do. Default: on when torch runs on CUDA.")
-@click.option("--depth-policy", default="goodput", show_default=True, type=click.Choice(["goodput", "fixed"]),
-              help="goodput: drafts per round (0..K, or no drafter call) chosen from the measured costs; "
-                   "fixed: always K.")
+@click.option("--verify-policy", "--depth-policy", "verify_policy", default="goodput", show_default=True,
+              type=click.Choice(["goodput", "fixed"]),
+              help="How much of each round's drafted tree to verify. goodput: the subtree (0..all its nodes, or no "
+                   "drafter call) with the most expected tokens per second on the measured costs; fixed: all of it. "
+                   "(--depth-policy: its former name.)")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
-def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, depth_policy, as_json):
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, verify_policy, as_json):
     """Generate from a build, streaming the text, then per request one summary line (tau, tokens/s) and
     one saying why it did or did not speculate (acceptance seen against this machine's break-even).
 
@@ -265,26 +267,25 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
                                else "pass --prompt or --chat, not both")
-    from .build_dir import open_build
-    from .runtime import GenerationConfig, request_record
+    from .build.build_dir import open_build
+    from .runtime.runtime import GenerationConfig, request_record
+    from .runtime.verify_policy import explain
 
-    from .depth_policy import explain
-
-    opened = open_build(build_dir, backend=backend, depth_policy=depth_policy, cuda_graphs=cuda_graphs)
+    opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
     runtime = opened.runtime
     for ids in requests:  # a refused run writes nothing (not even the cost cache)
         runtime.check_requests([ids], config)
-    if depth_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
+    if verify_policy == "goodput":  # costs are measured once per machine (cached in the build), before the clock
         _measure_costs(runtime)
     for i, ids in enumerate(requests):
         if as_json:
             [result] = runtime.generate([ids], config)
             click.echo(json.dumps({"request": i, "backend": runtime.backend.name,
                                    **request_record(result, runtime.depth, runtime.timings),
-                                   "speculation": explain(depth_policy, result.stats, runtime.costs, runtime.depth)}))
+                                   "speculation": explain(verify_policy, result.stats, runtime.costs, runtime.depth)}))
             continue
         tokens, shown = [], ""
         for event in runtime.stream([ids], config):
@@ -297,7 +298,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
         click.echo(f"\n[{runtime.backend.name}] {stats.new_tokens} tokens in {seconds:.2f} s "
                    f"({stats.new_tokens / seconds:.1f} tokens/s), tau {stats.tau:.2f} over {stats.rounds} rounds "
                    f"({stats.draft_calls} with a drafter call)")
-        click.echo(explain(depth_policy, stats, runtime.costs, runtime.depth))
+        click.echo(explain(verify_policy, stats, runtime.costs, runtime.depth))
 
 
 def _measure_costs(runtime) -> None:
@@ -309,7 +310,7 @@ def _measure_costs(runtime) -> None:
         return
     where = runtime.cost_cache.path if runtime.cost_cache is not None else None
     click.echo(f"measuring what a drafter call and a verify call of each width cost on this machine, for the "
-               f"goodput depth policy (once{f'; cached in {where}' if where else ''}) ...", err=True)
+               f"goodput verify policy (once{f'; cached in {where}' if where else ''}) ...", err=True)
     start = time.perf_counter()
     runtime.cost_curves(1)
     click.echo(f"measured in {time.perf_counter() - start:.1f} s", err=True)
@@ -332,7 +333,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
     acceptance sweep, and the real-width graphs exported to ONNX. One JSON, one PNG."""
     import torch
 
-    from .gpu_kit import check_shapes, run_kit
+    from .tools.gpu_kit import check_shapes, run_kit
 
     chosen = check_shapes(shapes)
     if chosen != ["tiny"] and not torch.cuda.is_available():
@@ -341,7 +342,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
         return
     plot = None
     if plot_file:
-        from .bench import pyplot
+        from .tools.bench import pyplot
 
         pyplot()  # a missing matplotlib fails now, not after the kit
         plot = Path(plot_file)
@@ -363,7 +364,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @click.option("--max-new-tokens", default=128, show_default=True, type=int, help="New tokens per prompt.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
 @click.option("--remeasure/--reuse-costs", default=True, show_default=True,
-              help="Measure the cost curves the depth policy uses in this run, at this run's load, replacing those "
+              help="Measure the cost curves the verify policy uses in this run, at this run's load, replacing those "
                    "cached in each build; --reuse-costs reads the cached ones (refused where two builds' curves of "
                    "the same target disagree).")
 @click.option("--acceptance", help="Synthetic acceptance (a measurement, not generation): each round the real drafter "
@@ -384,13 +385,13 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
     turns on the same prompts."""
 
-    from .bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
-    from .bench import bench as run_bench
-    from .build_dir import open_build
-    from .costs import CostCurves
-    from .prompts import chat_prompts, prompt_set_name
-    from .runtime import GenerationConfig
-    from .synthetic import parse_acceptance
+    from .build.build_dir import open_build
+    from .data.prompts import chat_prompts, prompt_set_name
+    from .runtime.costs import CostCurves
+    from .runtime.runtime import GenerationConfig
+    from .speculation.synthetic import parse_acceptance
+    from .tools.bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
+    from .tools.bench import bench as run_bench
 
     dataset = prompt_set_name(dataset)
     sizes = [int(b) for b in batch.split(",") if b.strip().isdigit()]
@@ -498,9 +499,9 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
     SOURCES are builds or drafter directories (with --target), run side by side in fp32 on the target's
     greedy answers to the same prompts."""
 
-    from .bench import pyplot
-    from .diagnose import diagnose_sources, plot, table
-    from .prompts import prompt_set_name
+    from .data.prompts import prompt_set_name
+    from .tools.bench import pyplot
+    from .tools.diagnose import diagnose_sources, plot, table
 
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the run
@@ -526,13 +527,13 @@ def selftest(gpu, build_dir, report_path):
     TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
     Runtime CUDA, and a batch 1/4 bench on each backend; each step one line, all in one JSON report.
     Exit 1 when a step fails; exit 0 with one line on a machine without a GPU."""
-    from .doctor import NO_GPU_SELFTEST
     from .environment import cuda_available
+    from .tools.doctor import NO_GPU_SELFTEST
 
     if not cuda_available():  # answered before the suite's imports (torch, onnx: seconds)
         click.echo(NO_GPU_SELFTEST)
         return
-    from .selftest import selftest as run_selftest
+    from .tools.selftest import selftest as run_selftest
 
     report = run_selftest(build_dir, report_path, echo=click.echo)
     if report is not None and not report["ok"]:
@@ -557,7 +558,7 @@ def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
     The pair goes through the model passes `build` applies (`eagle-export passes` lists them: q/k/v and
     gate/up fused, norm gains folded, EAGLE-3.1's fc norm moved into the target), so the graphs are
     the ones a build exports at this depth and dtype."""
-    from .export import export_models
+    from .export.export import export_models
 
     export_models(target_dir, drafter_dir, depth, dtype, out_dir, sampling=sampling, force=force,
                   progress=click.echo)
@@ -600,8 +601,8 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     Without --draft, the passes that need the drafter (sharing embeddings, moving EAGLE-3.1's fc
     norm into the target) have nothing to act on and are skipped."""
 
-    from .quantize import quantize_models
-    from .quantized_graphs import export_and_check
+    from .quantize.quantize import quantize_models
+    from .tools.quantized_graphs import export_and_check
 
     report, qtarget, qdrafter = quantize_models(
         target_dir, drafter_dir, precision, depth, exclude=tuple(k for k in keep.split(",") if k),
@@ -631,11 +632,11 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
 def export_checkpoint_command(source, out_dir, fmt, target, precision, embeddings, verifier, calib_prompts, force):
     """Write the drafter of a build (or of --target + drafter) as a checkpoint vLLM, SGLang or speculators loads."""
-    from .checkpoint_export import export_checkpoint, resolve_source
+    from .tools.checkpoint_export import export_checkpoint, resolve_source
 
     prompts = None
     if calib_prompts is not None:
-        from .prompts import ChatTemplate, chat_prompts
+        from .data.prompts import ChatTemplate, chat_prompts
 
         prompts = list(chat_prompts(ChatTemplate(resolve_source(source, target)["target_dir"]), "sharegpt", calib_prompts))
     summary = export_checkpoint(source, out_dir, fmt, target=target, precision=precision, embeddings=embeddings,

@@ -30,15 +30,15 @@ import onnx
 import torch
 from torch import nn
 
-from eagle_export import contract as C
-from eagle_export.backends import ort_session
-from eagle_export.config import DrafterConfig, TargetConfig
-from eagle_export.drafter import Drafter
-from eagle_export.export import export_target as export_target_graph
-from eagle_export.layers import rms_normalize
+from eagle_export.export.export import export_target as export_target_graph
+from eagle_export.models import contract as C
+from eagle_export.models.config import DrafterConfig, TargetConfig
+from eagle_export.models.drafter import Drafter
+from eagle_export.models.layers import rms_normalize
+from eagle_export.models.target import Target
 from eagle_export.passes.eagle_models import EagleModels
 from eagle_export.passes.fold_norms import FoldFcNorm, FoldFcNormIntoTarget
-from eagle_export.target import Target
+from eagle_export.runtime.backends import ort_session
 
 AUX = (2, 15, 27)
 TARGET = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from eagle_export import contract as C
-from eagle_export.backends import ort_session, run_bound
-from eagle_export.layers import causal_mask
-from eagle_export.manifest import Manifest
-from eagle_export.tree import TreeShape, verify_mask
+from eagle_export.build.manifest import Manifest
+from eagle_export.models import contract as C
+from eagle_export.models.layers import causal_mask
+from eagle_export.runtime.backends import ort_session, run_bound
+from eagle_export.speculation.tree import TreeShape, verify_mask
 
 PAST = 256
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.backends import ort_session
-from eagle_export.export import export_drafter, export_target
-from eagle_export import contract as C
-from eagle_export.tree import TreeShape
+from eagle_export.export.export import export_drafter, export_target
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.runtime.backends import ort_session
+from eagle_export.speculation.tree import TreeShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import write_tiny_drafter  # noqa: E402
@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.target is None:
-        from eagle_export.sample import sample_target_dir
+        from eagle_export.data.sample import sample_target_dir
 
         args.target = sample_target_dir()
     torch.set_grad_enabled(False)
@@ -73,7 +73,8 @@ def main():
 
         unrolled, single = (ort_session(tmp / "drafter4.onnx", threads=args.threads),
                            ort_session(tmp / "drafter1.onnx", threads=args.threads))
-        spec4, spec1 = C.drafter_graph(drafter.config, TreeShape.chain(4), False), C.drafter_graph(drafter.config, TreeShape.chain(1), False)
+        spec4 = C.drafter_graph(drafter.config, TreeShape.chain(4), False)
+        spec1 = C.drafter_graph(drafter.config, TreeShape.chain(1), False)
         print(f"ONNX Runtime CPU, {args.threads} thread(s), past {args.past}, median of {args.runs} runs (ms):")
         for batch in (1, 4):
             feed4 = feeds(spec4, drafter, 4, 5, batch, args.past)

@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
-from eagle_export.loader import load_pair
-from eagle_export.prompts import ChatTemplate, chat_prompts
-from eagle_export.quantize import drafter_calibration_batches
-from eagle_export.reference import parallel_drafts
+from eagle_export.data.prompts import ChatTemplate, chat_prompts
+from eagle_export.export.loader import load_pair
+from eagle_export.quantize.quantize import drafter_calibration_batches
+from eagle_export.speculation.eager import parallel_drafts
 
 
 def main():

@@ -12,7 +12,8 @@ teacher-forced, under several call layouts, each building its own cache of exact
   chunks +64 slots   the chunks with 64 more masked slots
   ... view           the cache shown as the runtime shows it: a multiple of cache_step slots
 and each pair that must agree for T1 is printed: bit-identical or not, max |logit difference|,
-argmax flips (of the aux states, for a graph that returns no logits). Only width 1 against width W may differ for a quantized target.
+argmax flips (of the aux states, for a graph that returns no logits). Only width 1 against width W may
+differ for a quantized target.
 
 Run: python scripts/width_noise.py BUILD [--backend onnxruntime|torch|tensorrt] [--positions 16]
 """
@@ -23,10 +24,10 @@ import argparse
 
 import torch
 
-from eagle_export import contract as C
-from eagle_export.build_dir import open_build
-from eagle_export.layers import causal_mask
-from eagle_export.validate import CHECK_PROMPTS
+from eagle_export.build.build_dir import open_build
+from eagle_export.build.validate import CHECK_PROMPTS
+from eagle_export.models import contract as C
+from eagle_export.models.layers import causal_mask
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
     parser.add_argument("--backend", default="onnxruntime")
     parser.add_argument("--positions", type=int, default=16)
     args = parser.parse_args()
-    opened = open_build(args.build, backend=args.backend, verify=False, depth_policy="fixed")
+    opened = open_build(args.build, backend=args.backend, verify=False, verify_policy="fixed")
     backend, t = opened.runtime.backend, opened.manifest.target
     width, device = backend.verify_width, backend.device
     shape = (t.num_layers, 1, t.num_kv_heads, 0, t.head_dim)

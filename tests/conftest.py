@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def sample_target():
     """The sample target's Hugging Face directory (SmolLM2-135M-Instruct), converted once per cache."""
-    from eagle_export.sample import sample_target_dir
+    from eagle_export.data.sample import sample_target_dir
 
     return sample_target_dir()
 
@@ -36,7 +36,7 @@ def private_conformance_cache(tmp_path_factory):
     """Builds remember conformance results in the user cache; the suite's in-process builds keep their
     own, so such a test never reuses a result another run left (builds in a subprocess, test_wheel's
     and the interrupted build's, use the user cache as a user's command would)."""
-    from eagle_export import conformance
+    from eagle_export.build import conformance
 
     patch = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("conformance-cache")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import types
 
-from eagle_export import contract as C
+from eagle_export.models import contract as C
 
 DataType = enum.Enum("DataType", "FLOAT HALF BF16 INT64 INT32 BOOL")
 TensorIOMode = enum.Enum("TensorIOMode", "INPUT OUTPUT")

@@ -1,10 +1,10 @@
-"""A depth policy for tests: any decision the loop must survive, at random."""
+"""A verify policy for tests: any decision the loop must survive, at random."""
 
 import torch
 
 
 class RandomDepth:
-    """A depth policy that decides at random: skip the drafter, or verify any entry of the menu
+    """A verify policy that decides at random: skip the drafter, or verify any entry of the menu
     (for a chain: any k in 0..K drafts)."""
 
     def __init__(self, depth, seed=0, draft_rate=0.7):

@@ -2,8 +2,8 @@
 
 import torch
 
-from eagle_export import contract as C
-from eagle_export.tree import TreeShape
+from eagle_export.models import contract as C
+from eagle_export.speculation.tree import TreeShape
 
 
 class RandomTrees:

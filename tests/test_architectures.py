@@ -16,14 +16,14 @@ This table is the README's supported-families table; a family added to the loade
 import pytest
 import torch
 import transformers
-
-from eagle_export import contract as C
-from eagle_export.backends import OnnxRuntimeBackend, ort_session, run_onnx
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.export import export_drafter, export_target
-from eagle_export.layers import causal_mask
-from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
 from tiny_models import write_tiny_drafter, write_word_tokenizer
+
+from eagle_export.export.export import export_drafter, export_target
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.models.layers import causal_mask
+from eagle_export.runtime.backends import OnnxRuntimeBackend, ort_session, run_onnx
+from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
 pytestmark = pytest.mark.usefixtures("no_grad", "one_torch_thread")
 
@@ -39,8 +39,9 @@ RELEASED = {
                        tie_word_embeddings=False, attention_bias=False),
     "Llama-3.1-8B": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_attention_heads=32,
                          num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                         tie_word_embeddings=False, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+                         tie_word_embeddings=False,
+                         rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
     "Llama-3.2-1B": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
                          max_position_embeddings=131072, tie_word_embeddings=True,
@@ -161,7 +162,7 @@ def test_lossless_loop_equals_transformers_greedy(family, tmp_path):
             drafter.d2t[0] = frequent
         export_drafter(drafter, 3, False, tmp_path / f"drafter{draft_vocab}.onnx")
         backend = OnnxRuntimeBackend(root / "target.onnx", tmp_path / f"drafter{draft_vocab}.onnx")
-        runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, depth_policy="fixed")
+        runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, verify_policy="fixed")
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=new))
         assert [r.tokens for r in results] == expected, (name, draft_vocab)
 
@@ -173,8 +174,8 @@ def test_lossless_loop_equals_transformers_greedy(family, tmp_path):
                                               ("Qwen3MoeForCausalLM", "mixture-of-experts"),
                                               ("DeepseekV3ForCausalLM", "MLA"), ("GPTNeoXForCausalLM", "")])
 def test_an_unsupported_family_is_refused_with_the_supported_list(tmp_path, architecture, why):
-    from eagle_export.config import TargetConfig
     from eagle_export.errors import CheckpointError
+    from eagle_export.models.config import TargetConfig
 
     cfg = {**shrunk(RELEASED["Llama-2-7b"]), "architectures": [architecture]}
     with pytest.raises(CheckpointError, match=f"unsupported architecture {architecture}.*{why}") as e:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export.checkpoint import load_drafter, load_state_dict, load_target
 from eagle_export.cli import main
 from eagle_export.errors import CheckpointError
-from tiny_models import write_tiny_drafter, write_tiny_target
+from eagle_export.models.checkpoint import load_drafter, load_state_dict, load_target
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_no_fix_line_repeats_what_its_problem_names():
     root = Path(__file__).resolve().parent.parent
     errors = ("EagleExportError", "CheckpointError")
     sites, repeats = 0, {}
-    for path in sorted([*(root / "eagle_export").glob("*.py"), *(root / "passes").glob("*.py")]):
+    for path in sorted((root / "eagle_export").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             name = getattr(node, "func", None)
             if not (isinstance(node, ast.Call) and getattr(name, "id", getattr(name, "attr", None)) in errors):
@@ -226,8 +226,9 @@ def test_a_drafter_config_with_another_activation_is_refused(tmp_path, tiny_targ
 
 
 def test_qwen_sliding_windows_follow_max_window_layers():
-    from eagle_export.config import TargetConfig
     from tiny_models import tiny_target_config
+
+    from eagle_export.models.config import TargetConfig
 
     def window(**edits):
         return TargetConfig.from_hf({**tiny_target_config("qwen2"), "layer_types": None, **edits}).sliding_window
@@ -261,7 +262,7 @@ def test_config_json_of_the_wrong_shape_or_type(tmp_path, tiny_target_dir):
 
 
 def test_unreadable_weights_are_not_called_missing(tmp_path, tiny_target_dir, monkeypatch):
-    import eagle_export.checkpoint as checkpoint
+    import eagle_export.models.checkpoint as checkpoint
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -335,8 +336,8 @@ def test_a_manifest_of_the_wrong_shape(tmp_path):
 
 
 def test_a_template_the_sandbox_blocks_and_a_non_utf8_prompt_file(tmp_path, tiny_target_dir):
+    from eagle_export.data.prompts import ChatTemplate, conversations
     from eagle_export.errors import EagleExportError
-    from eagle_export.prompts import ChatTemplate, conversations
 
     model = tmp_path / "m"
     model.mkdir()
@@ -354,7 +355,7 @@ def test_a_template_the_sandbox_blocks_and_a_non_utf8_prompt_file(tmp_path, tiny
 
 
 def test_an_unexpected_exception_prints_error_and_a_log_not_a_traceback(monkeypatch):
-    import eagle_export.doctor as doctor
+    import eagle_export.tools.doctor as doctor
 
     def broken():
         raise RuntimeError("something internal")
@@ -446,7 +447,7 @@ def test_a_full_disk_is_named_with_the_space_needed_not_a_bug(tmp_path, tiny_tar
     """Repro: a full disk during an export was reported as an eagle-export bug."""
     import errno
 
-    import eagle_export.export as export
+    import eagle_export.export.export as export
     import eagle_export.files as files
 
     drafter = write_tiny_drafter(tmp_path / "d", "3.1")

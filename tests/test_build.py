@@ -12,18 +12,18 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
-
-from eagle_export.build import conformance_prompts
-from eagle_export.build_dir import OpenBuild, open_build
-from eagle_export.manifest import Manifest, write_manifest_hash
-from eagle_export.cli import main
-from eagle_export.errors import EagleExportError
-from eagle_export.recipe import load_recipe
-from eagle_export.runtime import GenerationConfig
 from hostile import share, snapshot, unprivileged, world_dir
 from random_policy import RandomDepth
+from safetensors.torch import load_file, save_file
 from tiny_models import write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
+
+from eagle_export.build.build import conformance_prompts
+from eagle_export.build.build_dir import OpenBuild, open_build
+from eagle_export.build.manifest import Manifest, write_manifest_hash
+from eagle_export.build.recipe import load_recipe
+from eagle_export.cli import main
+from eagle_export.errors import EagleExportError
+from eagle_export.runtime.runtime import GenerationConfig
 
 RECIPE = """\
 target: {target}
@@ -233,7 +233,7 @@ def test_onnxruntime_loop_is_lossless_whatever_depth_a_policy_chooses(built, bat
     plain = opened.runtime.generate(prompts, config, speculative=False)
     for seed in range(2):
         policy = RandomDepth(3, seed=seed, draft_rate=0.5)
-        results = opened.runtime.generate(prompts, config, depth_policy=policy)
+        results = opened.runtime.generate(prompts, config, verify_policy=policy)
         assert [r.tokens for r in results] == [r.tokens for r in plain]
         assert {None, 0, 1, 2, 3} <= set(policy.chosen)
 
@@ -304,7 +304,7 @@ def test_an_object_array_vocab_map_in_a_build_is_refused_by_name(built, tmp_path
     """Repro: draft_to_target.npy replaced by a pickled object array (hashes updated) made `run` exit 3."""
     import numpy as np
 
-    from eagle_export.manifest import artifact_hashes
+    from eagle_export.build.manifest import artifact_hashes
 
     copy = _copy_build(built[0], tmp_path)
     np.save(copy / "draft_to_target.npy", np.array([object()] * 96), allow_pickle=True)
@@ -434,7 +434,7 @@ def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, m
     """`selftest --gpu`'s tree step on a CPU (ONNX Runtime): the build's twin drafting a dynamic tree
     is built from the same sources (greedy, though the build samples), and both run side by side,
     every output equal to plain decoding."""
-    from eagle_export import selftest
+    from eagle_export.tools import selftest
 
     out, _ = built
     opened = open_build(out)
@@ -486,8 +486,8 @@ def test_failed_build_leaves_no_partial_output(sources, tmp_path):
 def test_a_drafter_matching_no_convention_is_refused(sources, tmp_path, monkeypatch):
     """Refused by the conformance stage, which checks the build's own loaded models: each checkpoint
     is loaded once (before: a second fp32 copy of both, beside the build's)."""
-    import eagle_export.checkpoint as checkpoint_module
-    import eagle_export.loader as loader_module
+    import eagle_export.export.loader as loader_module
+    import eagle_export.models.checkpoint as checkpoint_module
 
     loads = []
     for name in ("load_target", "load_drafter"):
@@ -557,7 +557,7 @@ def test_tree_builds_validate_and_decode_losslessly(sources, tmp_path, speculati
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["speculation"]["kind"] in speculation and manifest["validation"]["ok"]
     for backend in ("onnxruntime", "torch"):
-        opened = open_build(out, backend=backend, depth_policy="fixed")
+        opened = open_build(out, backend=backend, verify_policy="fixed")
         assert opened.runtime.backend.verify_width == manifest["speculation"]["nodes"] + 1
         prompts = [opened.encode("Hello there"), opened.encode("One two three four")]
         config = GenerationConfig(max_new_tokens=16)
@@ -614,7 +614,7 @@ def test_interrupted_build_leaves_nothing(sources, tmp_path):
         import sys
         import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        import eagle_export.export as E
+        import eagle_export.export.export as E
         real = E.export_drafter
         def slow_export(*args, **kwargs):
             print("exporting", flush=True)
@@ -667,9 +667,10 @@ def test_engines_for_another_gpu_are_refused(built, tmp_path):
 def with_engines_that_do_not_load(built, tmp_path, monkeypatch):
     """A copy of the build with engines for this (faked) GPU and TensorRT, whose files TensorRT
     cannot deserialize (as after a TensorRT patch upgrade); the manifest re-signed."""
-    import eagle_export.build_dir as build_dir
     import fake_tensorrt
-    from eagle_export.manifest import sha256_file
+
+    import eagle_export.build.build_dir as build_dir
+    from eagle_export.build.manifest import sha256_file
 
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(built[0]), str(copy)], check=True)
@@ -703,7 +704,7 @@ def test_auto_falls_back_to_onnxruntime_with_one_line_when_an_engine_does_not_lo
 def test_validate_runs_the_lossless_loop_on_the_engines_too(built, tmp_path, monkeypatch):
     """A build with engines runs the lossless loop on TensorRT as well; here they cannot load, so that
     check is skipped with the reason, never passed (on a GPU it runs: `eagle-export selftest --gpu`)."""
-    import eagle_export.validate as validate
+    import eagle_export.build.validate as validate
 
     copy = with_engines_that_do_not_load(built, tmp_path, monkeypatch)
     backends = []
@@ -836,7 +837,7 @@ def _rejected_row_left(runtime):
 
 
 def _plant(monkeypatch, mutation):
-    import eagle_export.runtime as runtime
+    import eagle_export.runtime.runtime as runtime
 
     name, replacement = mutation(runtime)
     owner, _, attribute = name.rpartition(".")
@@ -853,7 +854,7 @@ def _failed(report):
 def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, tiers):
     """The mutation test: the quantized build's tiers must catch a broken loop (T0 or T1 each; a
     cache bug T2 too), while its graphs stay sound."""
-    from eagle_export.validate import validate_build_dir
+    from eagle_export.build.validate import validate_build_dir
 
     out, _ = fp8_built
     _plant(monkeypatch, mutation)
@@ -865,7 +866,7 @@ def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, t
 
 @pytest.mark.slow
 def test_a_rejected_row_left_in_the_cache_fails_t0_t1_and_t2_on_a_tree(sources, tmp_path, monkeypatch):
-    from eagle_export.validate import validate_build_dir
+    from eagle_export.build.validate import validate_build_dir
 
     recipe = write_recipe(tmp_path / "r.yaml", sources).read_text().replace(
         "depth: 3\n", "speculation: {kind: static_tree, branching: [2, 2, 1]}\n")
@@ -910,7 +911,7 @@ def scale_first_fp8_weight(path, factor: float) -> None:
 
 
 def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_path):
-    from eagle_export.manifest import artifact_hashes
+    from eagle_export.build.manifest import artifact_hashes
 
     out, _ = fp8_built
     copy = tmp_path / "copy"
@@ -929,7 +930,7 @@ def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_pat
 
 
 def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_built, tmp_path):
-    from eagle_export.validate import validate_build_dir
+    from eagle_export.build.validate import validate_build_dir
 
     out, _ = fp8_built
     copy = tmp_path / "copy"
@@ -969,9 +970,9 @@ def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sou
 
 
 def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
-    from eagle_export.build import calibration_prompts, evaluation_prompts
-    from eagle_export.prompts import ChatTemplate
-    from eagle_export.recipe import load_recipe
+    from eagle_export.build.build import calibration_prompts, evaluation_prompts
+    from eagle_export.build.recipe import load_recipe
+    from eagle_export.data.prompts import ChatTemplate
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", sources),
                          overrides={"calibration.num_samples": 5, "evaluation.num_prompts": 3})
@@ -1037,7 +1038,7 @@ def test_run_has_no_synthetic_acceptance(built):
 def test_validate_hands_over_each_check_as_it_finishes(built, monkeypatch):
     """`eagle-export validate` prints a check when it finishes: the graph checks are out before the
     lossless loop (the slowest) starts, and what was streamed is the report, in its order."""
-    from eagle_export import validate
+    from eagle_export.build import validate
 
     seen, seen_before_loop = [], []
     loop = validate._lossless

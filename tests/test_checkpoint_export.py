@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.checkpoint_export import ROUND_TRIP_TOLERANCE, export_checkpoint, round_trip
-from eagle_export.errors import EagleExportError
-from eagle_export.quantize import drafter_calibration_batches, random_prompts
-from eagle_export.reference import parallel_drafts
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.errors import EagleExportError
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.quantize.quantize import drafter_calibration_batches, random_prompts
+from eagle_export.speculation.eager import parallel_drafts
+from eagle_export.tools.checkpoint_export import ROUND_TRIP_TOLERANCE, export_checkpoint, round_trip
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = random_prompts(320, 3, 16)
@@ -243,7 +243,7 @@ def test_sliding_window_and_qwen3_layer_drafters_export(sources, tmp_path):
 
 
 def test_reader_notes_follow_the_measured_table():
-    from eagle_export.checkpoint_export import reader_notes
+    from eagle_export.tools.checkpoint_export import reader_notes
 
     assert reader_notes("speculators", "3.1", False)["mis_serve"] == []
     assert any("without their scales" in line for line in reader_notes("vllm", "3.1", True)["mis_serve"])

@@ -5,10 +5,10 @@ import json
 import click
 import pytest
 from click.testing import CliRunner
+from tiny_models import write_tiny_drafter, write_tiny_target
 
 from eagle_export import __version__
 from eagle_export.cli import main
-from tiny_models import write_tiny_drafter, write_tiny_target
 
 
 def test_version():

@@ -3,15 +3,15 @@ CPU through a capture that replays eagerly into the same static buffers, the rea
 
 import pytest
 import torch
-
-from eagle_export import contract as C
-from eagle_export.backends import TorchBackend
-from eagle_export.cuda_graphs import ShapeGraphs
-from eagle_export.errors import EagleExportError
-from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
 from test_runtime import PROMPTS, PlantedDrafts, drafter, make_runtime, target  # noqa: F401 (fixtures)
+
+from eagle_export.errors import EagleExportError
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.runtime.backends import TorchBackend
+from eagle_export.runtime.cuda_graphs import ShapeGraphs
+from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -81,6 +81,7 @@ def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, draf
     kw = {"cuda_graphs": True, "capture": replay_eagerly} if graphs else {}
     runtime = make_runtime(target, drafter, depth, max_context=max_context, static_cache=True, **kw)
     prompts = PROMPTS[:batch]
+    first_caches = None
     for round_ in range(2):  # the second call reuses the first's caches (stale rows masked)
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
         assert [r.tokens for r in results] == [target.generate_greedy(p, 24) for p in prompts]
@@ -106,7 +107,7 @@ def test_static_caches_are_seen_through_views_growing_in_power_of_two_buckets(ta
     (never all 1024), one graph per (width, view size), and the output stays the target's own."""
     depth, prompt = 3, [(7 * i) % 200 + 1 for i in range(240)]
     runtime = make_runtime(target, drafter, depth, max_context=1024, cuda_graphs=True, capture=replay_eagerly,
-                           depth_policy="fixed")
+                           verify_policy="fixed")
     [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=24))
     assert result.tokens == target.generate_greedy(prompt, 24)
     graphs = runtime.backend.captured[None]
@@ -127,7 +128,7 @@ def test_graphs_survive_any_depth_and_catch_up_calls(target, drafter, batch):
     expected = [p + target.generate_greedy(p, 40) for p in prompts]
     policy = RandomDepth(depth, seed=batch)
     runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
-                           error_rate=0.3, seed=batch, depth_policy=policy, cuda_graphs=True, capture=replay_eagerly)
+                           error_rate=0.3, seed=batch, verify_policy=policy, cuda_graphs=True, capture=replay_eagerly)
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
     got = keys(runtime.backend)
@@ -140,8 +141,8 @@ def test_sampling_in_static_mode_draws_what_the_growing_caches_draw(target, draf
     """Same seed, same random draws: rejection sampling over the graphs' static outputs (the draft
     distributions are read after the target's replay) samples exactly what the default mode does."""
     config = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=3)
-    default = make_runtime(target, drafter, 3, depth_policy="fixed").generate(PROMPTS[:2], config)
-    graphed = make_runtime(target, drafter, 3, depth_policy="fixed", cuda_graphs=True,
+    default = make_runtime(target, drafter, 3, verify_policy="fixed").generate(PROMPTS[:2], config)
+    graphed = make_runtime(target, drafter, 3, verify_policy="fixed", cuda_graphs=True,
                            capture=replay_eagerly).generate(PROMPTS[:2], config)
     assert [r.tokens for r in graphed] == [r.tokens for r in default]
     assert sum(r.stats.new_tokens for r in graphed) == 32
@@ -198,7 +199,7 @@ def test_cuda_graphs_on_a_gpu_are_lossless(target, drafter):
 def test_cuda_graphs_asked_for_where_they_cannot_run_are_refused_before_loading(monkeypatch, backend, problem):
     from types import SimpleNamespace as NS
 
-    from eagle_export import build_dir
+    from eagle_export.build import build_dir
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(build_dir, "torch_models", lambda *a, **k: pytest.fail("loaded the models first"))

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.cli import main
-from eagle_export.diagnose import chain_figures, diagnose, reliability
-from eagle_export.reference import speculative_generate
-from eagle_export.stats import acceptance_by_depth
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.cli import main
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.speculation.eager import speculative_generate
+from eagle_export.speculation.stats import acceptance_by_depth
+from eagle_export.tools.diagnose import chain_figures, diagnose, reliability
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

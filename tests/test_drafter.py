@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from eagle_export.checkpoint import load_drafter, load_state_dict, load_target, save_drafter
-from eagle_export.config import DrafterConfig, TargetConfig
-from eagle_export.layers import rms_normalize
 from tiny_models import tiny_drafter_config, write_tiny_drafter, write_tiny_target
+
+from eagle_export.models.checkpoint import load_drafter, load_state_dict, load_target, save_drafter
+from eagle_export.models.config import DrafterConfig, TargetConfig
+from eagle_export.models.layers import rms_normalize
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -225,7 +225,7 @@ def test_a_sliding_window_drafter_sees_only_its_window(tmp_path, target):
 
 def test_parallel_drafts_equal_the_chain_with_a_sliding_window(tmp_path, target):
     """Training-time test and the decoding chain hide the same keys behind the window, at every step."""
-    from eagle_export.reference import draft_chain, parallel_drafts
+    from eagle_export.speculation.eager import draft_chain, parallel_drafts
 
     drafter = load_drafter(write_tiny_drafter(tmp_path / "w", "3.1", draft_vocab=320, **WINDOW), target=target)
     ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(1))

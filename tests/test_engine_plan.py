@@ -1,17 +1,23 @@
 """The TensorRT decisions, computed without TensorRT: profiles, engine names, compatibility."""
 
 import pytest
-
-from eagle_export.config import DrafterConfig, TargetConfig
-from eagle_export.contract import DRAFTER_NEW_ROWS, drafter_graph, target_graph
-from eagle_export.environment import buildable_precisions
-from eagle_export.engine import (MIN_PAST, Engine, axis_ranges, engine_compatibility_problems, engine_file_name,
-                                 engine_profiles,
-                                 pick_engine)
-from eagle_export.errors import EagleExportError
-from eagle_export.recipe import parse_recipe
-from eagle_export.tree import TreeShape
 from tiny_models import tiny_drafter_config, tiny_target_config
+
+from eagle_export.build.recipe import parse_recipe
+from eagle_export.engine.engine import (
+    MIN_PAST,
+    Engine,
+    axis_ranges,
+    engine_compatibility_problems,
+    engine_file_name,
+    engine_profiles,
+    pick_engine,
+)
+from eagle_export.environment import buildable_precisions
+from eagle_export.errors import EagleExportError
+from eagle_export.models.config import DrafterConfig, TargetConfig
+from eagle_export.models.contract import DRAFTER_NEW_ROWS, drafter_graph, target_graph
+from eagle_export.speculation.tree import TreeShape
 
 RECIPE = parse_recipe("target: t\ndrafter: d\ndepth: 4\nprofiles:\n  batch: {min: 1, opt: 2, max: 8}\n"
                       "  context: {min: 16, opt: 256, max: 1024}\n")
@@ -99,8 +105,8 @@ def test_tensorrt_builds_and_runs_a_strongly_typed_graph(tmp_path):
     import torch
     from onnx import TensorProto, helper
 
-    from eagle_export.engine import build_engine
-    from eagle_export.trt_session import TensorRTSession
+    from eagle_export.engine.engine import build_engine
+    from eagle_export.engine.trt_session import TensorRTSession
 
     if not torch.cuda.is_available():
         pytest.skip("TensorRT engines need a CUDA GPU")
@@ -123,7 +129,7 @@ def test_tensorrt_builds_and_runs_a_strongly_typed_graph(tmp_path):
 def test_example_args_follow_the_spec_by_name():
     import torch
 
-    from eagle_export import contract as C
+    from eagle_export.models import contract as C
 
     target_cfg = TargetConfig.from_hf(tiny_target_config("llama"))
     drafter_cfg = DrafterConfig.from_hf(tiny_drafter_config("3.1"))
@@ -148,7 +154,7 @@ def test_example_args_follow_the_spec_by_name():
     ({"onnxruntime": "1.22.0", "onnxruntime-gpu": "1.22.0"}, True),
     ({"onnxruntime-gpu": "1.22.0"}, False), ({"onnxruntime": "1.22.0"}, False)])
 def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_and_the_fix(monkeypatch, installed, conflict):
-    import eagle_export.doctor as doctor
+    import eagle_export.tools.doctor as doctor
 
     monkeypatch.setattr(doctor, "package_version", installed.get)
     found = doctor.package_conflicts()
@@ -166,7 +172,7 @@ def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_and_the_fix(monkeypatch
                      "capability 10.0+, this GPU has 9.0)"),
     ("9.0", "fp8", None), ("10.0", "nvfp4", None)])
 def test_build_refuses_engine_precisions_the_gpu_lacks_before_loading(monkeypatch, tmp_path, cc, precision, refused):
-    import eagle_export.build as build
+    import eagle_export.build.build as build
 
     recipe = parse_recipe(f"target: t\ndrafter: d\nprecision: {{target: {precision}}}\n")
     monkeypatch.setattr(build, "tensorrt_available", lambda: (True, ""))
@@ -190,9 +196,8 @@ def fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dty
     import sys
     import types
 
-    import torch
-
     import fake_tensorrt as fake
+    import torch
 
     engines = {}
     for graph, spec, dtype in (("target", specs[0], target_dtype), ("drafter", specs[1], drafter_dtype)):
@@ -208,7 +213,7 @@ def fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dty
 def target_feeds(tokens, past, batch=2, dtype=None):
     import torch
 
-    from eagle_export import contract as C
+    from eagle_export.models import contract as C
 
     dtype = dtype or torch.float16
     cache = torch.zeros(6, batch, 2, past, 16, dtype=dtype)
@@ -221,7 +226,7 @@ def target_feeds(tokens, past, batch=2, dtype=None):
 def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch, tmp_path, specs):
     """The runtime writes the caches on torch's current stream: the engine must run on it (before:
     on a stream of its own, unordered with those writes), and switch profiles there too."""
-    from eagle_export.trt_session import TensorRTSession
+    from eagle_export.engine.trt_session import TensorRTSession
 
     engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
     session = TensorRTSession(tmp_path / "target.engine")
@@ -239,7 +244,7 @@ def test_session_binds_by_name_and_enqueues_on_torchs_current_stream(monkeypatch
 
 
 def test_out_of_profile_shapes_name_the_tensor_and_the_profile_range(monkeypatch, tmp_path, specs):
-    from eagle_export.trt_session import TensorRTSession
+    from eagle_export.engine.trt_session import TensorRTSession
 
     fake_sessions(monkeypatch, tmp_path, specs)
     session = TensorRTSession(tmp_path / "target.engine")
@@ -254,10 +259,10 @@ def test_out_of_profile_shapes_name_the_tensor_and_the_profile_range(monkeypatch
 
 
 def test_bound_tensors_must_have_the_engines_dtype_and_device(monkeypatch, tmp_path, specs):
+    import fake_tensorrt as fake
     import torch
 
-    import fake_tensorrt as fake
-    from eagle_export.trt_session import TensorRTSession
+    from eagle_export.engine.trt_session import TensorRTSession
 
     fake_sessions(monkeypatch, tmp_path, specs)
     with pytest.raises(EagleExportError) as e:
@@ -270,7 +275,7 @@ def test_bound_tensors_must_have_the_engines_dtype_and_device(monkeypatch, tmp_p
 
 
 def test_a_refused_address_or_missing_input_is_an_error_not_a_silent_run(monkeypatch, tmp_path, specs):
-    from eagle_export.trt_session import TensorRTSession
+    from eagle_export.engine.trt_session import TensorRTSession
 
     engine = fake_sessions(monkeypatch, tmp_path, specs)[b"target"]
     session = TensorRTSession(tmp_path / "target.engine")
@@ -293,8 +298,8 @@ def test_tensorrt_backend_allocates_each_cache_in_its_engines_dtype(monkeypatch,
     the target's dtype, which the drafter engine would have read as garbage)."""
     import torch
 
-    from eagle_export.backends import TensorRTBackend
-    from eagle_export.runtime import GenerationConfig, PairShapes, SpeculativeRuntime, _State
+    from eagle_export.runtime.backends import TensorRTBackend
+    from eagle_export.runtime.runtime import GenerationConfig, PairShapes, SpeculativeRuntime, _State
 
     fake_sessions(monkeypatch, tmp_path, specs, target_dtype="HALF", drafter_dtype="FLOAT")
     backend = TensorRTBackend(tmp_path / "target.engine", tmp_path / "drafter.engine", DEPTH, has_logits=False)

@@ -18,19 +18,25 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export import contract as C
-from eagle_export import loader
-from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.layers import causal_mask
-from eagle_export.tree import TreeShape, verify_mask
-from eagle_export.backends import ort_session, run_onnx
-from eagle_export.export import (EXAMPLE_SIZES, ONNX_IR_VERSION, export_drafter, export_graph, export_models,
-                                 export_target)
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
-from tiny_models import write_tiny_drafter, write_tiny_target
+from eagle_export.export import loader
+from eagle_export.export.export import (
+    EXAMPLE_SIZES,
+    ONNX_IR_VERSION,
+    export_drafter,
+    export_graph,
+    export_models,
+    export_target,
+)
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.models.layers import causal_mask
+from eagle_export.runtime.backends import ort_session, run_onnx
+from eagle_export.speculation.tree import TreeShape, verify_mask
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 AUX = (1, 3, 4)
@@ -294,9 +300,10 @@ def test_ort_speculative_loop_reproduces_target_greedy(tmp_path, dirs, target_on
 def test_ort_runtime_verifies_random_trees_losslessly(tmp_path, dirs, kind):
     """The runtime on ONNX Runtime with a stand-in tree drafter (random trees of 1..12 nodes whose
     tokens are often the target's own): batch 1 and 2 give the target's greedy output."""
-    from eagle_export.backends import OnnxRuntimeBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
     from random_tree import RandomTrees
+
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     class OrtTrees(RandomTrees, OnnxRuntimeBackend):
         pass
@@ -309,7 +316,7 @@ def test_ort_runtime_verifies_random_trees_losslessly(tmp_path, dirs, kind):
     for batch in (1, 2):
         backend = OrtTrees(tmp_path / "target.onnx", tmp_path / "drafter.onnx", continuations=expected[:batch],
                            kind=kind, seed=batch)
-        runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+        runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, verify_policy="fixed")
         results = runtime.generate(prompts[:batch], GenerationConfig(max_new_tokens=24))
         assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts[:batch], expected)]
         assert max(backend.widths) > 4 and max(max(r.stats.accepted) for r in results) >= 2
@@ -318,8 +325,8 @@ def test_ort_runtime_verifies_random_trees_losslessly(tmp_path, dirs, kind):
 def test_a_target_graph_exported_before_tree_mask_still_runs_chains(tmp_path, dirs):
     """Builds made before the tree_mask input: the backends feed only the inputs a graph declares,
     so the runtime's chains run on such a graph (its causal mask built in-graph) and stay lossless."""
-    from eagle_export.backends import OnnxRuntimeBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     class WithoutTreeMask(torch.nn.Module):  # the target graph as exported before the input existed
         def __init__(self, graph):
@@ -338,14 +345,14 @@ def test_a_target_graph_exported_before_tree_mask_still_runs_chains(tmp_path, di
     assert C.TREE_MASK not in [i.name for i in ort_session(tmp_path / "target.onnx").get_inputs()]
     export_drafter(drafter, 3, False, tmp_path / "drafter.onnx")
     backend = OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx")
-    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, verify_policy="fixed")
     prompts = [[100, 200, 100, 200, 100], [7, 8, 9]]
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=20))
     assert [r.tokens for r in results] == [target.generate_greedy(p, 20) for p in prompts]
 
 
 def test_large_models_keep_their_weights_in_external_data(tmp_path, dirs, monkeypatch):
-    import eagle_export.export as export_module
+    import eagle_export.export.export as export_module
 
     monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 0)  # what a > 2 GB model gets
     _, drafter = load_pair(dirs, "3.1")
@@ -388,8 +395,8 @@ def test_export_command_writes_both_graphs(tmp_path, dirs):
 def test_export_sampling_writes_the_greedy_drafter_too_and_swapped_graphs_are_refused(fp16_models, dirs, tmp_path):
     """Repro: `export --sampling` wrote only the sampling drafter, as drafter.onnx, and greedy decoding
     on it failed with a bare KeyError: 'temperature'."""
-    from eagle_export.backends import OnnxRuntimeBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     out, summary = fp16_models
     names = {i.name for i in ort_session(out / "drafter.onnx").get_inputs()}
@@ -474,8 +481,8 @@ def test_onnxruntime_backend_takes_its_device_from_the_session_and_binds_io(tmp_
     device (where the runtime allocates the caches) must be the CPU (before: 'cuda' from the
     request, and the first call crashed). The loop runs through IO binding, the path the CUDA
     provider takes, with inputs and outputs bound by torch tensor address, and stays lossless."""
-    from eagle_export.backends import OnnxRuntimeBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     target, drafter = load_pair(dirs, "3.1")
     export_target(target, tmp_path / "target.onnx", return_logits=True)
@@ -484,7 +491,7 @@ def test_onnxruntime_backend_takes_its_device_from_the_session_and_binds_io(tmp_
         backend = OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx",
                                      providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert backend.providers == ["CPUExecutionProvider"] and backend.device == "cpu"
-    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, depth_policy="fixed")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=64, verify_policy="fixed")
     prompts = [[100, 200, 100, 200, 100], [7, 8, 9]]
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=20))
     assert [r.tokens for r in results] == [target.generate_greedy(p, 20) for p in prompts]
@@ -503,7 +510,7 @@ def test_onnxruntime_backend_takes_its_device_from_the_session_and_binds_io(tmp_
 def test_output_shapes_follow_the_contract_axes_and_the_cache_layout():
     from types import SimpleNamespace as NS
 
-    from eagle_export.backends import output_shapes, provider_device
+    from eagle_export.runtime.backends import output_shapes, provider_device
 
     session = NS(get_inputs=lambda: [NS(name="input_ids", shape=["batch", "tokens"]),
                                      NS(name="past_key", shape=[1, "batch", 3, "past", 64])],
@@ -522,7 +529,7 @@ def test_no_tracer_warning_reaches_the_user(tmp_path, dirs, speculation):
     which is meant: those warnings go to the export report, never to the terminal."""
     import warnings
 
-    from eagle_export.tree import TreeShape
+    from eagle_export.speculation.tree import TreeShape
 
     _, drafter = load_pair(dirs, "3.1")
     shape = 3 if speculation == "chain" else TreeShape.from_branching([2, 2])

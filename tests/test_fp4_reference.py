@@ -7,8 +7,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from eagle_export.fp4_reference import (E2M1_GRID, e2m1_codes, nvfp4_dequantize, nvfp4_quantize,
-                                        reference_evaluator)
+from eagle_export.runtime.fp4_reference import (
+    E2M1_GRID,
+    e2m1_codes,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+    reference_evaluator,
+)
 
 NVFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor").NVFP4QTensor
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eagle_export import gpu_kit
 from eagle_export.cli import main
-from eagle_export.tree import DynamicTree, TreeShape
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.speculation.tree import DynamicTree, TreeShape
+from eagle_export.tools import gpu_kit
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 

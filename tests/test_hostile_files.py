@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from eagle_export.build import conformance_prompts
-from eagle_export.cli import main
-from eagle_export.recipe import load_recipe
 from hostile import STATES, share, snapshot, unprivileged, world_dir
-from tiny_models import write_trained_tiny_drafter, write_tiny_target
+from tiny_models import write_tiny_target, write_trained_tiny_drafter
+
+from eagle_export.build.build import conformance_prompts
+from eagle_export.build.recipe import load_recipe
+from eagle_export.cli import main
 
 RECIPE = """\
 target: target

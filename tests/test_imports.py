@@ -5,7 +5,7 @@ A cycle kept alive only by imports inside functions still ties two modules into 
 be read, tested or changed alone. The walk reads every module's source (no import is executed),
 resolves each `import` / `from ... import` to the package modules it loads (a package's
 `__init__` included), and looks for a strongly connected component with more than one module.
-The same graph gives the runtime's import closure (what `import eagle_export.runtime` may load)
+The same graph gives the runtime's import closure (what `import eagle_export.runtime.runtime` may load)
 and the edges that point from a pipeline stage to a later one.
 """
 
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = {"eagle_export": ROOT / "eagle_export", "eagle_export.passes": ROOT / "passes"}
+PACKAGE_DIRS = {"eagle_export": ROOT / "eagle_export"}
 
 
 def package_modules(package_dirs: dict[str, Path] = PACKAGE_DIRS) -> dict[str, Path]:
@@ -116,31 +116,26 @@ def build_time_imports(graph: dict[str, set[str]], start: str = "eagle_export.ru
             if last_name(module) in BUILD_TIME]
 
 
-# The pipeline, in order (module names below `eagle_export.`): a module may import its own stage and
-# earlier ones, never a later one. Data (the prompt sets, the sample target) comes first: the
-# quantizer calibrates on prompts and a recipe names the sample target.
-STAGES = {
-    "base": "eagle_export errors files lazy progress cache environment output_dir",
-    "data": "sample prompts",
-    "models": "config layers target drafter contract nvfp4 modelopt_hf checkpoint checkpoint_info",
-    "speculation": "tree stats synthetic reference",
-    "passes": "passes passes.base passes.onnx_types passes.trt_onnx_support passes.trt_lint passes.onnx_pin "
-              "passes.onnx_cleanup passes.eagle_models passes.fold_norms passes.fuse_projections "
-              "passes.draft_vocab passes.model_pipeline",
-    "export": "unrolled qdq loader export",
-    "quantize": "quantize",
-    "engine": "engine",
-    "runtime": "trt_session fp4_reference cuda_graphs backends costs depth_policy runtime",
-    "build": "recipe manifest teacher_forced conformance build_dir validate build",
-    "tools": "doctor bench diagnose checkpoint_export gpu_kit selftest quantized_graphs",
-    "cli": "cli",
-}
+# The package's folders in pipeline order: a module may import the package root (errors, files, lazy,
+# progress, cache, environment, output_dir: what every stage uses), its own folder and earlier
+# folders, never a later one. Data (the prompt sets, the sample target, the shipped recipes) comes
+# first: the quantizer calibrates on prompts and a recipe names the sample target. The sample
+# drafters' training scripts use everything; the CLI comes last.
+FOLDERS = ("data", "recipes", "models", "speculation", "passes", "export", "quantize", "engine", "runtime", "build",
+           "tools", "samples")
 
 
-def stage_numbers(stages: dict[str, str] = STAGES, package: str = "eagle_export") -> dict[str, int]:
-    """Module -> its stage's place in the pipeline."""
-    return {(name if name == package else f"{package}.{name}"): number
-            for number, names in enumerate(stages.values()) for name in names.split()}
+def stage_numbers(modules, package: str = "eagle_export") -> dict[str, int]:
+    """Module -> its folder's place in the pipeline: 0 for the package root's modules, len(FOLDERS) + 1
+    for the CLI. A folder missing from FOLDERS is a KeyError: every folder must have its place."""
+    def stage(name: str) -> int:
+        parts = name.split(".")
+        if name == f"{package}.cli":
+            return len(FOLDERS) + 1
+        if len(parts) == 2 and not (ROOT / package / parts[1]).is_dir():
+            return 0  # a module at the package root
+        return 0 if len(parts) == 1 else FOLDERS.index(parts[1]) + 1
+    return {name: stage(name) for name in modules}
 
 
 def later_stage_imports(graph: dict[str, set[str]], stage: dict[str, int]) -> list[str]:
@@ -150,10 +145,10 @@ def later_stage_imports(graph: dict[str, set[str]], stage: dict[str, int]) -> li
 
 def test_the_walk_sees_relative_absolute_and_function_level_imports():
     graph = import_graph()
-    assert {"eagle_export.contract", "eagle_export.errors"} <= graph["eagle_export.backends"]
-    assert "eagle_export.drafter" in graph["eagle_export.passes.eagle_models"]  # absolute import
-    assert {"eagle_export.passes", "eagle_export.passes.base"} <= graph["eagle_export.loader"]  # a package's __init__ too
-    assert "eagle_export.build" in graph["eagle_export.cli"]  # imported inside a command function
+    assert {"eagle_export.models.contract", "eagle_export.errors"} <= graph["eagle_export.runtime.backends"]
+    assert "eagle_export.models.drafter" in graph["eagle_export.passes.eagle_models"]  # absolute import
+    assert {"eagle_export.passes", "eagle_export.passes.base"} <= graph["eagle_export.export.loader"]  # a package's __init__ too
+    assert "eagle_export.build.build" in graph["eagle_export.cli"]  # imported inside a command function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -189,10 +184,26 @@ def test_the_runtime_imports_no_build_time_module():
     assert not chains, "the runtime loads build-time modules:\n" + "\n".join(chains)
 
 
-def test_every_module_has_a_pipeline_stage():
-    assert sorted(set(import_graph()) - set(stage_numbers())) == []
+def test_every_folder_has_its_place_in_the_pipeline():
+    folders = {p.name for p in (ROOT / "eagle_export").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(FOLDERS)
 
 
-def test_no_module_imports_a_later_pipeline_stage():
-    edges = later_stage_imports(import_graph(), stage_numbers())
-    assert not edges, "imports of a later pipeline stage:\n" + "\n".join(edges)
+def test_no_module_imports_a_later_folder():
+    graph = import_graph()
+    edges = later_stage_imports(graph, stage_numbers(graph))
+    assert not edges, "imports of a later pipeline folder:\n" + "\n".join(edges)
+
+
+def test_the_folder_order_check_fails_on_the_flat_layouts_edges():
+    """The edges the flat layout had that no folder order allows (seen failing before the move):
+    the environment probes in doctor (a tool) read by the manifest and the cost model, the quantizer
+    running the backends, the engine module reading the manifest."""
+    graph = {"eagle_export.build.manifest": {"eagle_export.tools.doctor"},
+             "eagle_export.quantize.quantize": {"eagle_export.runtime.backends"},
+             "eagle_export.engine.engine": {"eagle_export.build.manifest"}, "eagle_export.tools.doctor": set(),
+             "eagle_export.runtime.backends": set()}
+    assert later_stage_imports(graph, stage_numbers(graph)) == [
+        "eagle_export.build.manifest -> eagle_export.tools.doctor",
+        "eagle_export.engine.engine -> eagle_export.build.manifest",
+        "eagle_export.quantize.quantize -> eagle_export.runtime.backends"]

@@ -4,13 +4,13 @@ what the machine has available."""
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export.checkpoint import load_drafter, load_target
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.export import EXPORT_PEAK_FIXED_BYTES, check_export_fits, weight_bytes
-from eagle_export.tree import TreeShape
-from tiny_models import write_tiny_drafter, write_tiny_target
+from eagle_export.export.export import EXPORT_PEAK_FIXED_BYTES, check_export_fits, weight_bytes
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.speculation.tree import TreeShape
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
 
 
 def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
-    import eagle_export.export as export_module
+    import eagle_export.export.export as export_module
 
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     assert needed > EXPORT_PEAK_FIXED_BYTES
@@ -60,11 +60,11 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     import numpy as np
     import onnx_ir as ir
 
-    import eagle_export.export as export_module
-    from eagle_export import contract as C
-    from eagle_export.backends import ort_session, run_onnx
-    from eagle_export.export import export_drafter, save_model, streamed
+    import eagle_export.export.export as export_module
+    from eagle_export.export.export import export_drafter, save_model, streamed
+    from eagle_export.models import contract as C
     from eagle_export.passes import onnx_pipeline
+    from eagle_export.runtime.backends import ort_session, run_onnx
 
     monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 0)
     target = load_target(pair[0])
@@ -74,7 +74,8 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     lazy = [v.const_value for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
     assert sum(t.nbytes for t in lazy) >= 0.99 * sum(v.const_value.nbytes for v in model.graph.initializers.values())
     (tmp_path / "again").mkdir()
-    save_model(onnx_pipeline(C.drafter_graph(drafter.config, TreeShape.chain(2), False))(model).model, tmp_path / "again" / "drafter.onnx")
+    spec = C.drafter_graph(drafter.config, TreeShape.chain(2), False)
+    save_model(onnx_pipeline(spec)(model).model, tmp_path / "again" / "drafter.onnx")
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["drafter.onnx", "drafter.onnx.data"]
     spec = C.drafter_graph(drafter.config, TreeShape.chain(2), False)
     g = torch.Generator().manual_seed(0)

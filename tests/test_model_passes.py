@@ -19,10 +19,10 @@ import pytest
 import torch
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.config import DrafterConfig, read_config_json
 from eagle_export.errors import EagleExportError
-from eagle_export.layers import rms_normalize
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.models.config import DrafterConfig, read_config_json
+from eagle_export.models.layers import rms_normalize
 from eagle_export.passes.draft_vocab import ApplyDraftVocab, ShareEmbeddings
 from eagle_export.passes.fold_norms import FoldFcNorm, FoldFcNormIntoTarget, FoldNormGains
 from eagle_export.passes.fuse_projections import FuseGateUp, FuseQKV
@@ -277,7 +277,7 @@ def test_exported_target_graph_loses_gain_multiplies_and_matmuls(checkpoints, tm
 
     import onnx
 
-    from eagle_export.export import export_target
+    from eagle_export.export.export import export_target
 
     models = load_pair(checkpoints, "llama", "drafter3.1")
     result = model_pipeline("target")(copy.deepcopy(models))

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from eagle_export import prompts
+from eagle_export.data import prompts
 from eagle_export.errors import EagleExportError
 
 

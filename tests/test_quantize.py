@@ -9,22 +9,22 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 import pytest
 import torch
-
-from eagle_export import contract as C
-from eagle_export import loader
-from eagle_export import quantize as Q
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.errors import EagleExportError
-from eagle_export.backends import ort_session, run_graph, run_onnx
-from eagle_export.export import EXAMPLE_SIZES, export_drafter, export_target
-from eagle_export.nvfp4 import NVFP4Linear, use_graph_weights
-from eagle_export.prompts import ChatTemplate, chat_prompts
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
-from eagle_export.tree import TreeShape
+from onnx import numpy_helper
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.data.prompts import ChatTemplate, chat_prompts
+from eagle_export.errors import EagleExportError
+from eagle_export.export import loader
+from eagle_export.export.export import EXAMPLE_SIZES, export_drafter, export_target
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.models.nvfp4 import NVFP4Linear, use_graph_weights
+from eagle_export.quantize import quantize as Q
+from eagle_export.runtime.backends import ort_session, run_graph, run_onnx
+from eagle_export.speculation.tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH = 3

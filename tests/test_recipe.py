@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle_export.build.recipe import RECIPES_DIR, RecipeError, load_recipe, parse_override, parse_recipe
 from eagle_export.errors import EagleExportError
-from eagle_export.recipe import RECIPES_DIR, RecipeError, load_recipe, parse_override, parse_recipe
 
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-
-from eagle_export import reference
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.reference import parallel_drafts, replay_greedy, speculative_generate
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.speculation import eager
+from eagle_export.speculation.eager import parallel_drafts, replay_greedy, speculative_generate
 
 AUX = (1, 3, 4)
 
@@ -194,26 +194,26 @@ def test_rejection_sampling_preserves_the_target_distribution(sampling_models, m
     def accept_every_draft(p, q, drafts, generator=None):  # the planted bug
         return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
-    monkeypatch.setattr(reference, "rejection_sample", accept_every_draft)
+    monkeypatch.setattr(eager, "rejection_sample", accept_every_draft)
     assert chi_square_p_value(target, drafter, prompt, seed=0) < 0.01
 
 
 def test_top_p_keeps_the_nucleus_only():
-    probs = reference.target_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), 1.0, top_p=0.7)
+    probs = eager.target_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), 1.0, top_p=0.7)
     assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
-    assert reference.target_probs(torch.zeros(4), 1.0, top_p=0.1).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert eager.target_probs(torch.zeros(4), 1.0, top_p=0.1).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_rejection_sample_never_emits_what_the_target_excludes():
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     q = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)  # the drafter always proposes token 3
     generator = torch.Generator().manual_seed(0)
-    outcomes = {reference.rejection_sample(p, q, [3], generator) for _ in range(200)}
+    outcomes = {eager.rejection_sample(p, q, [3], generator) for _ in range(200)}
     assert {m for m, _ in outcomes} == {0} and {t for _, t in outcomes} == {1, 2}
 
 
 def test_acceptance_statistics():
-    result = reference.SpeculativeResult(tokens=[], depth=3, accepted=[3, 1, 0, 2])
+    result = eager.SpeculativeResult(tokens=[], depth=3, accepted=[3, 1, 0, 2])
     assert result.rounds == 4 and result.tau == pytest.approx(2.5)
     assert result.acceptance_by_depth == pytest.approx([3 / 4, 2 / 3, 1 / 2])
 
@@ -230,9 +230,9 @@ def test_sample_drafters_are_lossless_on_the_sample_target(sample_target):
     reproduces target-only greedy decoding on 20 MT-bench prompts."""
     from pathlib import Path
 
-    from eagle_export.prompts import ChatTemplate, mtbench_prompts, user_turns
+    from eagle_export.data.prompts import ChatTemplate, mtbench_prompts, user_turns
 
-    samples = Path(__file__).resolve().parent.parent / "samples"
+    samples = Path(__file__).resolve().parent.parent / "eagle_export" / "samples"
     target = load_target(sample_target)
     template = ChatTemplate(sample_target)
     eos = (target.config.eos_token_id,)

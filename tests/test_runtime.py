@@ -2,20 +2,20 @@
 
 import pytest
 import torch
-from scipy.stats import chisquare
-
-from eagle_export import contract as C
-from eagle_export.backends import TensorRTBackend, TorchBackend
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.engine import engine_profiles
-from eagle_export.errors import EagleExportError
-from eagle_export.recipe import parse_recipe
-from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-from eagle_export.tree import TreeShape
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from random_policy import RandomDepth
 from random_tree import RandomTrees
+from scipy.stats import chisquare
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.build.recipe import parse_recipe
+from eagle_export.engine.engine import engine_profiles
+from eagle_export.errors import EagleExportError
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.runtime.backends import TensorRTBackend, TorchBackend
+from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.speculation.tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42], [3, 3, 3, 3]]
@@ -31,12 +31,12 @@ def drafter(request, tmp_path_factory, target):
     return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), request.param), target=target)
 
 
-def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, depth_policy="goodput",
+def make_runtime(target, drafter, depth, max_context=256, backend_cls=TorchBackend, verify_policy="goodput",
                  static_cache=None, **kw):
     backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, depth, False),
                           UnrolledDrafter(drafter, depth, True), **kw)
     return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context,
-                                         depth_policy=depth_policy, static_cache=static_cache)
+                                         verify_policy=verify_policy, static_cache=static_cache)
 
 
 class PlantedDrafts(TorchBackend):
@@ -78,7 +78,7 @@ def test_greedy_is_lossless_ragged_batches(target, drafter, depth, batch):
 def test_lossless_with_high_acceptance(target, drafter, depth):
     expected = [p + target.generate_greedy(p, 40) for p in PROMPTS]
     runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
-                           depth_policy="fixed")
+                           verify_policy="fixed")
     results = runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=40))
     for prompt, full, result in zip(PROMPTS, expected, results):
         assert result.tokens == full[len(prompt):]
@@ -99,7 +99,7 @@ def test_lossless_whatever_depth_a_policy_chooses(target, drafter, seed, batch):
     expected = [p + target.generate_greedy(p, 40) for p in prompts]
     policy = RandomDepth(depth, seed=seed)
     runtime = make_runtime(target, drafter, depth, backend_cls=PlantedDrafts, continuations=expected,
-                           error_rate=0.3, seed=seed, depth_policy=policy)
+                           error_rate=0.3, seed=seed, verify_policy=policy)
     runtime.cache_step = 8
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
@@ -125,7 +125,7 @@ def test_greedy_trees_are_lossless_whatever_is_proposed(target, drafter, kind, b
     prompts = PROMPTS[1:1 + batch]
     expected = [p + target.generate_greedy(p, 40) for p in prompts]
     runtime = make_runtime(target, drafter, depth, backend_cls=TorchTrees, continuations=expected, kind=kind,
-                           seed=batch, depth_policy=RandomDepth(depth, seed=batch) if policy == "random" else policy)
+                           seed=batch, verify_policy=RandomDepth(depth, seed=batch) if policy == "random" else policy)
     runtime.cache_step = 8
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
@@ -140,7 +140,7 @@ def test_eos_inside_an_accepted_draft_ends_the_sequence_there(target, drafter):
     full = PROMPTS[0] + target.generate_greedy(PROMPTS[0], 30)
     eos = full[len(PROMPTS[0]) + 6]  # a token the target emits mid-way
     runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0,
-                           depth_policy="fixed")
+                           verify_policy="fixed")
     [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, eos_ids=(eos,)))
     generated = full[len(PROMPTS[0]):]
     assert result.tokens == generated[:generated.index(eos) + 1]
@@ -155,7 +155,7 @@ def test_context_limit_reached_mid_round(target, drafter, max_context):
     full = prompt + target.generate_greedy(prompt, 20)
     runtime = make_runtime(target, drafter, 4, max_context=max_context, backend_cls=PlantedDrafts,
                            continuations=[full], error_rate=0.0,
-                           depth_policy="fixed")
+                           verify_policy="fixed")
     [result] = runtime.generate([prompt], GenerationConfig(max_new_tokens=20))
     assert result.tokens == full[len(prompt):max_context]
     assert result.finish_reason == "context"
@@ -200,7 +200,7 @@ def test_every_call_fits_the_engine_profiles_up_to_the_context_limit(target, dra
     recipe = parse_recipe(f"target: t\ndrafter: d\ndepth: {depth}\nprofiles:\n  batch: {{min: 1, opt: 1, max: 2}}\n"
                           f"  context: {{min: 1, opt: 16, max: {max_context}}}\n")
     runtime = make_runtime(target, drafter, depth, max_context=max_context, backend_cls=ProfileChecked,
-                           recipe=recipe, depth_policy="fixed")
+                           recipe=recipe, verify_policy="fixed")
     longest = [(7 * i) % 90 + 1 for i in range(max_context - 1)]
     results = runtime.generate([longest, PROMPTS[1]], GenerationConfig(max_new_tokens=max_context))
     assert results[0].finish_reason == "context" and results[1].finish_reason == "context"
@@ -219,7 +219,7 @@ def test_tree_verify_calls_fit_the_decode_profile_built_for_the_trees_width(targ
     prompts = PROMPTS[:2]
     expected = [p + target.generate_greedy(p, 30) for p in prompts]
     runtime = make_runtime(target, drafter, depth, max_context=64, backend_cls=ProfileCheckedTrees, recipe=recipe,
-                           continuations=expected, max_nodes=nodes, depth_policy="fixed")
+                           continuations=expected, max_nodes=nodes, verify_policy="fixed")
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=30))
     assert [r.tokens for r in results] == [full[len(p):] for p, full in zip(prompts, expected)]
     assert max(runtime.backend.target_tokens[1]) > depth + 1  # verify calls wider than a chain's, on profile 1
@@ -268,7 +268,7 @@ def test_stop_string_inside_an_accepted_draft(target, drafter):
     generated = full[len(PROMPTS[0]):]
     stop = LetterTokenizer().decode(generated[7:9])
     runtime = make_runtime(target, drafter, 4, backend_cls=PlantedDrafts, continuations=[full], error_rate=0.0,
-                           depth_policy="fixed")
+                           verify_policy="fixed")
     runtime.tokenizer = LetterTokenizer()
     [result] = runtime.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
     text = LetterTokenizer().decode(generated)
@@ -368,11 +368,11 @@ class SampledTrees(TorchBackend):
         return out
 
 
-def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, depth_policy="fixed", backend_cls=TorchBackend,
+def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, verify_policy="fixed", backend_cls=TorchBackend,
                  backend=None):
     backend = backend or backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, 2, False),
                                      UnrolledDrafter(drafter, 2, True))
-    runtime = runtime_cls.for_models(backend, target, drafter, max_context=64, depth_policy=depth_policy)
+    runtime = runtime_cls.for_models(backend, target, drafter, max_context=64, verify_policy=verify_policy)
     counts = torch.zeros(VOCAB * VOCAB)
     for seed in range(n // 250):
         results = runtime.generate([prompt] * 250, GenerationConfig(max_new_tokens=2, temperature=temperature,
@@ -394,7 +394,7 @@ def test_rejection_sampling_preserves_the_target_distribution(tiny_vocab_pair):
     assert chisquare(f_obs, f_exp).pvalue > 0.01
     # Verifying a random number of drafts each round (or none) keeps the distribution too.
     policy = RandomDepth(2, seed=1)
-    varied = sample_pairs(SpeculativeRuntime, target, drafter, prompt, n, temperature, depth_policy=policy)
+    varied = sample_pairs(SpeculativeRuntime, target, drafter, prompt, n, temperature, verify_policy=policy)
     assert {None, 0, 1, 2} <= set(policy.chosen)
     f_var = torch.cat([varied[keep], varied[~keep].sum()[None]]).numpy()
     assert chisquare(f_var, f_exp).pvalue > 0.01
@@ -425,8 +425,8 @@ def test_static_tree_sampling_graphs_preserve_the_target_distribution(tiny_vocab
     """The real sampling tree drafter (3 first drafts, 2 children each, drawn i.i.d. by the graph from
     its noise) through the runtime, on torch and on the exported graphs in ONNX Runtime: the first two
     tokens keep the target's joint distribution; accepting every first child down the tree fails."""
-    from eagle_export.backends import OnnxRuntimeBackend
-    from eagle_export.export import export_drafter, export_target
+    from eagle_export.export.export import export_drafter, export_target
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
 
     target, drafter = tiny_vocab_pair
     shape = TreeShape.from_branching([3, 2])
@@ -456,7 +456,7 @@ def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path
     """fp32 target, fp16 drafter (a quantized target's base and its drafter differ alike): the
     drafter's caches are allocated, and the target's aux rows fed, in the drafter's dtype."""
     drafter16 = load_drafter(write_tiny_drafter(tmp_path / "d16", "3.1"), target=target, dtype="fp16")
-    runtime = make_runtime(target, drafter16, 3, depth_policy="fixed")
+    runtime = make_runtime(target, drafter16, 3, verify_policy="fixed")
     assert (runtime.backend.model_dtype, runtime.backend.drafter_dtype) == (torch.float32, torch.float16)
     seen = []
     drafter_call = runtime.backend.drafter

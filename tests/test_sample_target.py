@@ -13,9 +13,8 @@ import transformers
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from eagle_export import sample
+from eagle_export.data import sample
 from eagle_export.errors import EagleExportError
-
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = [

@@ -7,10 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eagle_export import doctor, environment, selftest
+from eagle_export import environment
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.tree import TreeShape
+from eagle_export.speculation.tree import TreeShape
+from eagle_export.tools import doctor, selftest
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path, monkeypatch):
@@ -81,12 +82,12 @@ def test_engine_io_step_compares_the_engines_profiles_and_dtypes_with_the_comput
 
     import onnx
     from onnx import helper
-
-    from eagle_export.backends import TensorRTBackend
-    from eagle_export.config import DrafterConfig, TargetConfig
-    from eagle_export.contract import drafter_graph, target_graph
     from test_engine_plan import DEPTH, PROFILES, fake_sessions
     from tiny_models import tiny_drafter_config, tiny_target_config
+
+    from eagle_export.models.config import DrafterConfig, TargetConfig
+    from eagle_export.models.contract import drafter_graph, target_graph
+    from eagle_export.runtime.backends import TensorRTBackend
 
     graph_specs = (target_graph(TargetConfig.from_hf(tiny_target_config("llama")), 3, return_logits=False),
                    drafter_graph(DrafterConfig.from_hf(tiny_drafter_config("3.1")), TreeShape.chain(DEPTH), sampling=False))

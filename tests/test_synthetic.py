@@ -7,15 +7,15 @@ import re
 
 import pytest
 import torch
-
-from eagle_export.backends import TorchBackend
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.errors import EagleExportError
-from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-from eagle_export.synthetic import SyntheticDrafts, label, parse_acceptance
-from eagle_export.tree import DynamicTree, TreeShape
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.errors import EagleExportError
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.runtime.backends import TorchBackend
+from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.speculation.synthetic import SyntheticDrafts, label, parse_acceptance
+from eagle_export.speculation.tree import DynamicTree, TreeShape
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42]]
@@ -32,7 +32,7 @@ def pair(tmp_path_factory):
 def runtime_for(pair, speculation):
     target, drafter = pair
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False))
-    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, depth_policy="fixed")
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, verify_policy="fixed")
 
 
 SPECULATIONS = {"chain": 4, "static tree": TreeShape.from_branching([3, 2, 1]),
@@ -94,7 +94,7 @@ def test_the_goodput_policy_drafts_for_the_oracle_and_not_for_anti(pair):
     prompts = PROMPTS[:1]
     for mode, drafted in (("oracle", True), ("anti", False)):
         drafts = SyntheticDrafts.for_prompts(runtime, prompts, CONFIG, mode)
-        [result] = runtime.generate(prompts, CONFIG, depth_policy="goodput", synthetic=drafts)
+        [result] = runtime.generate(prompts, CONFIG, verify_policy="goodput", synthetic=drafts)
         calls = result.stats.draft_calls / result.stats.rounds
         assert (calls > 0.9) if drafted else (calls < 0.2), (mode, calls)
 

@@ -4,9 +4,9 @@ import pytest
 import tokenizers
 import torch
 import transformers
-
-from eagle_export.checkpoint import load_target
 from tiny_models import FAMILIES, write_tiny_target
+
+from eagle_export.models.checkpoint import load_target
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 

@@ -6,15 +6,15 @@ stays equal to greedy decoding at the verify width (T1), and each divergence is 
 
 import pytest
 import torch
-
-from eagle_export import contract as C
-from eagle_export.backends import TorchBackend
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-from eagle_export.synthetic import SyntheticDrafts
-from eagle_export.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.build.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.runtime.backends import TorchBackend
+from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.speculation.synthetic import SyntheticDrafts
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 NOISE = 0.3      # near-ties below this margin flip in a wide call
@@ -43,7 +43,7 @@ def runtime(tmp_path_factory):
     target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
     drafter = load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1"), target=target)
     backend = WidthNoise(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
-    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, depth_policy="fixed")
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, verify_policy="fixed")
 
 
 def shape(runtime):

@@ -1,4 +1,4 @@
-"""samples/train_drafter.py and samples/drafter_data.py: the cached target states, the training-time-test
+"""eagle_export/samples/train_drafter.py and drafter_data.py: the cached target states, the training-time-test
 forward, the loss mask and resumable training, on tiny random models."""
 
 import json
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.prompts import ChatTemplate
-from eagle_export.reference import parallel_drafts
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "samples"))
+from eagle_export.data.prompts import ChatTemplate
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.speculation.eager import parallel_drafts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eagle_export" / "samples"))
 import drafter_data  # noqa: E402
 import train_drafter  # noqa: E402
 from drafter_data import Dataset, answer_mask, greedy_batch, prefill  # noqa: E402

@@ -5,10 +5,10 @@ import functools
 import pytest
 import torch
 
-from eagle_export import contract as C
 from eagle_export.errors import EagleExportError
-from eagle_export.layers import causal_mask
-from eagle_export.tree import TreeShape, ancestor_mask, greedy_accepted_path, node_depths, verify_mask
+from eagle_export.models import contract as C
+from eagle_export.models.layers import causal_mask
+from eagle_export.speculation.tree import TreeShape, ancestor_mask, greedy_accepted_path, node_depths, verify_mask
 
 
 def ancestors_of(parents, i):
@@ -159,7 +159,7 @@ def two_token_p_value(shape, sampler, trials=6000, seed=0):
 
 
 def test_tree_rejection_sampling_preserves_the_target_distribution():
-    from eagle_export.tree import rejection_sample_path
+    from eagle_export.speculation.tree import rejection_sample_path
 
     tree = TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     assert two_token_p_value(tree, rejection_sample_path) > 0.01

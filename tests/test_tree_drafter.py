@@ -1,6 +1,6 @@
 """A token tree from one drafter launch equals single drafter steps along each node's path.
 
-The oracle walks each node's path from the root with reference.draft_chain, choosing at every step
+The oracle walks each node's path from the root with eager.draft_chain, choosing at every step
 the draft of the path node's rank (its parent's rank-r draft), over exactly the sequence's valid cache
 and rows; the graph batches each tree level into one drafter step with an ancestor mask."""
 
@@ -8,18 +8,18 @@ import math
 
 import pytest
 import torch
-
-from eagle_export import contract as C
-from eagle_export import reference
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.errors import EagleExportError
-from eagle_export.export import export_graph
-from eagle_export.backends import run_graph
-from eagle_export.tree import DynamicTree, TreeShape
-from eagle_export.unrolled import UnrolledDrafter
 from test_export import declared_shapes
 from test_unrolled import random_inputs
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.errors import EagleExportError
+from eagle_export.export.export import export_graph
+from eagle_export.export.unrolled import UnrolledDrafter
+from eagle_export.models import contract as C
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.runtime.backends import run_graph
+from eagle_export.speculation import eager
+from eagle_export.speculation.tree import DynamicTree, TreeShape
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def walk(drafter, inputs, b, ranks):
     probability of each under the distribution it was chosen from)."""
     input_ids, aux, num_valid, past_key, past_value, cache_lens = inputs
     n, c = int(num_valid[b]), int(cache_lens[b])
-    chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(ranks),
+    chain = eager.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(ranks),
                                   past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c],
                                   lambda logits, k: logits[0].topk(ranks[k] + 1).indices[ranks[k]][None])
     probs = torch.softmax(chain.logits[0].float(), -1).gather(-1, chain.indices[0, :, None])[:, 0]
@@ -118,7 +118,7 @@ def sampling_inputs(batch: int, nodes: int, seed: int) -> tuple[torch.Tensor, to
 def test_static_sampling_tree_draws_each_node_from_its_parents_distribution(drafter, shape):
     """The sampling graph: node i is the inverse-CDF draw of its own noise under its parent's draft
     distribution at the temperature (siblings: independent draws from one distribution), and later
-    levels continue from the drawn tokens. The oracle walks each path with reference.draft_chain,
+    levels continue from the drawn tokens. The oracle walks each path with eager.draft_chain,
     drawing at every step with the path node's noise."""
     num_valid, cache_lens = [4, 1, 2], [2, 6, 0]
     inputs = random_inputs(drafter, num_valid, cache_lens, shape.depth, seed=5)
@@ -135,7 +135,7 @@ def test_static_sampling_tree_draws_each_node_from_its_parents_distribution(draf
                 probs = torch.softmax(logits[0].float() / temperature[b], -1)
                 return (probs.cumsum(-1)[:-1] <= noise[b, path[k]]).sum()[None]
 
-            chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(path),
+            chain = eager.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], len(path),
                                           past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c], draw)
             dist = torch.softmax(chain.logits[0, -1].float() / temperature[b], -1)
             assert int(out[C.DRAFT_IDS][b, node]) == int(chain.drafts[0, -1])
@@ -181,14 +181,14 @@ def test_trees_out_of_range_are_refused(drafter):
 def test_drafted_trees_verified_in_one_call_are_lossless(target, drafter, speculation, batch):
     """The whole loop on the real tree graph: drafts from the tree drafter, one tree-masked verify
     call per round, the accepted path committed; greedy output equals the target's own."""
-    from eagle_export.backends import TorchBackend
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-    from eagle_export.unrolled import TargetGraph
+    from eagle_export.export.unrolled import TargetGraph
+    from eagle_export.runtime.backends import TorchBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     prompts = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]][:batch]
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False))
     assert backend.verify_width == speculation.num_nodes + 1
-    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, depth_policy="fixed")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128, verify_policy="fixed")
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=24))
     assert [r.tokens for r in results] == [target.generate_greedy(p, 24) for p in prompts]
     # every round verifies the whole tree: its deepest node (a dynamic tree's best nodes may all be shallow)
@@ -205,19 +205,19 @@ def test_trees_on_the_sample_pair_are_lossless_at_batch_1_and_2(sample_target, s
     verified every round: greedy output equals the target's own, alone and in a batch of two."""
     from pathlib import Path
 
-    from eagle_export.backends import TorchBackend
-    from eagle_export.prompts import ChatTemplate, mtbench_prompts, user_turns
-    from eagle_export.runtime import GenerationConfig, SpeculativeRuntime
-    from eagle_export.unrolled import TargetGraph
+    from eagle_export.data.prompts import ChatTemplate, mtbench_prompts, user_turns
+    from eagle_export.export.unrolled import TargetGraph
+    from eagle_export.runtime.backends import TorchBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     target = load_target(sample_target)
-    drafter = load_drafter(Path(__file__).resolve().parent.parent / "samples" / "eagle3.1-smollm2-135m",
+    drafter = load_drafter(Path(__file__).resolve().parent.parent / "eagle_export" / "samples" / "eagle3.1-smollm2-135m",
                            target=target, dtype=torch.float32)
     template = ChatTemplate(sample_target)
     eos = (target.config.eos_token_id,)
     prompts = [template.encode_chat(m) for m in user_turns(mtbench_prompts()[:3])]
     backend = TorchBackend(TargetGraph(target, False), UnrolledDrafter(drafter, speculation, False))
-    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=512, depth_policy="fixed")
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=512, verify_policy="fixed")
     config = GenerationConfig(max_new_tokens=24, eos_ids=eos)
     results = runtime.generate(prompts[:1], config) + runtime.generate(prompts[1:], config)
     assert [r.tokens for r in results] == [target.generate_greedy(p, 24, eos) for p in prompts]

@@ -9,8 +9,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from eagle_export.passes import PassManager
-from eagle_export.passes import trt_lint
+from eagle_export.passes import PassManager, trt_lint
 from eagle_export.passes import trt_onnx_support as support
 from eagle_export.passes.onnx_pin import ONNX_IR_VERSION
 from eagle_export.passes.trt_lint import Finding, LintReport, TensorRTLintPass, lint_model

@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-
-from eagle_export import reference
-from eagle_export.checkpoint import load_drafter, load_target
-from eagle_export.errors import EagleExportError
-from eagle_export.layers import causal_mask
-from eagle_export.tree import verify_mask
-from eagle_export.unrolled import TargetGraph, UnrolledDrafter
 from tiny_models import write_tiny_drafter, write_tiny_target
+
+from eagle_export.errors import EagleExportError
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models.checkpoint import load_drafter, load_target
+from eagle_export.models.layers import causal_mask
+from eagle_export.speculation import eager
+from eagle_export.speculation.tree import verify_mask
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -43,7 +43,7 @@ def oracle(drafter, input_ids, aux, num_valid, past_key, past_value, cache_lens,
                 return p.argmax()[None]
             return torch.clamp(torch.searchsorted(p.cumsum(-1), noise[b, step], right=True), max=p.numel() - 1)[None]
 
-        chain = reference.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], depth,
+        chain = eager.draft_chain(drafter, input_ids[b:b + 1, :n], aux[b:b + 1, :n], depth,
                                       past_key[:, b:b + 1, :, :c], past_value[:, b:b + 1, :, :c], choose)
         p = distribution(chain.logits[0])  # [depth, Vd]
         ids.append(chain.drafts[0].tolist())

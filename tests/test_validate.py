@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from eagle_export.manifest import Agreement
-from eagle_export.validate import AGREEMENT_MARGIN, _agreement_check, _summary
+from eagle_export.build.manifest import Agreement
+from eagle_export.build.validate import AGREEMENT_MARGIN, _agreement_check, _summary
 
 
 def test_a_skipped_check_is_neither_passed_nor_failed():

@@ -77,8 +77,8 @@ def write_tiny_drafter(path: Path, version: str = "3.1", seed: int = 0, own_embe
     """A random drafter in the EAGLE-3 / vLLM layout (`midlayer.*`), with random non-trivial gains."""
     from safetensors.torch import save_file
 
-    from eagle_export.config import DrafterConfig
-    from eagle_export.drafter import Drafter
+    from eagle_export.models.config import DrafterConfig
+    from eagle_export.models.drafter import Drafter
 
     cfg_dict = tiny_drafter_config(version, **overrides)
     cfg = DrafterConfig.from_hf(cfg_dict)
@@ -130,11 +130,11 @@ def write_trained_tiny_drafter(path: Path, target_dir: Path, version: str, seque
     tokens of the sequences (d2t/t2d stored)."""
     import torch.nn.functional as F
 
-    from eagle_export.checkpoint import load_target, save_drafter
-    from eagle_export.conformance import capture
-    from eagle_export.config import DrafterConfig
-    from eagle_export.drafter import Drafter
-    from eagle_export.reference import parallel_drafts
+    from eagle_export.build.conformance import capture
+    from eagle_export.models.checkpoint import load_target, save_drafter
+    from eagle_export.models.config import DrafterConfig
+    from eagle_export.models.drafter import Drafter
+    from eagle_export.speculation.eager import parallel_drafts
 
     target = load_target(target_dir).eval()
     states = capture(target, sequences)

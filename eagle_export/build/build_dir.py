@@ -1,0 +1,172 @@
+"""Open a build directory: its manifest, a backend for its graphs, and a runtime over them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from ..data.prompts import ChatTemplate
+from ..engine.engine import pick_engine
+from ..environment import gpu_info, tensorrt_version
+from ..errors import EagleExportError
+from ..export.loader import load_pair, passes_skipping
+from ..export.unrolled import TargetGraph, UnrolledDrafter
+from ..files import load_int_array, load_tokenizer
+from ..models.nvfp4 import use_graph_weights
+from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
+from ..runtime.costs import CostCache, cache_path, cost_key
+from ..runtime.runtime import PairShapes, SpeculativeRuntime
+from ..speculation.tree import DynamicTree
+from .manifest import MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts, verify_sources
+
+BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
+
+
+@dataclass
+class OpenBuild:
+    path: Path
+    manifest: Manifest
+    runtime: SpeculativeRuntime
+    tokenizer: object | None
+    eos_ids: tuple[int, ...]
+
+    def chat_template(self) -> ChatTemplate:
+        if not (self.path / "tokenizer_config.json").is_file():
+            raise EagleExportError(f"{self.path} has no chat template", "pass --prompt instead of --chat")
+        return ChatTemplate(self.path)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        return self.chat_template().encode_chat([{"role": "user", "content": text}])
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise EagleExportError(f"{self.path} has no tokenizer.json", "rebuild from a checkpoint with a tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
+    """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
+    even for a quantized build (validation compares its graphs with them), unless `nvfp4_from` names
+    the build directory: then its NVFP4 models run the NVFP4 weights of its own graphs. Refused
+    unless every source file still has the sha256 the build recorded: other weights would run silently."""
+    changed, unavailable = verify_sources(manifest)
+    if changed or unavailable:
+        raise EagleExportError("the torch backend rebuilds the models from the checkpoints the build was made "
+                               "from, and cannot trust them: " + "; ".join(changed + unavailable),
+                               "use the onnxruntime backend (it runs the build's own graphs), restore the "
+                               "checkpoints, or rebuild with `eagle-export build --force`")
+    target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
+                                passes=passes_skipping(manifest.skipped_passes),
+                                drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
+    if nvfp4_from is not None:
+        for role, module, graph in (("target", target, manifest.target_graph), ("drafter", drafter, manifest.drafter_graph)):
+            if manifest.models[role].precision == "nvfp4":
+                use_graph_weights(module, onnx.load(str(nvfp4_from / graph.file)), role)
+    return target, drafter
+
+
+def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
+                 cuda_graphs: bool | None = None):
+    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists."""
+    if backend not in BACKENDS:
+        raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    if cuda_graphs and backend != "torch":
+        raise EagleExportError(f"CUDA graphs are the torch backend's fast path, not the {backend} backend's "
+                               "(TensorRT and ONNX Runtime launch their own kernels)",
+                               "pass --backend torch with --cuda-graphs")
+    if backend in ("auto", "tensorrt") and manifest.engines:
+        gpu = gpu_info()
+        cc, trt = (gpu["compute_capability"] if gpu else None), tensorrt_version()
+        try:
+            chosen = {g: pick_engine([e for e in manifest.engines if e.graph == g], cc, trt)
+                      for g in ("target", "drafter")}
+            return TensorRTBackend(path / chosen["target"].file, path / chosen["drafter"].file, manifest.speculation,
+                                   manifest.target_graph.return_logits)
+        except EagleExportError as e:
+            if backend == "tensorrt":
+                raise
+            # One line on why (a TensorRT patch upgrade, another GPU, no GPU), then the ONNX graphs.
+            print(f"note: running on ONNX Runtime, not TensorRT: {e.problem}", file=sys.stderr)
+    if backend == "tensorrt":
+        raise EagleExportError(f"{path} has no TensorRT engines ({manifest.engines_skipped or ''})",
+                               "use --backend onnxruntime, or rebuild on a machine with TensorRT and a GPU")
+    precisions = {m.precision for m in manifest.models.values()}
+    if backend == "torch":
+        if "fp8" in precisions:
+            raise EagleExportError("the torch backend runs unquantized and NVFP4 builds only",
+                                   "use --backend onnxruntime (FP8) or tensorrt for this build")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cuda_graphs and device != "cuda":
+            raise EagleExportError("--cuda-graphs needs a CUDA GPU, and torch sees none here",
+                                   "run without --cuda-graphs (the torch backend runs eagerly on the CPU)")
+        target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
+        target, drafter = target.to(device), drafter.to(device)
+        speculation = manifest.speculation  # (a dynamic tree is drafted greedily only: no sampling graph)
+        sampling_graph = None if isinstance(speculation, DynamicTree) else UnrolledDrafter(drafter, speculation, True)
+        return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False),
+                            sampling_graph, device=device,
+                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)
+    if "nvfp4" in precisions:
+        raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
+                               "torch over its graphs' NVFP4 weights (slowly, on CPU)",
+                               "use --backend torch, or run it where TensorRT and a compute capability 10.0+ "
+                               "GPU exist")
+    sampling = manifest.drafter_sampling_graph
+    return OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file,
+                              path / sampling.file if sampling else None, threads=threads,
+                              optimize="fp8" not in precisions, speculation=manifest.speculation)
+
+
+def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
+               verify: bool = True, verify_policy: str = "goodput", cuda_graphs: bool | None = None,
+               static_cache: bool | None = None) -> OpenBuild:
+    """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named).
+    `verify_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
+    the build directory per backend and machine) or "fixed" (always all K).
+    `cuda_graphs`: the torch backend's CUDA graphs (None: on whenever it runs on CUDA); `static_cache`:
+    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs)."""
+    path = Path(path)
+    data = read_manifest(path)
+    if verify:  # before any field is read: an edited manifest is not trusted
+        problems = verify_artifacts(path, data)
+        if problems:
+            raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
+                                   "rebuild it with `eagle-export build --force`")
+    manifest = Manifest.from_json(data, path / MANIFEST)
+    draft_to_target = load_int_array(path / "draft_to_target.npy", "rebuild with `eagle-export build --force`")
+    problems = contradictions(manifest) + vocab_map_problems(manifest, draft_to_target)
+    if problems:
+        raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
+                               "rebuild it with `eagle-export build --force`")
+    chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
+    t, d = manifest.target, manifest.drafter
+    draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
+    tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None
+    shapes = PairShapes(t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim,
+                        len(t.aux_layer_ids) * t.hidden_size, manifest.max_context, t.vocab_size)
+    runtime = SpeculativeRuntime(chosen, shapes, draft_to_target=draft_to_target, tokenizer=tokenizer,
+                                 verify_policy=verify_policy,
+                                 cost_cache=CostCache(cache_path(path, manifest),
+                                                      cost_key(chosen, threads, static_cache)),
+                                 static_cache=static_cache)
+    return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
+
+
+def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[str]:
+    """draft_to_target.npy against the manifest: one target id per draft id, each inside the vocabulary."""
+    size = manifest.drafter.draft_vocab_size
+    vocab = manifest.target.vocab_size
+    problems = []
+    if draft_to_target.ndim != 1 or isinstance(size, int) and len(draft_to_target) != size:
+        problems.append(f"draft_to_target.npy has shape {draft_to_target.shape}, the drafter's vocabulary is {size}")
+    elif isinstance(vocab, int) and len(draft_to_target) and not (
+            0 <= draft_to_target.min() and draft_to_target.max() < vocab):
+        problems.append(f"draft_to_target.npy maps to ids outside the target's vocabulary [0, {vocab})")
+    return problems
+

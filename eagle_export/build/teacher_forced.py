@@ -1,0 +1,172 @@
+"""Width noise of a quantized target, and the T2 tier of the lossless contract that explains it.
+
+Greedy speculative decoding verifies up to K+1 tokens per target call; plain decoding makes one per
+call. An fp32/fp16/bf16 target gives the same tokens either way (checked by equality). A quantized
+target's kernels round differently with the call's width (a 1e-6 accumulation difference flips an
+activation's FP8 rounding, and the flip grows through the layers), so at a near-tie speculative
+decoding may take the other token and go on along its own continuation. What is exact there, and
+checked as such (T0, T1 in `validate.py`), is greedy decoding through the verify graph at width K+1:
+a row's result depends on the call's width, not on its position within the call or on how many
+(masked) cache slots the call reads (measured per backend; see the README). What parts speculative
+output from width-1 decoding is explained here (T2):
+
+    d = the first position where the two outputs differ. The speculative token at d must be
+    (a) the argmax of the verify-width logits at d (a width-K+1 call whose row 0 is d, over the
+        common prefix, every earlier row also computed at width K+1, as the T1 reference runs),
+    (b) at a near-tie of the width-1 reference: its top-1 minus top-2 logit margin at d below delta,
+    (c) the width-1 reference's second choice.
+    After d the outputs are different continuations and no claim is made.
+
+delta is measured for each build (`measure_delta`), never chosen: on the calibration prompts,
+teacher-forced, every position's logits are computed by calls of width 1 and of width K+1, each
+building its own cache (as plain and speculative decoding do). With a, b the width-1 top-2 tokens,
+
+    Delta margin = (l1[a] - l1[b]) - (lK[a] - lK[b]),   delta = p99.9 of |Delta margin|,
+
+so a width-K+1 call can prefer b over a only where the width-1 margin is below |Delta margin|, and
+at 99.9% of positions that is below delta. A real cache or position bug diverges where the margin
+is large and fails (b).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import contract as C
+from ..models.layers import causal_mask
+from ..progress import track
+from ..runtime.backends import Backend
+
+# The last this many tokens of each calibration prompt are computed at both widths (the rest of the
+# prompt is one prefill shared by both): enough to cross several K+1 chunks, cheap on a CPU.
+DELTA_POSITIONS = 24
+DELTA_QUANTILE = 0.999
+
+
+class TargetCalls:
+    """Target calls on one sequence through a backend, each appending its new K/V to a cache of
+    exactly the tokens seen; returns each call's logits [T, V] in fp32. `width` pads a call with
+    filler tokens after its live ones (their rows discarded, never cached), as a verify call whose
+    drafts are all rejected has them."""
+
+    def __init__(self, backend: Backend, cache_shape: tuple[int, int, int]):
+        layers, heads, dim = cache_shape
+        self.backend = backend
+        self.key = torch.zeros(layers, 1, heads, 0, dim, dtype=backend.model_dtype, device=backend.device)
+        self.value = torch.zeros_like(self.key)
+
+    def fork(self) -> "TargetCalls":
+        twin = TargetCalls.__new__(TargetCalls)
+        twin.backend, twin.key, twin.value = self.backend, self.key, self.value  # never written in place
+        return twin
+
+    def __call__(self, ids: list[int], width: int | None = None) -> torch.Tensor:
+        n, device, live = self.key.shape[3], self.backend.device, len(ids)
+        ids = list(ids) + [0] * max(0, (width or live) - live)
+        feeds = {C.INPUT_IDS: torch.tensor([ids], device=device),
+                 C.POSITIONS: torch.arange(n, n + len(ids), device=device)[None],
+                 C.PAST_KEY: self.key, C.PAST_VALUE: self.value, C.CACHE_LENS: torch.tensor([n], device=device),
+                 C.TREE_MASK: causal_mask(1, len(ids), device)}
+        out = self.backend.target(feeds, need_logits=True)
+        self.key = torch.cat([self.key, out[C.NEW_KEY][:, :, :, :live]], dim=3)
+        self.value = torch.cat([self.value, out[C.NEW_VALUE][:, :, :, :live]], dim=3)
+        return out[C.LOGITS][0, :live].float().cpu()
+
+
+def margin_shift(narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """[P, V] logits of the same positions at width 1 and K+1 -> [P] Delta margin (module docstring)."""
+    a, b = narrow.topk(2, dim=-1).indices.unbind(-1)
+    rows = torch.arange(len(narrow))
+    return (narrow[rows, a] - narrow[rows, b]) - (wide[rows, a] - wide[rows, b])
+
+
+@torch.no_grad()
+def measure_delta(backend: Backend, cache_shape, prompts: list[list[int]], width: int,
+                  positions: int = DELTA_POSITIONS) -> dict:
+    """delta for this build's target on this backend (module docstring), from the last `positions`
+    tokens of each prompt at call widths 1 and `width` (K+1), with the width noise it comes from."""
+    shifts, largest, flips, counted = [], 0.0, 0, 0
+    for ids in track(prompts, "delta (call width 1 vs K+1)"):
+        start = max(1, len(ids) - positions)
+        if start >= len(ids):
+            continue
+        narrow = TargetCalls(backend, cache_shape)
+        narrow(ids[:start])
+        wide = narrow.fork()
+        rest = ids[start:]
+        one = torch.cat([narrow([t]) for t in rest])
+        chunked = torch.cat([wide(rest[i:i + width]) for i in range(0, len(rest), width)])
+        shifts.append(margin_shift(one, chunked).abs())
+        largest = max(largest, float((one - chunked).abs().max()))
+        flips += int((one.argmax(-1) != chunked.argmax(-1)).sum())
+        counted += len(rest)
+    shifts = torch.cat(shifts).double() if shifts else torch.zeros(1, dtype=torch.float64)
+    return {"delta": float(torch.quantile(shifts, DELTA_QUANTILE)), "quantile": DELTA_QUANTILE,
+            "max_margin_shift": float(shifts.max()), "max_logit_difference": largest, "argmax_flips": flips,
+            "widths": [1, width], "prompts": len(prompts), "positions": counted, "backend": backend.name}
+
+
+@torch.no_grad()
+def position_variance(backend: Backend, cache_shape, prompt: list[int], width: int) -> float:
+    """max |logit difference| of the prompt's last tokens (at most `width`) computed each as row 0 of
+    a width-`width` call (the T1 reference) and all as the rows of one such call (a fully accepted
+    round): 0.0 where a row's result does not depend on its position within the call."""
+    start = max(1, len(prompt) - width)
+    base = TargetCalls(backend, cache_shape)
+    base(prompt[:start])
+    rest = prompt[start:]
+    row0 = base.fork()
+    one_by_one = torch.cat([row0([t], width) for t in rest])
+    together = base.fork()(rest, width)
+    return float((one_by_one - together).abs().max())
+
+
+def verify_width_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int], width: int):
+    """The logits at position len(tokens) after `prompt` + `tokens`, as the T1 reference computes them:
+    one prefill, then every token as row 0 of a width-`width` call."""
+    calls = TargetCalls(backend, cache_shape)
+    logits = calls(prompt)[-1]
+    for token in tokens:
+        logits = calls([token], width)[0]
+    return logits
+
+
+def width1_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int]):
+    """The logits at position len(tokens) after `prompt` + `tokens`, as plain decoding computes them."""
+    calls = TargetCalls(backend, cache_shape)
+    logits = calls(prompt)[-1]
+    for token in tokens:
+        logits = calls([token])[0]
+    return logits
+
+
+@torch.no_grad()
+def explain_divergence(backend: Backend, cache_shape, prompt: list[int], spec: list[int], plain: list[int],
+                       width: int, delta: float) -> dict:
+    """T2 for one prompt (module docstring): d (None: identical), the width-1 margin at d, delta, the
+    identical-prefix fraction, conditions (a) (b) (c) and whether all hold."""
+    first = agreement(spec, plain)
+    d = first["first_divergence"]
+    record = {"d": d, "delta": delta, "identical_prefix": (len(plain) if d is None else d) / max(len(plain), 1)}
+    if d is None:
+        return {**record, "margin": None, "explained": True}
+    if d >= len(spec) or d >= len(plain):  # one stopped where the other went on: no token pair to explain
+        return {**record, "margin": None, "explained": False, "why": "one output ends where the other goes on"}
+    token = spec[d]
+    verify = verify_width_logits(backend, cache_shape, prompt, spec[:d], width)
+    narrow = width1_logits(backend, cache_shape, prompt, plain[:d])
+    top = narrow.topk(2)
+    margin = float(top.values[0] - top.values[1])
+    checks = {"argmax_at_verify_width": int(verify.argmax()) == token, "margin_below_delta": margin < delta,
+              "second_choice": int(top.indices[1]) == token}
+    return {**record, "margin": margin, "token": token, "plain_token": plain[d], **checks,
+            "explained": all(checks.values())}
+
+
+def agreement(spec: list[int], plain: list[int]) -> dict:
+    """Exact agreement of a speculative output with plain decoding's: where they first part ways
+    (None: never) and the fraction of positions holding the same token."""
+    first = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+                 None if len(spec) == len(plain) else min(len(spec), len(plain)))
+    same = sum(a == b for a, b in zip(spec, plain))
+    return {"first_divergence": first, "match_fraction": same / max(len(spec), len(plain), 1)}

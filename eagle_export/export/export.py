@@ -1,0 +1,275 @@
+"""ONNX export of the target graph and the unrolled drafter graph (`backends.py` runs the files).
+
+Export uses the TorchScript exporter (`dynamo=False`) at opset `contract.ONNX_OPSET`, with dynamic
+axes only for batch, tokens and past length. Quantized modules (ModelOpt FP8 quantizers,
+NVFP4Linears) export at `qdq.EXPORT_OPSET` and then go through the Q/DQ rewrites of `qdq.py`.
+The example inputs give the cache a few slots (S >= 1, `past` dynamic) so that no shape
+computation is traced on an empty tensor, where the exporter may specialize a zero-sized
+dimension; the exported graphs run with S = 0 (tested).
+
+fp16 and bf16 graphs are strongly typed: every tensor has the model dtype except where the torch
+modules cast explicitly (RMSNorm statistics, RoPE angles, attention softmax and draft
+probabilities in fp32), and each of those casts is an explicit Cast node.
+
+After export, the ONNX clean-up pipeline (`passes.onnx_pipeline`, which pins `ir_version` so ONNX
+Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fails the export,
+quantized or not.
+A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
+are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
+weight read from its file when a pass needs its values, and the save writes them tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from ..errors import EagleExportError
+from ..files import file_error, free_bytes, reading
+from ..models import contract as C
+from ..models.checkpoint import DTYPE_NAMES
+from ..models.config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
+from ..models.nvfp4 import pack_nvfp4
+from ..output_dir import output_place
+from ..passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
+from ..speculation.tree import check_depth
+from .loader import load_pair
+from .qdq import EXPORT_OPSET, finish_quantized, fp8_weight_codes
+from .unrolled import TargetGraph, UnrolledDrafter
+
+EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The axis sizes graphs are traced at (the drafter's tokens: decoding's W = K+1 rows). The cache has
+# a few slots so that no shape computation is traced on an empty tensor (see the docstring).
+EXAMPLE_SIZES = {C.BATCH: 2, C.TOKENS: 3, C.PAST: 4}
+# Protobuf cannot serialize 2 GiB; above this many bytes of weights they go to an external data file.
+EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2
+
+
+def resolve_export_dtype(dtype: str) -> torch.dtype:
+    aliases = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+    name = aliases.get(dtype, dtype)
+    if name not in EXPORT_DTYPES:
+        raise EagleExportError(f"unknown export dtype {dtype!r}", f"use one of {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: Path, quantized: bool = False) -> dict:
+    """Export `module` to `path` by `spec`, clean it up and lint it; any lint finding fails the export.
+    Returns node counts, seconds, the Q/DQ rewrite counts (quantized) and the pass/lint report.
+
+    quantized: `module` holds ModelOpt FP8 quantizers and/or NVFP4Linears (ModelOpt's own NVFP4
+    quantizers, the CUDA fake-quant path, are first packed into NVFP4Linears, in place); it exports
+    at `qdq.EXPORT_OPSET` and `qdq.finish_quantized` rewrites it into TensorRT's Q/DQ form."""
+    start = time.perf_counter()
+    if quantized:
+        pack_nvfp4(module)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, torch.no_grad(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        raw = Path(tmp) / path.name
+        opset = EXPORT_OPSET if quantized else C.ONNX_OPSET
+        torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=opset,
+                          input_names=spec.input_names, output_names=spec.output_names,
+                          dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
+        # Weights above 2 GiB the exporter wrote as external files beside `raw`: they stay on disk,
+        # read one tensor at a time by the passes that need values and by the save.
+        model = streamed(ir.load(raw))
+        # The tracer warns where a tree's structure (its parents, frontiers: Python constants of the shape)
+        # becomes a graph constant, which is meant; whether a graph generalizes is what validate proves, on
+        # inputs other than the trace's. The warnings go to the report, not to the user's terminal.
+        trace_warnings = sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).split('.')[0]}"
+                                 for w in caught if issubclass(w.category, torch.jit.TracerWarning)})
+        others = [w for w in caught if not issubclass(w.category, torch.jit.TracerWarning)]
+        exported_nodes = len(model.graph)
+        export_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        rewrites = {}
+        if quantized:  # the Q/DQ rewrites work on the proto (quantized graphs are small here)
+            proto, rewrites = finish_quantized(ir.to_proto(model), fp8_weight_codes(module))
+            model = ir.from_proto(proto)
+        result = onnx_pipeline(spec)(model)
+        findings = [str(f) for f in lint_model(result.model).findings]
+        passes_seconds = time.perf_counter() - start
+        if findings:
+            raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
+                                   "this is a bug in the export: report it with the model's config.json")
+        save_model(result.model, path)
+    for w in others:  # every other warning reaches the user as it would have
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(result.model.graph),
+            "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
+            "passes": [r.to_json() for r in result.records], "lint_findings": findings, "trace_warnings": trace_warnings}
+
+
+def streamed(model: ir.Model) -> ir.Model:
+    """Each initializer held in an external file becomes a tensor that reads its bytes from the file
+    whenever asked and keeps nothing (onnx_ir's ExternalTensor keeps its file mapped once read, so
+    hashing every weight for de-duplication and writing them out would map all of them at once)."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            value.const_value = ir.LazyTensor(functools.partial(_read_external, tensor), tensor.dtype,
+                                              tensor.shape, name=tensor.name)
+    return model
+
+
+def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
+    with open(tensor.path, "rb") as f:
+        f.seek(tensor.offset or 0)
+        data = f.read(tensor.length if tensor.length is not None else -1)
+    array = np.frombuffer(data, dtype=tensor.dtype.numpy()).reshape(tensor.shape.numpy())
+    return ir.Tensor(array, dtype=tensor.dtype, name=tensor.name)
+
+
+def save_model(model: ir.Model, path: Path) -> None:
+    """One .onnx file, or (weights of EXTERNAL_DATA_THRESHOLD bytes or more) the graph and one
+    `.onnx.data` file beside it, written tensor by tensor (tensors under 1 KiB stay in the graph)."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if weight_bytes < EXTERNAL_DATA_THRESHOLD:
+        ir.save(model, path)
+        return
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
+
+
+def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:
+    spec = C.target_graph(target.config, len(target.aux_layer_ids), return_logits)
+    args = C.example_args(spec, EXAMPLE_SIZES, dtype=target.embed_tokens.weight.dtype)
+    return export_graph(TargetGraph(target, return_logits).eval(), args, spec, path, quantized)
+
+
+def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: bool = False) -> dict:
+    """speculation: a tree.Speculation, or a bare int K for a chain (the Python API's entry point)."""
+    graph = UnrolledDrafter(drafter, speculation, sampling).eval()
+    spec = C.drafter_graph(drafter.config, graph.tree, sampling)
+    args = C.example_args(spec, {**EXAMPLE_SIZES, C.TOKENS: graph.depth + 1}, dtype=drafter.fc.weight.dtype)
+    return export_graph(graph, args, spec, path, quantized)
+
+
+
+# Peak resident memory of an fp16 export, measured with /usr/bin/time -v (README "Bring your own
+# model"; pair weights W, drafter graph bytes D -> peak, GiB): Qwen3-1.7B-shaped 3.46, 0.83 -> 7.11;
+# Llama-3.2-3B-shaped 6.44, 1.19 -> 10.84; Llama-3.1-8B-shaped with 8 of 32 layers 6.00, 1.77 -> 12.29.
+# The loaded pair holds W once; the drafter graph, under the 2 GiB protobuf limit and carrying its own
+# copy of the embedding table, is held about three times while it is exported (the exporter's proto,
+# the IR, the serialized bytes); the target's graph streams. W + 3 D + 1.25 GiB lies 0.1-0.4 GiB above
+# each measurement.
+EXPORT_PEAK_DRAFTER_GRAPH_COPIES = 3
+EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
+
+
+def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the pair's weights, bytes of the drafter graph's weights) at `dtype`, from the configs
+    alone (norm gains and biases left out: under 0.1%). The drafter shares the target's embedding
+    table in memory; its graph carries a copy."""
+    t, d = target_cfg, drafter_cfg
+    attention = lambda h_in, h, heads, kv, hd: h_in * (heads + 2 * kv) * hd + heads * hd * h
+    layer = (attention(t.hidden_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim)
+             + 3 * t.hidden_size * t.intermediate_size)
+    target = t.num_layers * layer + t.vocab_size * t.hidden_size * (1 if t.tie_word_embeddings else 2)
+    drafter = (d.num_aux * d.target_hidden_size * d.hidden_size + d.draft_vocab_size * d.hidden_size
+               + attention(2 * d.hidden_size, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim)
+               + 3 * d.hidden_size * d.intermediate_size)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (target + drafter) * size, (drafter + d.vocab_size * d.hidden_size) * size
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
+    """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
+    machine has available. Returns the projection in bytes. Pairs under 1 GiB of weights are not
+    refused: the fit's fixed part is the interpreter and torch, which any machine running this has."""
+    target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
+    if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
+        return 0  # swapped or odd directories: the loaders name the problem
+    target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
+    weights, drafter_graph = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
+    projected = weights + EXPORT_PEAK_DRAFTER_GRAPH_COPIES * drafter_graph + EXPORT_PEAK_FIXED_BYTES
+    available = available_memory_bytes() if available is None else available
+    if available is not None and projected > available and weights >= 1 << 30:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"
+        smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib((projected + EXPORT_PEAK_FIXED_BYTES) / 2)}"
+        raise EagleExportError(
+            f"exporting this pair ({target_cfg.architecture}, {target_cfg.num_layers} layers, "
+            f"{gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about {gib(projected)} of memory at its peak "
+            f"(the weights, {EXPORT_PEAK_DRAFTER_GRAPH_COPIES} x the drafter graph's {gib(drafter_graph)}, "
+            f"{gib(EXPORT_PEAK_FIXED_BYTES)}), and this machine has "
+            f"{gib(available)} available{smaller}",
+            "export on a machine with that much free memory, close what else holds memory here, or export "
+            "in fp16 (--dtype fp16) if you asked for fp32")
+    return projected
+
+
+def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, sampling: bool = False,
+                  force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+    """Write target.onnx and drafter.onnx (+ export_summary.json) to `out_dir`; returns the summary.
+    `sampling` exports the sampling drafter and a target that also returns its logits."""
+    progress = progress or (lambda message: None)
+    check_depth(depth)
+    torch_dtype = resolve_export_dtype(dtype)
+    out_dir = output_place(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not force or not out_dir.is_dir():
+            raise EagleExportError(f"{out_dir} exists and is not an empty directory",
+                                   "choose a new output directory, or pass --force to overwrite its files")
+    check_export_fits(target_dir, drafter_dir, torch_dtype)
+
+    progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
+             "through the model passes a build applies")
+    target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
+    aux_ids = target.aux_layer_ids  # the states this drafter was trained on
+    # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
+    # named before, not discovered as a truncated file after.
+    needed = sum(t.numel() * t.element_size() for m in (target, drafter, *[drafter] * sampling)
+                 for t in m.state_dict().values())
+    if free_bytes(out_dir) < needed:
+        raise file_error(out_dir, OSError(errno.ENOSPC, "No space left on device"), needed=needed)
+    with reading(out_dir, "choose an output directory you can write to (-o)"):
+        out_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs loaded: a refused export leaves nothing
+    try:
+        return _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise file_error(out_dir, e, needed=needed) from None
+
+
+def _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress) -> dict:
+    summary = {"dtype": DTYPE_NAMES[torch_dtype], "depth": depth, "sampling": sampling,
+               "opset": C.ONNX_OPSET, "ir_version": ONNX_IR_VERSION, "aux_layer_ids": list(aux_ids)}
+    progress("exporting target.onnx")
+    summary["target"] = export_target(target, out_dir / "target.onnx", return_logits=sampling)
+    progress(f"  target: {summary['target']['nodes_exported']} nodes exported, "
+             f"{summary['target']['nodes_after_passes']} after passes, {summary['target']['export_seconds']:.1f} s")
+    # The greedy drafter is always drafter.onnx (what greedy decoding runs); --sampling adds the
+    # sampling one beside it, as a build lays them out.
+    for key, file, sample in (("drafter", "drafter.onnx", False), ("drafter_sampling", "drafter_sampling.onnx", True)):
+        if sample and not sampling:
+            continue
+        progress(f"exporting {file} (depth {depth}, {'sampling' if sample else 'greedy'})")
+        summary[key] = export_drafter(drafter, depth, sample, out_dir / file)
+        progress(f"  {key}: {summary[key]['nodes_exported']} nodes exported, "
+                 f"{summary[key]['nodes_after_passes']} after passes, {summary[key]['export_seconds']:.1f} s")
+    (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

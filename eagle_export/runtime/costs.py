@@ -1,0 +1,208 @@
+"""The measured cost model: seconds per target call of T tokens and per drafter call, on this machine.
+
+The verify policy trades tokens against time, so it needs what the calls cost here, not FLOPs: on a
+CPU a 5-token verify may cost barely more than a 1-token step (the weights are read once either
+way), on a GPU at batch 16 it may cost 3x. The curves are measured on the backend itself, batch
+by batch as batch sizes come into use:
+    verify[B][T]   the target graph over T = 1..K+1 new tokens (T = 1 is a plain decoding step)
+    draft[B][W]    the unrolled drafter over W = 1..K+1 input rows (it always proposes K)
+each the median of REPS calls taken in turn (T = 1, 2, ..., K+1, then again), after a warm-up, with
+a cache of PAST valid slots. They are cached per backend and machine in the build directory
+(`costs.json`; in the user cache when the build directory is read-only), so a build pays for the
+measurement once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..cache import cache_root
+from ..environment import package_version, tensorrt_version
+from ..lazy import lazy
+from ..models import contract as C
+
+torch = lazy("torch")  # the manifest (read by `inspect BUILD`) names COSTS_FILE; measuring needs torch
+
+COSTS_FILE = "costs.json"
+COSTS_FORMAT = 1
+REPS = 5
+PAST = 256  # valid cache slots during the measurement (the verify cost grows slowly with it)
+
+
+@dataclass
+class CostCurves:
+    """Measured seconds per call; batch sizes are measured as they come into use."""
+
+    verify_s: dict[int, dict[int, float]] = field(default_factory=dict)   # batch -> tokens -> s
+    draft_s: dict[int, dict[int, float]] = field(default_factory=dict)    # batch -> rows -> s
+
+    def has(self, batch: int) -> bool:
+        return batch in self.verify_s and batch in self.draft_s
+
+    def verify(self, batch: int, tokens: int) -> float:
+        return self.verify_s[batch][tokens]
+
+    def draft(self, batch: int, rows: int | None = None) -> float:
+        curve = self.draft_s[batch]
+        return curve[rows if rows is not None else max(curve)]
+
+    def to_json(self) -> dict:
+        return {"verify_s": {str(b): {str(t): s for t, s in c.items()} for b, c in self.verify_s.items()},
+                "draft_s": {str(b): {str(w): s for w, s in c.items()} for b, c in self.draft_s.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostCurves:
+        def curves(d):  # caches written before curves were made monotone are read as they are now
+            return {int(b): monotone({int(t): float(s) for t, s in c.items()}) for b, c in d.items()}
+        return cls(curves(data.get("verify_s", {})), curves(data.get("draft_s", {})))
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The running maximum c'(n) = max over m <= n of c(m): a call over more tokens (rows) does at least
+    the work of one over fewer, so a curve that dips (T=6 483 ms, T=7 239 ms, under a neighbour's load)
+    is measuring noise, and a policy reading a dip would favour a width for nothing."""
+    out, highest = {}, 0.0
+    for n in sorted(curve):
+        highest = max(highest, curve[n])
+        out[n] = highest
+    return out
+
+
+def disagreement(a: dict[int, float], b: dict[int, float]) -> tuple[int, float] | None:
+    """(width, ratio) where two curves of the same graph differ most (ratio = larger / smaller, >= 1),
+    over the widths both have; None when they share none."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return max(((n, max(a[n], b[n]) / min(a[n], b[n])) for n in common), key=lambda nr: nr[1])
+
+
+def machine_id(device: str) -> str:
+    """What the costs depend on: the processor (model and usable cores) or the GPU."""
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
+def cost_key(backend, threads: int | None, static_cache: bool | None = None) -> str:
+    """Costs hold for one backend, library version, thread setting, cache mode and machine."""
+    version = {"onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
+               "tensorrt": tensorrt_version(), "torch": torch.__version__}.get(backend.name)
+    mode = " with CUDA graphs" if backend.cuda_graphs else " with static caches" if static_cache else ""
+    return f"{backend.name} {version}{mode} on {machine_id(backend.device)}, threads {threads or 'default'}"
+
+
+class CostCache:
+    """costs.json: one CostCurves per key (backend, its settings, machine). Written atomically."""
+
+    def __init__(self, path: Path | None, key: str):
+        self.path, self.key = path, key
+
+    def load(self) -> CostCurves:
+        if self.path is None or not self.path.is_file():
+            return CostCurves()
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return CostCurves()  # a cache, not an artifact: a bad one is measured again
+        if data.get("format") != COSTS_FORMAT:
+            return CostCurves()
+        return CostCurves.from_json(data.get("entries", {}).get(self.key, {}))
+
+    def save(self, curves: CostCurves) -> None:
+        if self.path is None:
+            return
+        entries = {}
+        if self.path.is_file():
+            try:
+                entries = json.loads(self.path.read_text()).get("entries", {})
+            except (OSError, json.JSONDecodeError):
+                entries = {}
+        entries[self.key] = curves.to_json()
+        text = json.dumps({"format": COSTS_FORMAT, "entries": entries}, indent=1) + "\n"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # unwritable: the curves stay in memory for this process
+
+
+def cache_path(build_dir: Path, manifest) -> Path:
+    """The build directory's costs.json, or one in the user cache when the build is read-only."""
+    if os.access(build_dir, os.W_OK):
+        return build_dir / COSTS_FILE
+    stamp = (manifest.created or "") + "".join(a["sha256"][:8] for a in manifest.artifacts.values())
+    return cache_root() / "costs" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
+
+
+def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[dict[int, float], dict[int, float]]:
+    """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain) and drafter
+    (W = 1..K+1) at `batch`."""
+    from ..models.layers import causal_mask
+
+    k = runtime.depth
+    past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
+    capacity = past + 2 * (k + 1)
+    device = runtime.device
+    # The runtime's own caches: in static mode those its calls (and CUDA graphs) will use.
+    target_k, target_v, draft_k, draft_v = runtime.caches(batch, runtime.cache_slots(capacity, capacity))
+    lens = torch.full((batch,), past, dtype=torch.int64, device=device)
+
+    def target_feeds(t):
+        return {C.INPUT_IDS: torch.ones(batch, t, dtype=torch.int64, device=device),
+                C.POSITIONS: (lens[:, None] + torch.arange(t, device=device)).contiguous(),
+                C.PAST_KEY: target_k, C.PAST_VALUE: target_v, C.CACHE_LENS: lens,
+                C.TREE_MASK: causal_mask(batch, t, device)}
+
+    def draft_feeds(w):
+        width = runtime.drafter_width(w)  # padded as the runtime pads it
+        return {C.INPUT_IDS: torch.ones(batch, width, dtype=torch.int64, device=device),
+                C.AUX_HIDDEN: torch.zeros(batch, width, runtime.aux_width, dtype=runtime.backend.drafter_dtype,
+                                          device=device),
+                C.NUM_VALID: torch.full((batch,), w, dtype=torch.int64, device=device),
+                C.PAST_KEY: draft_k, C.PAST_VALUE: draft_v, C.CACHE_LENS: lens}
+
+    def timed(call, feeds):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call(feeds)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    # A tree's verify calls are wider than its drafter's input rows (the root and its nodes).
+    verify, draft = {t: [] for t in range(1, runtime.backend.verify_width + 1)}, {w: [] for w in range(1, k + 2)}
+    for rep in range(reps + 1):  # the first pass is a warm-up
+        for n in range(1, max(len(verify), len(draft)) + 1):  # in turn, as the loop calls them: drafter, verify
+            if n in draft:
+                d = timed(runtime.backend.drafter, draft_feeds(n))
+                draft[n] += [d] if rep else []
+            if n in verify:
+                v = timed(runtime.backend.target, target_feeds(n))
+                verify[n] += [v] if rep else []
+    return (monotone({t: statistics.median(s) for t, s in verify.items()}),
+            monotone({w: statistics.median(s) for w, s in draft.items()}))

@@ -1,0 +1,689 @@
+"""The draft-verify loop: what users import.
+
+One round, for a batch of ragged sequences:
+  draft   the unrolled drafter consumes each sequence's newly accepted rows and proposes a token
+          tree (node ids and parent indices, `tree.py`); a chain of K drafts is the tree whose node
+          i has parent i-1, and takes the same path through everything below
+  verify  the target scores [last token (the root), nodes..] in one call, each node at the position
+          of its depth and seeing only its ancestors (`tree_mask`)
+  accept  greedy: the longest root path whose tokens equal the target's argmax at their parents,
+          plus the target's next token; sampling: multi-candidate rejection sampling down the tree,
+          which preserves the target distribution
+  commit  the new K/V rows of the accepted path are gathered and written at each sequence's length
+          (their RoPE positions are those slots' already); rejected rows are never written (the
+          graphs return only new entries), so rollback is free.
+The runtime owns every cache buffer. Cache slot j holds position j; `lens[b]` counts the target
+positions in cache; the last emitted token is not yet in it.
+Caches grow with the longest sequence, in steps of `cache_step` slots: every call reads the
+whole cache it is given, so one allocated at its final length would cost every early call more.
+Static mode (`static_cache`, which CUDA graphs need) trades that for fixed shapes and fixed memory,
+as vLLM and gpt-fast do: caches are allocated once per batch size at the context limit and reused
+by every generate call, and the drafter's input rows are padded to K+1 (with num_valid), so every
+decoding call has one of a few shapes: verify T = 1..K+1 tokens, drafter W = K+1 rows. Calls see a
+view of the static caches that grows in power-of-two buckets (STATIC_MIN_SLOTS, 512, ... up to the
+context limit): reading all max_context slots at every call cost 2-3x on CPU (notes of issue 19).
+A drafter call with more rows (its first, over the prompt; a catch-up after plain steps) keeps its
+own width.
+
+Depth per round: a verify policy (`verify_policy.py`) decides before each round whether to call the
+drafter at all, and after it how many of its K drafts to verify (k in 0..K; the verify call then
+has k+1 tokens). A round without a drafter call is a plain decoding step. The drafter's input rows
+(token p+1 with the target's aux state at p) that it has not seen yet wait in `pending` rows: every
+verify call appends its accepted rows there and the next drafter call consumes them all, so after
+plain steps the drafter catches up in one call of more rows. Greedy output is the target's own
+whatever k is: the accepted drafts are exactly those equal to the target's argmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import EagleExportError
+from ..models import contract as C
+from ..models.layers import causal_mask
+from ..speculation import tree
+from ..speculation.stats import acceptance_by_depth, mean_accepted_length
+from ..speculation.synthetic import SyntheticDrafts
+from ..speculation.tree import greedy_accepted_path
+from .backends import Backend
+from .costs import CostCache, CostCurves, measure
+from .verify_policy import check_policy, make_policy
+
+STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
+
+
+def _is_int(value) -> bool:
+    """A whole number as Python or numpy holds it; bool is refused although it subclasses int."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy, lossless against target-only greedy decoding
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        """Refuse nonsense here, where the CLI and the Python API both pass: NaN or a negative
+        temperature would decode greedily, an empty stop string would stop after one token."""
+        def number(value) -> bool:
+            return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise EagleExportError(f"max_new_tokens is {self.max_new_tokens!r}", "pass a whole number of 1 or more")
+        if not number(self.temperature) or self.temperature < 0:
+            raise EagleExportError(f"temperature is {self.temperature!r}",
+                                   "pass 0 for greedy decoding or a finite positive number to sample")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise EagleExportError(f"top_p is {self.top_p!r}, outside (0, 1]", "pass a top_p above 0 and at most 1")
+        if isinstance(self.eos_ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in self.eos_ids):
+            raise EagleExportError(f"eos_ids {self.eos_ids!r} are not token ids", "pass a tuple of ids of 0 or more")
+        if isinstance(self.stop_strings, (str, bytes)):
+            raise EagleExportError(f"stop_strings is the single string {self.stop_strings!r}, read as its characters",
+                                   "pass a tuple of strings, e.g. stop_strings=(\"###\",)")
+        if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
+            raise EagleExportError(f"stop_strings {self.stop_strings!r} holds an empty string or a non-string "
+                                   "(an empty string is found at once)", "pass non-empty strings only")
+        if not _is_int(self.seed):
+            raise EagleExportError(f"seed is {self.seed!r}", "pass a whole number")
+
+
+@dataclass
+class SequenceStats:
+    prompt_tokens: int
+    new_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafts accepted in each round
+    depths: list[int] = field(default_factory=list)    # depth of the deepest draft verified each round (0: none;
+                                                        # a tree verifies more nodes than that: see widths)
+    widths: list[int] = field(default_factory=list)    # tokens of each round's verify call (1: a plain step)
+    draft_calls: int = 0                                # rounds that called the drafter
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round: accepted drafts plus the target's own token (0 before any round)."""
+        return mean_accepted_length(self.accepted, empty=0.0)
+
+    def acceptance_by_depth(self, depth: int) -> list[float]:
+        """Per depth, the fraction of rounds that accepted it among those that verified it; None where
+        no round verified that depth (nothing was measured)."""
+        return acceptance_by_depth(self.accepted, depth, unreached=None, verified=self.depths)
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop", "length" (max_new_tokens) or "context" (the context limit)
+    stats: SequenceStats
+    text: str | None = None
+
+
+@dataclass
+class Event:
+    """Tokens emitted for sequence `index`; its last event carries `finish_reason` and its `stats`."""
+
+    index: int
+    tokens: list[int]
+    finish_reason: str | None = None
+    stats: SequenceStats | None = None
+
+
+@dataclass
+class Timings:
+    """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    total: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return max(0.0, self.total - self.prefill - self.draft - self.verify)
+
+
+def request_record(result: SequenceResult, depth: int, timings: Timings) -> dict:
+    """One request as JSON (`eagle-export run --json`): its tokens, text and finish reason, its stats,
+    and the time split of the `generate` call that served it alone (seconds)."""
+    stats = result.stats
+    return {
+        "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
+        "stats": {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens, "rounds": stats.rounds,
+                  "tau": round(stats.tau, 4), "accepted_per_round": stats.accepted,
+                  "verified_per_round": stats.depths, "verify_width_per_round": stats.widths,
+                  "draft_calls": stats.draft_calls,
+                  "acceptance_by_depth": [None if a is None else round(a, 4) for a in stats.acceptance_by_depth(depth)],
+                  "tokens_per_s": round(stats.new_tokens / timings.total, 2) if timings.total else None,
+                  "seconds": {"total": round(timings.total, 4), "prefill": round(timings.prefill, 4),
+                              "draft": round(timings.draft, 4), "verify": round(timings.verify, 4),
+                              "host": round(timings.host, 4)}},
+    }
+
+
+@dataclass(frozen=True)
+class PairShapes:
+    """What the runtime allocates and checks for a target-drafter pair: the caches [L,B,Hkv,slots,D]
+    of the target (L layers) and of the drafter (one layer), the aux states' width (the target's
+    hidden size times the aux layers), the target vocabulary (prompt ids must lie below it; None:
+    not checked), and the context limit (max_context slots per sequence)."""
+
+    target_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    drafter_kv_heads: int
+    drafter_head_dim: int
+    aux_width: int
+    max_context: int
+    vocab_size: int | None = None
+
+    @classmethod
+    def of_models(cls, target, drafter, max_context: int) -> PairShapes:
+        """The shapes of the torch modules' configs."""
+        t, d = target.config, drafter.config
+        return cls(t.num_layers, t.num_kv_heads, t.head_dim, d.num_kv_heads, d.head_dim, target.aux_width,
+                   max_context, t.vocab_size)
+
+
+class SpeculativeRuntime:
+    def __init__(self, backend: Backend, shapes: PairShapes, draft_to_target: torch.Tensor | None = None,
+                 tokenizer=None, verify_policy="goodput", costs: CostCurves | None = None,
+                 cost_cache: CostCache | None = None, static_cache: bool | None = None):
+        self.backend, self.shapes = backend, shapes
+        # None: static exactly when the backend replays CUDA graphs (they read the caches they were captured with).
+        self.static_cache = backend.cuda_graphs if static_cache is None else static_cache
+        if backend.cuda_graphs and not self.static_cache:
+            raise EagleExportError("CUDA graphs read the caches they were captured with, so they need static caches",
+                                   "leave static_cache unset (or True) with cuda_graphs")
+        self._static_caches: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> caches at max_context
+        self._streaming: set[int] = set()  # static mode: batch sizes whose caches a stream is using
+        self.vocab_size = shapes.vocab_size  # prompt ids must lie below it (None: unknown, not checked)
+        self.verify_policy = verify_policy
+        check_policy(verify_policy)  # an unknown name fails here, not mid-generation
+        self.cost_cache = cost_cache
+        self.costs = costs or (cost_cache.load() if cost_cache else CostCurves())
+        self.depth = backend.depth
+        self.target_cache_shape = (shapes.target_layers, shapes.target_kv_heads, shapes.target_head_dim)
+        self.drafter_cache_shape = (1, shapes.drafter_kv_heads, shapes.drafter_head_dim)
+        self.aux_width, self.max_context = shapes.aux_width, shapes.max_context
+        self.draft_to_target = draft_to_target
+        self.tokenizer = tokenizer
+        self.timings = Timings()
+        # Caches grow in steps of this many slots as the sequences do (see _State.reserve).
+        self.cache_step = 64
+
+    @classmethod
+    def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
+        """A runtime whose cache shapes come from the torch modules' configs."""
+        return cls(backend, PairShapes.of_models(target, drafter, max_context), tokenizer=tokenizer,
+                   draft_to_target=drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size)), **kw)
+
+    def cost_curves(self, batch: int) -> CostCurves:
+        """The measured costs, measuring (and caching) this batch size on its first use."""
+        if not self.costs.has(batch):
+            self.costs.verify_s[batch], self.costs.draft_s[batch] = measure(self, batch)
+            if self.cost_cache is not None:
+                self.cost_cache.save(self.costs)
+        return self.costs
+
+    def caches(self, batch: int, slots: int) -> tuple[torch.Tensor, ...]:
+        """Target K, V and drafter K, V caches [L,B,Hkv,slots,D]: new zeroed tensors, or in static
+        mode views of this batch size's caches, allocated once at max_context slots and shared by
+        every call (the same memory at every size; stale rows past a sequence's length are masked)."""
+        full = self._static_caches.get(batch) if self.static_cache else None
+        if full is None:
+            caches = []
+            for shape, dtype in ((self.target_cache_shape, self.backend.model_dtype),
+                                 (self.drafter_cache_shape, self.backend.drafter_dtype)):
+                layers, heads, dim = shape
+                caches += [torch.zeros(layers, batch, heads, self.max_context if self.static_cache else slots, dim,
+                                       dtype=dtype, device=self.device) for _ in "kv"]
+            if not self.static_cache:
+                return tuple(caches)
+            full = self._static_caches[batch] = tuple(caches)
+        return tuple(c[:, :, :, :slots] for c in full)
+
+    def cache_slots(self, needed: int, capacity: int) -> int:
+        """How many slots a call's caches show for `needed`: growing mode rounds up to cache_step
+        (at most the call's capacity); static mode to a power of two from STATIC_MIN_SLOTS (at most
+        max_context), so the view sizes, and the CUDA graphs per width, stay few."""
+        if self.static_cache:
+            return min(self.max_context, max(STATIC_MIN_SLOTS, 1 << (needed - 1).bit_length()))
+        return min(capacity, -(-needed // self.cache_step) * self.cache_step)
+
+    def drafter_width(self, rows: int) -> int:
+        """The drafter's input width for `rows` rows: padded to K+1 in static mode (one graph)."""
+        return self.depth + 1 if self.static_cache and rows <= self.depth + 1 else rows
+
+    # ------------------------------------------------------------ public API
+
+    def generate(self, prompts: list[list[int]], config: GenerationConfig, speculative: bool = True,
+                 verify_policy=None, synthetic: SyntheticDrafts | None = None) -> list[SequenceResult]:
+        results = [[] for _ in prompts]
+        finished = [None] * len(prompts)
+        stream = (self.stream(prompts, config, verify_policy, synthetic) if speculative
+                  else self.stream_autoregressive(prompts, config))
+        for event in stream:
+            results[event.index].extend(event.tokens)
+            finished[event.index] = event if event.finish_reason else finished[event.index]
+        return [SequenceResult(tokens, last.finish_reason, last.stats, self._decode(tokens, config))
+                for tokens, last in zip(results, finished)]
+
+    def stream(self, prompts: list[list[int]], config: GenerationConfig, verify_policy=None,
+               synthetic: SyntheticDrafts | None = None) -> Iterator[Event]:
+        """Speculative decoding, yielding tokens as each round accepts them. `verify_policy` overrides
+        the runtime's for this call ("goodput", "fixed", or a policy object). `synthetic` replaces
+        each drafter call's drafts by ones of known quality (`synthetic.py`: a measurement and proof
+        tool; the drafter graph still runs)."""
+        with self._caches_in_use(len(prompts)):
+            state = self._start(prompts, config, verify_policy or self.verify_policy)
+            if synthetic is not None and state.sampling:
+                raise EagleExportError("synthetic drafts are defined for greedy decoding only",
+                                       "use temperature 0 with synthetic drafts")
+            state.synthetic = synthetic
+            policy = state.policy
+            yield from self._prefill(state)
+            while state.active.any():
+                near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
+                spec = state.active & ~near_limit
+                if spec.any():
+                    yield from self._round(state, spec, policy, policy.should_draft(spec))
+                if near_limit.any():  # a full round no longer fits: finish token by token, exactly
+                    yield from self._round(state, near_limit)
+            self.timings.total += time.perf_counter() - state.started
+
+    def stream_autoregressive(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator[Event]:
+        """Target-only decoding on the same backend: the baseline `bench` compares against."""
+        with self._caches_in_use(len(prompts)):
+            state = self._start(prompts, config)
+            yield from self._prefill(state, draft=False)
+            while state.active.any():
+                yield from self._round(state, state.active)
+            self.timings.total += time.perf_counter() - state.started
+
+    @contextlib.contextmanager
+    def _caches_in_use(self, batch: int):
+        """Static mode: one stream at a time per batch size, as every stream of that size writes the
+        same caches (a second one would overwrite the first's rows and both would decode garbage).
+        Released when the stream ends, is closed or is dropped."""
+        if not self.static_cache:
+            yield
+            return
+        if batch in self._streaming:
+            raise EagleExportError(f"a stream of batch {batch} started while another of batch {batch} on this "
+                                   "runtime is still running: with static caches (CUDA graphs) both would write "
+                                   "the same caches",
+                                   "finish or close() the first stream before starting the next, or open a second "
+                                   "runtime for concurrent streams")
+        self._streaming.add(batch)
+        try:
+            yield
+        finally:
+            self._streaming.discard(batch)
+
+    # ------------------------------------------------------------ the loop
+
+    def check_requests(self, prompts, config) -> None:
+        """Refuse requests this build cannot serve, before anything is measured, cached or generated."""
+        if not prompts:
+            raise EagleExportError("no prompts given", "pass at least one prompt")
+        if config.temperature > 0 and not (self.backend.has_logits and self.backend.has_sampling):
+            raise EagleExportError(f"the {self.backend.name} backend of this build cannot sample "
+                                   "(it has no logits output or no sampling drafter graph)",
+                                   "use --temperature 0, or rebuild with sampling: true in the recipe")
+        if not isinstance(config, GenerationConfig):
+            raise EagleExportError(f"config is a {type(config).__name__}", "pass an eagle_export.runtime.GenerationConfig")
+        for i, p in enumerate(prompts):
+            self._check_ids(i, p)
+            if len(p) == 0:
+                raise EagleExportError(f"prompt {i} is empty: there is nothing to continue",
+                                       "pass some text, or use --chat so the chat template adds its tokens")
+            if len(p) >= self.max_context:
+                raise EagleExportError(
+                    f"prompt {i} has {len(p)} tokens, the context limit is {self.max_context}",
+                    "shorten the prompt, or build with a larger profiles.context.max")
+
+    def _start(self, prompts, config, verify_policy=None):
+        self.check_requests(prompts, config)
+        policy = None
+        if verify_policy is not None:  # (measuring the costs of a new batch size is not generation time)
+            check_policy(verify_policy)
+            costs = self.cost_curves(len(prompts)) if verify_policy == "goodput" else None
+            policy = make_policy(verify_policy, self.depth, costs)
+            policy.start(len(prompts))
+        self.timings = Timings()
+        state = _State(self, prompts, config)
+        state.policy = policy
+        return state
+
+    def _check_ids(self, i: int, prompt) -> None:
+        """Token ids are whole numbers in [0, vocab): Gather would wrap a negative id silently."""
+        if isinstance(prompt, (str, bytes)) or not all(_is_int(t) for t in prompt):
+            raise EagleExportError(f"prompt {i} is not a list of token ids ({str(prompt)[:60]!r})",
+                                   "pass each prompt as a list of ints (the tokenizer's ids)")
+        vocab = self.vocab_size
+        bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise EagleExportError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, "
+                                   f"{vocab if vocab is not None else 'vocab'})",
+                                   "encode the prompt with this build's tokenizer")
+
+    def _prefill(self, state, draft: bool = True):
+        b = len(state.prompts)
+        width = max(len(p) for p in state.prompts)
+        ids = torch.zeros(b, width, dtype=torch.int64)
+        for i, p in enumerate(state.prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        positions = torch.arange(width).expand(b, -1).contiguous()
+        out = self._target(state, ids, positions, state.lens, causal_mask(b, width), need_logits=state.sampling,
+                           phase="prefill")
+        prompt_lens = torch.tensor([len(p) for p in state.prompts])
+        state.write_target(out, prompt_lens, state.active)
+        last = prompt_lens - 1
+        first = self._pick(state, out, last)
+        events = state.emit([[int(t)] for t in first], state.active)
+        state.lens += prompt_lens
+        if draft:  # the drafter's rows: token p+1 with aux p, for every prompt position
+            shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+            shifted[torch.arange(b), last] = first
+            state.pending = _PendingRows(shifted, out[C.AUX_HIDDEN], prompt_lens)
+            state.draft_lens = torch.zeros(b, dtype=torch.int64)
+        state.last_token = first
+        yield from events
+
+    def _round(self, state, live, policy=None, drafted=False):
+        """One target call for the `live` sequences over [last token, the part of the drafter's tree the
+        policy keeps] (menu entry j of `tree.nested_subtrees`, chosen after the drafter call); without a
+        drafter call (drafted False) a plain step. A chain is the tree whose node i has parent i-1: one
+        path serves both."""
+        b = len(state.prompts)
+        state.reserve(int(state.lens[live].max()) + self.depth + 1)
+        nodes, parents = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
+        j, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
+        verified_depth = torch.zeros(b, dtype=torch.int64)  # the deepest node verified, per sequence
+        if drafted:
+            nodes, parents, token_probs, draft_probs = self._draft(state, live)
+            menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
+            j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
+            verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
+            order, parents, valid = tree.subtree(parents, menu[j])
+            nodes = nodes.gather(1, order)
+            draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
+        verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
+        mask = tree.verify_mask(parents)
+        positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth
+        out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
+        if state.sampling:
+            accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs, live)
+        else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
+            accepted, path = greedy_accepted_path(torch.where(valid, nodes, -1), parents, out[C.GREEDY_IDS])
+        rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
+        if not state.sampling:
+            next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
+        path_ids = verify_ids.gather(1, rows)                                   # [root, accepted nodes..]
+        state.write_target(_gather_rows(out, rows), accepted + 1, live)
+        emitted = []
+        for i in range(b):
+            emitted.append(path_ids[i, 1:accepted[i] + 1].tolist() + [int(next_token[i])])
+            if live[i] and policy is not None:
+                state.stats[i].accepted.append(int(accepted[i]))
+                state.stats[i].depths.append(int(verified_depth[i]))
+                state.stats[i].widths.append(verify_ids.shape[1])
+                state.stats[i].draft_calls += drafted
+        events = state.emit(emitted, live)
+        if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
+            next_ids = torch.cat([path_ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
+            next_ids[torch.arange(b), accepted] = next_token
+            aux = out[C.AUX_HIDDEN]
+            aux = aux.gather(1, rows.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[2]))
+            state.pending.append(next_ids, aux, accepted + 1, live)
+        if policy is not None:
+            policy.observe(j, accepted, live, drafted)
+        state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
+        state.last_token = torch.where(live, next_token, state.last_token)
+        yield from events
+
+    # ------------------------------------------------------------ graph calls
+
+    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify"):
+        feeds = {C.INPUT_IDS: ids.to(self.device), C.POSITIONS: positions.to(self.device),
+                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device),
+                 C.TREE_MASK: tree_mask.to(self.device)}
+        start = time.perf_counter()
+        out = self.backend.target(feeds, need_logits=need_logits)
+        # timed to the copy of its ids to the host, which waits for a GPU's queued work: what the call costs
+        out = {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
+        setattr(self.timings, phase, getattr(self.timings, phase) + time.perf_counter() - start)
+        return out
+
+    def _draft(self, state, live):
+        """The drafter over every pending row of the live sequences -> its tree: node ids [B,N],
+        parents [B,N] (a chain graph's are implied: node i's parent is i-1), each node's probability
+        under its parent's distribution, and the distributions when sampling."""
+        ids, aux, num_valid = state.pending.take(live, self.drafter_width)
+        # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
+        # on an fp16 base beside an fp32 drafter).
+        feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux.to(self.backend.drafter_dtype),
+                 C.NUM_VALID: num_valid.to(self.device),
+                 C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
+                 C.CACHE_LENS: state.draft_lens.to(self.device)}
+        if state.sampling:
+            feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
+            feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.backend.num_nodes, generator=state.rng).to(self.device)
+        start = time.perf_counter()
+        out = self.backend.drafter(feeds, sampling=state.sampling)
+        nodes = out[C.DRAFT_IDS].cpu()  # (waits for a GPU's queued work: timed with the call)
+        self.timings.draft += time.perf_counter() - start
+        state.write_drafter(out, num_valid, live)
+        state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
+        parents = (out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out
+                   else _chain(nodes.shape[1]).expand(len(nodes), -1))
+        token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
+        if state.synthetic is not None:
+            nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
+                                                         [len(g) for g in state.generated])
+        return nodes, parents, token_probs, out.get(C.DRAFT_PROBS)
+
+    @property
+    def device(self):
+        return self.backend.device
+
+    # ------------------------------------------------------------ sampling
+
+    def _target_probs(self, state, logits):
+        """Target distribution at `config.temperature` with top-p (nucleus) filtering, in fp32."""
+        probs = torch.softmax(logits.float() / state.config.temperature, dim=-1)
+        if state.config.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < state.config.top_p  # the smallest set reaching top_p
+            sorted_probs = sorted_probs * keep
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def _pick(self, state, out, rows):
+        """The next token at row `rows[b]` of a target output: argmax, or a sample when sampling."""
+        if not state.sampling:
+            return out[C.GREEDY_IDS].gather(1, rows[:, None])[:, 0]
+        logits = out[C.LOGITS][torch.arange(len(rows)), rows]
+        return torch.multinomial(self._target_probs(state, logits), 1, generator=state.rng)[:, 0]
+
+    def _rejection_sample(self, state, out, nodes, parents, valid, draft_probs, live):
+        """Multi-candidate rejection sampling over each sequence's tree (`tree.rejection_sample_path`:
+        a row's children are tried in turn, each accepted with probability min(1, p/q), the row's p
+        turned into norm(max(p - q, 0)) after each rejection; for a chain, Leviathan et al.'s rule).
+        draft_probs [B,N,Vd]: the distribution each node was drawn from, its parent row's (siblings
+        are drawn i.i.d. from it). Only `live` sequences draw, so what they sample does not depend on
+        finished ones. -> (accepted, path [B,N] (-1 padded), next token)."""
+        b, n = nodes.shape
+        p = self._target_probs(state, out[C.LOGITS])                          # [B,N+1,V]
+        q = torch.zeros_like(p)                                               # row r: its children's distribution
+        accepted, path = torch.zeros(b, dtype=torch.int64), torch.full((b, n), -1, dtype=torch.int64)
+        next_token = torch.zeros(b, dtype=torch.int64)
+        for i in torch.nonzero(live)[:, 0].tolist():
+            m = int(valid[i].sum())  # the kept nodes come first; padding nodes are never tried
+            if m:
+                q[i, (parents[i, :m] + 1)[:, None], self.draft_to_target] = draft_probs[i, :m].cpu().float()
+            taken, next_token[i] = tree.rejection_sample_path(p[i], q[i], nodes[i, :m].tolist(),
+                                                              parents[i, :m].tolist(), state.rng)
+            accepted[i] = len(taken)
+            path[i, :len(taken)] = torch.tensor(taken, dtype=torch.int64)
+        return accepted, path, next_token
+
+    def _decode(self, tokens, config):
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(tokens)
+        for stop in config.stop_strings:
+            if stop in text:
+                text = text[:text.index(stop)]
+        return text
+
+
+class _State:
+    """The per-call state of a batch: caches, lengths, who is still generating, what was emitted."""
+
+    def __init__(self, runtime: SpeculativeRuntime, prompts, config: GenerationConfig):
+        self.runtime, self.prompts, self.config = runtime, prompts, config
+        b = len(prompts)
+        k = runtime.depth
+        longest = max(len(p) for p in prompts)
+        self.capacity = min(runtime.max_context, longest + config.max_new_tokens + k + 1)  # slots ever needed
+        self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self._slots(longest + k + 1))
+        self.lens = torch.zeros(b, dtype=torch.int64)
+        self.draft_lens = None
+        self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
+        self.synthetic: SyntheticDrafts | None = None  # replaces the drafter's drafts (measurement only)
+        self.active = torch.ones(b, dtype=torch.bool)
+        self.sampling = config.temperature > 0
+        self.rng = torch.Generator().manual_seed(config.seed)
+        self.generated = [[] for _ in prompts]
+        self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
+        self.started = time.perf_counter()
+
+    def _slots(self, needed):
+        return self.runtime.cache_slots(needed, self.capacity)
+
+    def reserve(self, needed: int) -> None:
+        """Grow every cache to hold `needed` slots (rounded up to the runtime's cache_step, at most
+        capacity). Each graph call reads the whole cache it is given (ONNX Runtime copies it, attention
+        spans it), so caches track the longest sequence instead of being allocated at their final length."""
+        slots = self._slots(needed)
+        if slots <= self.target_k.shape[3]:
+            return
+        if self.runtime.static_cache:  # wider views of the same memory: nothing to copy
+            self.target_k, self.target_v, self.draft_k, self.draft_v = self.runtime.caches(len(self.prompts), slots)
+            return
+        for name in ("target_k", "target_v", "draft_k", "draft_v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(*old.shape[:3], slots, old.shape[4])
+            grown[:, :, :, :old.shape[3]] = old
+            setattr(self, name, grown)
+
+    def write_target(self, out, counts, live):
+        _write_rows(self.target_k, self.target_v, out, self.lens, counts, live)
+
+    def write_drafter(self, out, counts, live):
+        _write_rows(self.draft_k, self.draft_v, out, self.draft_lens, counts, live)
+
+    def emit(self, tokens_per_seq: list[list[int]], live) -> list[Event]:
+        """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
+        events = []
+        cfg = self.config
+        for b, tokens in enumerate(tokens_per_seq):
+            if not live[b]:
+                continue
+            reason = None
+            room = cfg.max_new_tokens - len(self.generated[b])
+            context_room = self.runtime.max_context - (len(self.prompts[b]) + len(self.generated[b]))
+            if context_room <= len(tokens) and context_room < room:
+                tokens, reason = tokens[:context_room], "context"
+            if room <= len(tokens):
+                tokens, reason = tokens[:room], "length"
+            eos_at = next((i for i, t in enumerate(tokens) if t in cfg.eos_ids), None)
+            if eos_at is not None:
+                tokens, reason = tokens[:eos_at + 1], "eos"
+            if cfg.stop_strings and self.runtime.tokenizer is not None:
+                tokens, stopped = self._cut_at_stop(b, tokens)
+                reason = "stop" if stopped else reason
+            self.generated[b].extend(tokens)
+            self.stats[b].new_tokens += len(tokens)
+            if reason is not None:
+                self.active[b] = False
+            events.append(Event(b, tokens, reason, self.stats[b] if reason is not None else None))
+        return events
+
+    def _cut_at_stop(self, b, tokens):
+        """Keep tokens up to the one that completes a stop string (the text is cut before it)."""
+        decode = self.runtime.tokenizer.decode
+        for i in range(1, len(tokens) + 1):
+            text = decode(self.generated[b] + tokens[:i])
+            if any(s in text for s in self.config.stop_strings):
+                return tokens[:i], True
+        return tokens, False
+
+
+class _PendingRows:
+    """The drafter's input rows it has not consumed yet, per sequence: ids [B,W], aux [B,W,A], count [B].
+    Verify calls append; a drafter call takes all rows of the live sequences (the others never draft
+    again: they finished or finish token by token, so their rows are never read)."""
+
+    def __init__(self, ids, aux, count):
+        self.ids, self.aux, self.count = ids.clone(), aux.clone(), count.clone()  # ours to write into
+
+    def _fit(self, width):
+        if width > self.ids.shape[1]:  # grow by doubling: plain steps add one row at a time
+            grow = max(width, 2 * self.ids.shape[1]) - self.ids.shape[1]
+            self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
+            self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+
+    def append(self, ids, aux, counts, live):
+        counts = torch.where(live, counts, 0)
+        self._fit(int((self.count + counts).max()))
+        for b in torch.nonzero(counts)[:, 0].tolist():
+            n, c = int(self.count[b]), int(counts[b])
+            self.ids[b, n:n + c] = ids[b, :c]
+            self.aux[b, n:n + c] = aux[b, :c]
+        self.count += counts
+
+    def take(self, live, width_for=lambda rows: rows):
+        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid)."""
+        width = width_for(int(self.count[live].max()))
+        self._fit(width)
+        rows = (self.ids[:, :width].contiguous(), self.aux[:, :width].contiguous(), self.count.clamp(1, width))
+        self.count = torch.where(live, 0, self.count)
+        return rows
+
+
+def _chain(k: int) -> torch.Tensor:
+    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1)."""
+    return torch.arange(-1, k - 1)
+
+
+def _gather_rows(out, rows):
+    """The new K/V of the verify call's rows `rows` [B,R] (the accepted path, root first), in that
+    order: their RoPE positions are already root + depth, the contiguous cache slots they go to."""
+    index = rows.to(out[C.NEW_KEY].device)[None, :, None, :, None]
+    return {name: out[name].gather(3, index.expand(*out[name].shape[:3], -1, out[name].shape[4]))
+            for name in (C.NEW_KEY, C.NEW_VALUE)}
+
+
+def _write_rows(keys, values, out, starts, counts, live):
+    """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
+    cache write the runtime does (rejected rows are simply never written)."""
+    for b in torch.nonzero(live)[:, 0].tolist():
+        n, c = int(starts[b]), int(counts[b])
+        keys[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
+        values[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]

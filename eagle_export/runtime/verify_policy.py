@@ -1,0 +1,210 @@
+"""How much of the drafted tree each round verifies: all of it, or the part that maximizes tokens per second.
+
+A round costs one drafter call (it always proposes its whole chain or tree: the graph is unrolled)
+plus one target call over the root and the nodes kept; plain decoding yields 1 token per target
+call of 1 token. The runtime offers a menu of nested subtrees S_0 (the root alone: k = 0) within
+S_1 within ... S_J (everything), each closed under ancestors (`tree.nested_subtrees`), with the verify
+width of each and, greedy, the drafter's estimate of its expected tokens: 1 + the sum of the joint
+draft probabilities of its nodes, S_m being the m likeliest nodes (for a chain, the first m drafts).
+With the measured costs (`costs.CostCurves`):
+
+    before the drafter call   draft iff  E[tokens of a drafted round] / (c_draft + c_verify(width))
+                                         > MARGIN * 1 / c_verify(1)
+                              else the round is a plain decoding step (no drafter call);
+    after it                  j = argmax_j  E[tokens | S_j] / (c_draft + c_verify(width_j)),  j = 0 allowed.
+
+So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
+keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
+decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
+probes every PROBE_EVERY rounds, doubling the interval (up to PROBE_MAX) while probes keep failing,
+so a drafter that never helps costs at most about c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
+
+Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
+exact only if the decision to check a draft is made before it is seen), so the menu is by depth
+(S_k = the nodes of depth <= k) and E[tokens | S_k] comes from the running per-depth acceptance of
+earlier rounds instead.
+
+A batch shares one choice and one drafter decision per round: every sequence's verify call has the
+same T (the target graph's [B, T] input), and a sequence that could stop earlier loses nothing from
+being verified further, since the call's cost is paid for the batch anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import EagleExportError
+from .costs import CostCurves
+
+POLICIES = ("goodput", "fixed")
+
+
+class FixedDepth:
+    """Draft every round and verify the whole chain or tree."""
+
+    name = "fixed"
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def start(self, batch: int) -> None:
+        pass
+
+    def should_draft(self, live: torch.Tensor) -> bool:
+        return True
+
+    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
+        return len(widths) - 1
+
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+        pass
+
+
+class GoodputDepth:
+    name = "goodput"
+    DECAY = 0.7          # weight of the past in the running estimates (about 3 rounds of memory)
+    PROBE_EVERY = 16     # plain rounds before the drafter is tried again
+    PROBE_MAX = 64       # the probe interval doubles up to this while probes keep failing
+    MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
+    PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
+
+    def __init__(self, depth: int, costs: CostCurves):
+        self.depth, self.costs = depth, costs
+
+    def start(self, batch: int) -> None:
+        self.batch = batch
+        self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
+        self.acceptance = torch.full((batch, self.depth), self.PRIOR)
+        self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
+        self.round_cost = self._round_cost(self.depth)
+        self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
+        self._promised, self._sampling = None, False
+
+    def _round_cost(self, j: int) -> float:
+        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
+
+    def _best(self, expected: torch.Tensor, live: torch.Tensor, at_least: int = 0):
+        """(the menu entry j maximizing the round's expected tokens per second, each sequence's
+        expected tokens at j) from expected [B,J+1]."""
+        totals = expected[live].sum(0)
+        j = max(range(at_least, len(self.widths)), key=lambda j: float(totals[j]) / self._round_cost(j))
+        return j, expected[:, j]
+
+    def _probing(self) -> bool:
+        return self.since_draft >= self.interval
+
+    def should_draft(self, live: torch.Tensor) -> bool:
+        if self._probing():
+            return True
+        drafted_rate = float(self.expected[live].sum()) / self.round_cost
+        plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
+        return drafted_rate > self.MARGIN * plain_rate
+
+    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
+        """The menu entry to verify this round; `expected` [B,J+1] is the drafter's estimate of each
+        subtree's tokens (None: sampling, a menu by depth), widths[j] the verify call's tokens for it."""
+        self.widths = widths
+        self._sampling = expected is None
+        if self._sampling:  # a probe checks one draft at least, or the running acceptance could never rise
+            j, self._promised = self._best(self._expected(), live, at_least=int(self._probing()))
+        else:
+            j, self._promised = self._best(expected.float().cpu(), live)
+        return j
+
+    def _expected(self) -> torch.Tensor:
+        """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
+        reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
+        return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
+
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`."""
+        if not drafted:
+            self.since_draft += 1
+            return
+        probe = self._probing()
+        self.since_draft = 0
+        d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
+        if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
+            for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
+                checked = live & (accepted >= i)
+                hit = (accepted > i).float()
+                self.acceptance[:, i] = torch.where(checked, d * self.acceptance[:, i] + (1 - d) * hit,
+                                                    self.acceptance[:, i])
+            if j < self.depth:  # all j accepted: draft j+1, never checked, drifts back to the prior
+                full = live & (accepted == j)
+                self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
+                                                    + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
+            _, self._promised = self._best(self._expected(), live)  # what drafting promises now
+        self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
+        self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
+        if probe:
+            self.interval = self.PROBE_EVERY if self.should_draft(live) else min(self.PROBE_MAX, 2 * self.interval)
+
+
+def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, int]:
+    """(drafts accepted, drafts checked) over the rounds that verified drafts. A draft is checked where
+    every draft before it on its path was accepted, so a round that accepted m of the k it verified
+    checked min(m + 1, k); accepted / checked is the maximum-likelihood per-draft acceptance of a
+    geometric model."""
+    rounds = [(m, k) for m, k in zip(accepted, verified) if k > 0]
+    return sum(m for m, _ in rounds), sum(min(m + 1, k) for m, k in rounds)
+
+
+def break_even_acceptance(costs: CostCurves, batch: int, depth: int,
+                          margin: float = GoodputDepth.MARGIN) -> tuple[float, int] | None:
+    """(a, j): the lowest per-draft acceptance a at which a drafted round verifying j drafts of one path
+    beats a plain step as the goodput policy judges it, minimized over j = 1..depth:
+
+        1 + a + ... + a^j  =  margin * (c_draft + c_verify(j + 1)) / c_verify(1)
+
+    (left: the round's expected tokens, rising in a from 1 to j + 1; solved by bisection). None where
+    no acceptance pays, not even 1.0."""
+    best = None
+    for j in range(1, depth + 1):
+        needed = margin * (costs.draft(batch) + costs.verify(batch, j + 1)) / costs.verify(batch, 1)
+        if needed > j + 1:
+            continue
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            a = (low + high) / 2
+            low, high = (a, high) if sum(a ** i for i in range(j + 1)) < needed else (low, a)
+        if best is None or high < best[0]:
+            best = (high, j)
+    return best
+
+
+def explain(policy: str, stats, costs: CostCurves | None, depth: int) -> str:
+    """One line for `eagle-export run`: why this request did or did not speculate (batch 1)."""
+    if policy == "fixed":
+        return f"speculation: fixed, the drafter called every round and all {depth} drafts verified (--verify-policy fixed)"
+    took, checked = drafted_acceptance(stats.accepted, stats.depths)
+    unverified = stats.draft_calls - sum(k > 0 for k in stats.depths)
+    found = [f"drafter called in {stats.draft_calls} of {stats.rounds} rounds"]
+    if checked:
+        found.append(f"its drafts accepted {took} of {checked} checked ({took / checked:.2f})")
+    if unverified:
+        found.append(f"{unverified} drafted round(s) verified no draft (what the drafts promised was worth less "
+                     "than a plain step)")
+    pays = break_even_acceptance(costs, 1, depth) if costs is not None and costs.has(1) else None
+    if pays is None:
+        verdict = "drafting cannot pay on this machine even at acceptance 1.0 (a plain step is too cheap beside a drafter call)"
+    else:
+        a, j = pays
+        verdict = (f"drafting pays here from acceptance {a:.2f} (plain step {1e3 * costs.verify(1, 1):.0f} ms; "
+                   f"drafter {1e3 * costs.draft(1):.0f} ms + verify of {j + 1} tokens {1e3 * costs.verify(1, j + 1):.0f} ms)")
+    return (f"speculation (goodput): {'; '.join(found)}; {verdict}. "
+            "`eagle-export bench --acceptance-sweep BUILD` shows the speedup at each acceptance")
+
+
+def check_policy(name) -> None:
+    if isinstance(name, str) and name not in POLICIES:
+        raise EagleExportError(f"unknown verify policy {name!r}", f"choose one of {', '.join(POLICIES)}")
+
+
+def make_policy(name, depth: int, costs: CostCurves | None):
+    """A policy by name; an object with the same methods (start, should_draft, choose, observe) is
+    used as it is (tests drive the loop with random ones)."""
+    check_policy(name)
+    if not isinstance(name, str):
+        return name
+    return FixedDepth(depth) if name == "fixed" else GoodputDepth(depth, costs)

@@ -1,0 +1,331 @@
+"""`eagle-export gpu-kit`: real-size shapes on a GPU, with nothing but this package and torch.
+
+A GPU machine lent for minutes starts bare and takes no weights along, so the kit makes its pairs
+on the machine itself: a target with the real config of Llama-3.2-1B, Llama-3.1-8B or Qwen3-8B and
+an EAGLE-3 drafter of the real shape (one Llama decoder layer at the target's width, draft
+vocabulary 32000 with d2t), random weights (initializer_range 0.02, as transformers initializes),
+through the same model passes a build applies. Per shape, each step one record in one JSON report
+(written after every step, so a run cut short keeps what it measured):
+
+    pair        parameters, weight bytes, seconds to make, GPU memory
+    lossless    greedy speculative output against plain decoding, batch 1 and 4, eager and with CUDA
+                graphs, with the real (random) drafter and with synthetic acceptance 0.7; where an
+                output differs, the first differing position and the plain run's top-2 logit margin
+                there (a near-tie that the verify width's rounding can flip, or a bug)
+    costs       the measured cost curves (verify T = 1..K+1, drafter) at batch 1, 4, 16, CUDA graphs
+    sweep       `bench` at synthetic acceptance 0 .. 0.9 and 0.73/0.52/0.35/0.25 per depth (vLLM CI's Llama-3.1-8B pair)
+                in fp32 (SWEEP_DTYPE, why there), both
+                policies, batch 1 and 4, beside the cost model, and the break-even acceptance
+    export      the real-width graphs (EXPORT_LAYERS decoder layers) exported to ONNX and run in ONNX
+                Runtime against torch on one prefill
+
+Random weights say nothing of acceptance (the synthetic drafter supplies that) and everything of
+shapes, memory and time. `--shapes tiny` runs the whole kit on a CPU in seconds (CI does).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..errors import EagleExportError
+from ..export.loader import prepare_pair
+from ..export.unrolled import TargetGraph, UnrolledDrafter
+from ..models.config import DrafterConfig, TargetConfig
+from ..models.drafter import Drafter
+from ..models.target import Target
+from ..runtime.backends import TorchBackend
+from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
+from ..speculation.synthetic import SyntheticDrafts, verify_width_continuations
+from .bench import _batches, bench, plot_sweep
+
+DEPTH = 4
+DRAFT_VOCAB = 32000
+EXPORT_LAYERS = 2
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+# The targets' config.json as released (the fields the loader reads).
+TARGETS = {
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=True,
+                         bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling={**LLAMA3_ROPE, "factor": 8.0}, max_position_embeddings=131072,
+                         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+                     eos_token_id=151645),
+    # CI's: every step on a CPU in seconds
+    "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True,
+                 bos_token_id=1, eos_token_id=2),
+}
+REAL_SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+SWEEP = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9)
+# The sweep runs in fp32: on an H200 in bf16 the speculative text parted from every continuation at
+# its first near-tie (a 5-token verify call rounds differently from a 1-token step, and a row's result
+# depends on its place in the call), after which every synthetic draft is wrong; in fp32 speculative
+# and plain decoding were identical there. The cost curves and lossless checks stay in bf16.
+SWEEP_DTYPE = torch.float32
+# Llama-3.1-8B's EAGLE-3 per position in vLLM's CI (K = 3), and 0.25 for a fourth draft
+REAL_ACCEPTANCE = (0.73, 0.52, 0.35, 0.25)
+
+
+def drafter_config(target: dict) -> dict:
+    """An EAGLE-3 drafter of the real shape for `target`: one Llama layer at the target's width."""
+    tiny = target["hidden_size"] < 256
+    return dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=target["hidden_size"],
+                intermediate_size=target["intermediate_size"] if not tiny else 128,
+                num_attention_heads=target["num_attention_heads"], num_key_value_heads=target["num_key_value_heads"],
+                head_dim=target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"],
+                num_hidden_layers=1, vocab_size=target["vocab_size"],
+                draft_vocab_size=DRAFT_VOCAB if not tiny else 128, target_hidden_size=target["hidden_size"],
+                rms_norm_eps=target["rms_norm_eps"], rope_theta=target["rope_theta"],
+                rope_scaling=target.get("rope_scaling"), max_position_embeddings=target["max_position_embeddings"],
+                eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layers(target["num_hidden_layers"]))})
+
+
+def aux_layers(layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default (2, L/2, L-3), made distinct for the few layers of an export check."""
+    return (2, layers // 2, layers - 3) if layers >= 8 else (0, layers // 2, layers)
+
+
+@torch.no_grad()
+def random_pair(shape: str, device: str, dtype: torch.dtype, layers: int | None = None, seed: int = 0):
+    """Target and drafter of `shape` with random weights made on `device`, through the build's model passes."""
+    cfg = dict(TARGETS[shape], **({"num_hidden_layers": layers} if layers else {}))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        target = Target(TargetConfig.from_hf(cfg, shape)).to(dtype)
+        drafter = Drafter(DrafterConfig.from_hf(drafter_config(cfg), f"{shape} drafter")).to(dtype)
+    for model in (target, drafter):
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    d = drafter.config
+    if d.draft_vocab_size != d.vocab_size:  # the draft vocabulary: a random sorted subset, as d2t offsets
+        ids = torch.randperm(d.vocab_size, device=device)[:d.draft_vocab_size].sort().values
+        drafter.d2t.copy_(ids - torch.arange(d.draft_vocab_size, device=device))
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+    drafter.share_embeddings(target.embed_tokens)
+    prepare_pair(target, drafter)
+    return target.eval(), drafter.eval()
+
+
+def make_runtime(target, drafter, device: str, cuda_graphs: bool, max_context: int = 1024) -> SpeculativeRuntime:
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False), device=device,
+                           cuda_graphs=cuda_graphs)
+    return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context, verify_policy="fixed",
+                                         static_cache=True)
+
+
+def random_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    """Ragged prompts of random ids (16 to 96 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+            for n in torch.randint(16, 97, (count,), generator=gen)]
+
+
+def _first_difference(runtime, prompt, plain, spec) -> dict:
+    """Where `spec` first parts from `plain`, and the plain target's top-2 margin there."""
+    d = next(i for i, (a, b) in enumerate(zip(plain + [None], spec + [None])) if a != b)
+    ids = torch.tensor([prompt + plain[:d]], device=runtime.device)
+    target = runtime.backend.graphs[None][0].target
+    k, v = target.empty_cache(1, ids.shape[1], device=runtime.device)
+    logits = target(ids, torch.arange(ids.shape[1], device=runtime.device)[None], k[:, :, :, :0], v[:, :, :, :0],
+                    torch.zeros(1, dtype=torch.int64, device=runtime.device))[0][0, -1].float()
+    top = logits.topk(2)
+    return {"position": d, "plain": plain[d] if d < len(plain) else None, "speculative": spec[d] if d < len(spec) else None,
+            "top2_margin": round(float(top.values[0] - top.values[1]), 5),
+            "speculative_is_second": d < len(spec) and int(top.indices[1]) == spec[d]}
+
+
+def lossless(runtime, prompts, new_tokens: int) -> dict:
+    """Speculative decoding with the real drafter and with synthetic acceptance 0.7 against plain
+    decoding (width 1) and against greedy decoding through the verify graph at width K+1."""
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    record = {}
+    for batch in (1, 4):
+        chunks = _batches(prompts, batch)
+        plain = [r.tokens for chunk in chunks for r in runtime.generate(chunk, config, speculative=False)]
+        wide = [c[:new_tokens] for chunk in chunks for c in verify_width_continuations(runtime, chunk, config)]
+        for drafts in ("drafter", 0.7):
+            spec, taus = [], []
+            for chunk in chunks:
+                synthetic = (None if drafts == "drafter" else
+                             SyntheticDrafts.for_prompts(runtime, chunk, config, (drafts,) * DEPTH))
+                results = runtime.generate(chunk, config, synthetic=synthetic)
+                spec += [r.tokens for r in results]
+                taus += [r.stats.tau for r in results]
+            same = [p == s for p, s in zip(plain, spec)]
+            entry = {"identical": sum(same), "of": len(same), "tau": round(sum(taus) / len(taus), 3),
+                     "identical_to_verify_width": sum(w == s for w, s in zip(wide, spec))}
+            differing = [i for i, s in enumerate(same) if not s]
+            if differing:
+                i = differing[0]
+                entry["first_difference"] = _first_difference(runtime, prompts[i], plain[i], spec[i])
+            record[f"batch {batch}, {'synthetic 0.7' if drafts != 'drafter' else 'random drafter'}"] = entry
+    return record
+
+
+def costs(runtime, batches=(1, 4, 16)) -> dict:
+    out = {}
+    for b in batches:
+        curves = runtime.cost_curves(b)
+        out[b] = {"verify_ms": {t: round(1000 * s, 3) for t, s in curves.verify_s[b].items()},
+                  "draft_ms": {w: round(1000 * s, 3) for w, s in curves.draft_s[b].items()}}
+    return out
+
+
+def sweep(runtime, prompts, new_tokens: int, values=SWEEP, batches=(1, 4)) -> list[dict]:
+    settings = [(a,) * DEPTH for a in values] + [REAL_ACCEPTANCE]
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    return [bench({"kit": runtime}, prompts, b, config, acceptances=settings) for b in batches]
+
+
+def export_check(shape: str, out_dir: Path) -> dict:
+    """The real-width graphs with EXPORT_LAYERS layers, fp32 on the CPU: exported, linted, and one
+    prefill in ONNX Runtime against torch."""
+    from ..export.export import export_drafter, export_target
+    from ..models import contract as C
+    from ..runtime.backends import ort_session, run_onnx
+
+    target, drafter = random_pair(shape, "cpu", torch.float32, layers=EXPORT_LAYERS)
+    start = time.perf_counter()
+    summary = {"layers": EXPORT_LAYERS,
+               "target": export_target(target, out_dir / "target.onnx", return_logits=False),
+               "drafter": export_drafter(drafter, DEPTH, False, out_dir / "drafter.onnx")}
+    ids = torch.tensor([random_prompts(target.config.vocab_size, 1)[0]])
+    k, v = target.empty_cache(1, 0)
+    feeds = {C.INPUT_IDS: ids, C.POSITIONS: torch.arange(ids.shape[1])[None], C.PAST_KEY: k, C.PAST_VALUE: v,
+             C.CACHE_LENS: torch.zeros(1, dtype=torch.int64), C.TREE_MASK: torch.ones(1, ids.shape[1], ids.shape[1],
+                                                                                         dtype=torch.bool).tril()}
+    ort = run_onnx(ort_session(out_dir / "target.onnx"), feeds)
+    with torch.no_grad():
+        ref = TargetGraph(target, False)(*feeds.values())
+    aux = ort[C.AUX_HIDDEN]
+    return {**{k: {"nodes": v["nodes_after_passes"], "export_seconds": v["export_seconds"]} for k, v in summary.items()
+               if k != "layers"},
+            "layers": EXPORT_LAYERS, "seconds": round(time.perf_counter() - start, 1),
+            "greedy_ids_equal": bool(torch.equal(ort[C.GREEDY_IDS], ref[0])),
+            "aux_max_rel_err": float((aux - ref[1]).abs().max() / ref[1].abs().max())}
+
+
+def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
+            dtype: torch.dtype | None = None, export: bool = True) -> dict:
+    """Every step for every shape, in order, until `budget_s` runs out; the report after each step.
+    The first shape also runs eagerly in fp32 (on a GPU), which tells the verify width's rounding in
+    bf16 from a bug, and the export check follows it."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    result = {"device": torch.cuda.get_device_name(0) if cuda else "CPU", "torch": torch.__version__,
+              "dtype": str(dtype).removeprefix("torch."), "depth": DEPTH, "shapes": {},
+              "note": "random weights; sweep rows are SYNTHETIC acceptance (the real drafter runs, its drafts "
+                      "are replaced)"}
+    start = time.perf_counter()
+
+    def step(name, record, fn):
+        if time.perf_counter() - start > budget_s:
+            record[name] = {"skipped": "the kit's time budget ran out"}
+            echo(f"  {name}: skipped (budget)")
+            return None
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+            record[name] = value
+            echo(f"  {name}: done in {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # a failed step is a finding: record it and go on
+            value = None
+            record[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+            echo(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        record.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        report.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        return value
+
+    tiny = shapes == ["tiny"]
+    # CI's CPU run keeps every step and shrinks the work; a GPU run measures
+    new_tokens, count, values = (8, 2, (0.0, 0.9)) if tiny else (48, 4, SWEEP)
+    for n, shape in enumerate(shapes):
+        echo(f"{shape} ({result['device']}, {result['dtype']})")
+        record = result["shapes"][shape] = {}
+        pair = {}
+
+        def make():
+            t0 = time.perf_counter()
+            pair["models"] = random_pair(shape, device, dtype)
+            target, drafter = pair["models"]
+            params = {id(p): p for m in pair["models"] for p in m.parameters()}
+            out = {"parameters": sum(p.numel() for p in params.values()),
+                   "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+                   "seconds": round(time.perf_counter() - t0, 1), "layers": target.config.num_layers,
+                   "vocab": target.config.vocab_size, "draft_vocab": drafter.config.draft_vocab_size}
+            if cuda:
+                out["gpu_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            return out
+
+        if step("pair", record, make) is not None:
+            target, drafter = pair.pop("models")
+            prompts = random_prompts(target.config.vocab_size, count)
+            runtimes = {"eager": make_runtime(target, drafter, device, cuda_graphs=False)} if n == 0 or not cuda else {}
+            if cuda:
+                runtimes["cuda_graphs"] = make_runtime(target, drafter, device, cuda_graphs=True)
+            for mode, runtime in runtimes.items():
+                step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
+            fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
+            step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16)))
+            if dtype != SWEEP_DTYPE:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
+                del runtimes, fast, runtime, target, drafter
+                if cuda:
+                    torch.cuda.empty_cache()
+                target, drafter = random_pair(shape, device, SWEEP_DTYPE)
+                fast = make_runtime(target, drafter, device, cuda_graphs=cuda)
+            record["sweep dtype"] = str(SWEEP_DTYPE).removeprefix("torch.")
+            step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values))
+            runtimes = runtime = fast = target = drafter = None  # the GPU memory goes before the next shape
+            if cuda:
+                torch.cuda.empty_cache()
+        if n == 0 and cuda and dtype != torch.float32:
+            def fp32():
+                target32, drafter32 = random_pair(shape, device, torch.float32)
+                return lossless(make_runtime(target32, drafter32, device, cuda_graphs=False), prompts, new_tokens)
+            step("lossless (eager, fp32: no bf16 rounding)", record, fp32)
+            torch.cuda.empty_cache()
+        if n == 0 and export:
+            with tempfile.TemporaryDirectory() as tmp:
+                step(f"export ({shape}, {EXPORT_LAYERS} layers, fp32, CPU)", result,
+                     lambda: export_check(shape, Path(tmp)))
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    report.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if plot is not None:
+        sweeps = [(s, r) for s, rec in result["shapes"].items() if isinstance(rec.get("sweep"), list)
+                  for r in rec["sweep"]]
+        if sweeps:
+            plot_sweep([dict(r, backend=f"{s}: {r['backend']}") for s, r in sweeps], plot)
+    return result
+
+
+def check_shapes(text: str) -> list[str]:
+    shapes = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in TARGETS]
+    if not shapes or unknown:
+        raise EagleExportError(f"unknown kit shape(s) {unknown or text!r}", f"choose from {', '.join(TARGETS)}")
+    if "tiny" in shapes and len(shapes) > 1:
+        raise EagleExportError("the tiny shape is CI's CPU run", "pass --shapes tiny alone, or real shapes")
+    return shapes
+

@@ -1,0 +1,248 @@
+"""The goodput verify policy's decisions on given costs, and the cost model's cache."""
+
+import json
+
+import pytest
+import torch
+
+from eagle_export.errors import EagleExportError
+from eagle_export.runtime.costs import CostCache, CostCurves
+from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, make_policy
+from eagle_export.speculation.tree import nested_subtrees
+
+K = 4
+
+
+def curves(draft, verify_slope=0.05, batch=1):
+    """Costs in units of a 1-token step: the drafter `draft`, a T-token verify 1 + slope (T-1)."""
+    return CostCurves({batch: {t: 1 + verify_slope * (t - 1) for t in range(1, K + 2)}},
+                      {batch: {w: draft for w in range(1, K + 2)}})
+
+
+CHAIN = list(range(1, K + 2))  # a chain's verify width for k = 0..K drafts
+
+
+def expected(chain_probs):
+    """[B,K+1]: a chain's expected tokens when verifying k = 0..K drafts: 1 + the running sum of
+    P(the accepted path reaches depth i), the running product of the drafts' probabilities."""
+    reach = torch.cumprod(chain_probs, dim=1)
+    return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
+
+
+def run_rounds(policy, probs, accepted, rounds, batch=1):
+    """Drive the policy as the runtime does; returns what it chose (None: no drafter call).
+    `probs` None: sampling (the policy does not see the drafts' probabilities)."""
+    live = torch.ones(batch, dtype=torch.bool)
+    chosen = []
+    for _ in range(rounds):
+        if policy.should_draft(live):
+            k = policy.choose(None if probs is None else expected(torch.tensor([probs] * batch)), live, CHAIN)
+            policy.observe(k, torch.full((batch,), min(k, accepted)), live, True)
+            chosen.append(k)
+        else:
+            policy.observe(0, torch.zeros(batch, dtype=torch.int64), live, False)
+            chosen.append(None)
+    return chosen
+
+
+def test_a_confident_cheap_drafter_verifies_all_k():
+    policy = GoodputDepth(K, curves(draft=0.2))
+    policy.start(1)
+    assert run_rounds(policy, [0.95] * K, accepted=K, rounds=20) == [K] * 20
+
+
+def test_a_drafter_that_never_pays_is_only_probed_at_a_doubling_interval():
+    policy = GoodputDepth(K, curves(draft=0.3))
+    policy.start(1)
+    chosen = run_rounds(policy, [0.01] * K, accepted=0, rounds=300)
+    probes = [i for i, c in enumerate(chosen) if c is not None]
+    assert all(chosen[i] == 0 for i in probes)  # a probe with hopeless drafts verifies none of them
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 0 and gaps[:3] == [33, 65, 65] and set(gaps) == {33, 65}
+    # The probes' cost bound: at most one drafter call per PROBE_MAX plain steps once settled.
+    assert len(probes) <= 300 // GoodputDepth.PROBE_MAX + 2
+
+
+def test_depth_follows_the_drafters_confidence_and_the_costs():
+    policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
+    policy.start(1)
+    live = torch.ones(1, dtype=torch.bool)
+    assert policy.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 2
+    assert policy.choose(expected(torch.tensor([[0.02, 0.9, 0.9, 0.9]])), live, CHAIN) == 0
+    steep = GoodputDepth(K, curves(draft=0.25, verify_slope=1.0))  # a GPU at a large batch: T costs
+    steep.start(1)
+    assert steep.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 1
+
+
+def test_one_depth_for_the_batch_counts_live_sequences_only():
+    policy = GoodputDepth(K, curves(draft=0.25, batch=2))
+    policy.start(2)
+    probs = expected(torch.tensor([[0.99] * K, [0.01] * K]))
+    assert policy.choose(probs, torch.tensor([True, False]), CHAIN) == K
+    assert policy.choose(probs, torch.tensor([False, True]), CHAIN) == 0
+
+
+def test_sampling_depth_comes_from_earlier_rounds_only():
+    """With token_probs=None (sampling) k comes from the running acceptance of earlier rounds; a probe
+    still checks one draft, so a drafter that improves is noticed."""
+    policy = GoodputDepth(K, curves(draft=0.2))
+    policy.start(1)
+    assert run_rounds(policy, None, accepted=K, rounds=10)[-3:] == [K] * 3
+    assert policy.acceptance.min() > 0.9
+    settled = run_rounds(policy, None, accepted=0, rounds=100)
+    assert settled[-40:].count(None) >= 38  # drafting stopped, except for probes
+    assert all(k == 1 for k in settled[-40:] if k is not None)
+    assert run_rounds(policy, None, accepted=K, rounds=80)[-3:] == [K] * 3  # and it pays again
+    # Depths never verified recover too: from estimates of ~0 at every depth, a good drafter is found.
+    policy.acceptance.fill_(0.01)
+    assert run_rounds(policy, None, accepted=K, rounds=150)[-3:] == [K] * 3
+
+
+def test_policy_names():
+    assert isinstance(make_policy("fixed", K, None), FixedDepth)
+    with pytest.raises(EagleExportError, match="unknown verify policy 'greedy'"):
+        make_policy("greedy", K, None)
+
+
+def test_cost_cache_keeps_one_entry_per_key(tmp_path):
+    path = tmp_path / "costs.json"
+    a, b = CostCache(path, "onnxruntime on cpu A"), CostCache(path, "torch on cpu A")
+    assert not a.load().has(1)
+    a.save(curves(draft=0.3))
+    b.save(curves(draft=0.5, batch=4))
+    assert a.load().draft(1) == 0.3 and not a.load().has(4)
+    assert b.load().draft(4) == 0.5 and b.load().verify(4, 3) == pytest.approx(1.1)
+    assert sorted(json.loads(path.read_text())["entries"]) == ["onnxruntime on cpu A", "torch on cpu A"]
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]  # written by rename, no leftovers
+    path.write_text("{not json")
+    assert not a.load().has(1)  # a corrupt cache is measured again, not an error
+
+
+def test_cost_cache_that_cannot_be_written_stays_in_memory(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    cache = CostCache(tmp_path / "a-file" / "costs.json", "k")  # its directory cannot be made
+    cache.save(curves(draft=0.3))  # no error
+    assert not cache.load().has(1)
+
+
+def test_a_trees_verify_width_prices_its_depths():
+    """Sampling verifies a tree by depth: to depth k costs a call over its root and nodes up to k,
+    not k+1 tokens; with the same acceptance, a wide tree is verified less deep than a chain."""
+    costs = CostCurves({1: {t: 1 + 0.2 * (t - 1) for t in range(1, 18)}}, {1: {w: 0.25 for w in range(1, K + 2)}})
+    policy = GoodputDepth(K, costs)
+    policy.start(1)
+    live = torch.ones(1, dtype=torch.bool)
+    policy.acceptance[:] = torch.tensor([0.9, 0.9, 0.9, 0.9])
+    assert policy.choose(None, live, CHAIN) == K
+    assert policy.choose(None, live, [1, 5, 9, 13, 17]) == 2  # four nodes per level
+
+
+def wide_tree():
+    """8 children of the root (probabilities 0.5, 0.2, 0.1, 0.05, ...), the first with a chain of 3
+    below it whose drafts are sure (probability 1: joint-probability ties with their ancestors)."""
+    parents = torch.tensor([[-1] * 8 + [0, 8, 9]])
+    probs = torch.tensor([[0.5, 0.2, 0.1, 0.05, 0.05, 0.04, 0.03, 0.03, 1.0, 1.0, 1.0]])
+    return parents, probs
+
+
+def test_the_menu_holds_the_likeliest_nodes_closed_under_ancestors():
+    parents, probs = wide_tree()
+    menu, tokens = nested_subtrees(parents, probs, 4, by_depth=False)
+    assert menu.shape == (12, 1, 11) and not menu[0].any() and menu[11].all()
+    for m in range(12):
+        kept = menu[m, 0]
+        assert int(kept.sum()) == m
+        assert all(kept[p] for i, p in enumerate(parents[0].tolist()) if kept[i] and p >= 0)  # closed
+    # the sure chain below the likeliest draft comes right after it, shallowest first (ties)
+    assert torch.nonzero(menu[4, 0])[:, 0].tolist() == [0, 8, 9, 10]
+    assert tokens[0, :5].tolist() == pytest.approx([1, 1.5, 2, 2.5, 3])
+    # a chain's menu is its depths
+    chain_menu, chain_expected = nested_subtrees(torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0.9, 0.5, 0.5, 0.9]]),
+                                                 4, by_depth=False)
+    assert [int(m.sum()) for m in chain_menu] == [0, 1, 2, 3, 4]
+    assert all(m[0, :int(m.sum())].all() for m in chain_menu)
+    assert chain_expected[0].tolist() == pytest.approx(expected_chain := [1, 1.9, 2.35, 2.575, 2.7775])
+    assert expected(torch.tensor([[0.9, 0.5, 0.5, 0.9]]))[0].tolist() == pytest.approx(expected_chain)
+    # sampling: by depth, whatever the drafts
+    by_depth, none = nested_subtrees(parents, probs, 4, by_depth=True)
+    assert none is None and [int(m.sum()) for m in by_depth] == [0, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize(("slope", "nodes"), [(0.5, [0, 8, 9, 10]), (0.0, list(range(11)))], ids=["steep", "flat"])
+def test_a_wide_tree_keeps_its_likeliest_nodes_where_width_costs(slope, nodes):
+    """Verify cost rising with width (a CPU): the policy keeps the likeliest draft and the sure chain
+    under it, 4 nodes, not a depth cut (depth 1 alone is 8 nodes); flat cost (a GPU at batch 1) keeps
+    the whole tree."""
+    parents, probs = wide_tree()
+    costs = CostCurves({1: {t: 1 + slope * (t - 1) for t in range(1, 13)}}, {1: {w: 0.1 for w in range(1, 6)}})
+    policy = GoodputDepth(4, costs)
+    policy.start(1)
+    menu, tokens = nested_subtrees(parents, probs, 4, by_depth=False)
+    j = policy.choose(tokens, torch.ones(1, dtype=torch.bool), (1 + menu.sum(-1).max(-1).values).tolist())
+    assert torch.nonzero(menu[j, 0])[:, 0].tolist() == nodes
+
+
+def flat_costs(draft_s: float, verify_s: dict[int, float]) -> CostCurves:
+    return CostCurves(verify_s={1: dict(verify_s)}, draft_s={1: {w: draft_s for w in range(1, len(verify_s) + 1)}})
+
+
+def test_drafted_acceptance_counts_a_draft_as_checked_only_behind_accepted_ones():
+    from eagle_export.runtime.verify_policy import drafted_acceptance
+
+    # verified 4: accepted 2 checked 3; accepted 0 checked 1; accepted 4 checked 4; a plain round (0) not at all
+    assert drafted_acceptance([2, 0, 4, 0], [4, 4, 4, 0]) == (6, 8)
+
+
+def test_break_even_acceptance_solves_tokens_per_second_against_a_plain_step():
+    from eagle_export.runtime.verify_policy import break_even_acceptance
+
+    # depth 1, free drafter, verify as cheap at any width: 1 + a = MARGIN
+    a, j = break_even_acceptance(flat_costs(0.0, {1: 1.0, 2: 1.0}), 1, 1)
+    assert a == pytest.approx(GoodputDepth.MARGIN - 1, abs=1e-6) and j == 1
+    # drafter 0.5, verify 1: j=1 needs 1+a = 1.545 (a .545); j=2 needs 1+a+a^2 = 1.545 (a .39): the deeper wins
+    a, j = break_even_acceptance(flat_costs(0.5, {1: 1.0, 2: 1.0, 3: 1.0}), 1, 2)
+    assert j == 2 and 1 + a + a * a == pytest.approx(GoodputDepth.MARGIN * 1.5, abs=1e-6)
+    assert break_even_acceptance(flat_costs(5.0, {1: 1.0, 2: 1.0, 3: 1.0}), 1, 2) is None  # never pays
+
+
+def test_runs_explanation_names_what_was_accepted_and_what_would_pay():
+    from eagle_export.runtime.runtime import SequenceStats
+    from eagle_export.runtime.verify_policy import explain
+
+    stats = SequenceStats(prompt_tokens=5, accepted=[0] + [0] * 11, depths=[0] * 12, draft_calls=1)
+    line = explain("goodput", stats, flat_costs(0.5, {1: 1.0, 2: 1.0, 3: 1.0}), 2)
+    assert "drafter called in 1 of 12 rounds" in line and "1 drafted round(s) verified no draft" in line
+    assert "drafting pays here from acceptance 0.39" in line and "--acceptance-sweep" in line
+    stats = SequenceStats(prompt_tokens=5, accepted=[2, 1], depths=[2, 2], draft_calls=2)
+    line = explain("goodput", stats, flat_costs(5.0, {1: 1.0, 2: 1.0, 3: 1.0}), 2)
+    assert "accepted 3 of 4 checked (0.75)" in line and "cannot pay on this machine" in line
+    assert "fixed" in explain("fixed", stats, None, 2)
+
+
+def test_unmeasured_depths_are_none_not_zero():
+    from eagle_export.runtime.runtime import SequenceStats
+
+    stats = SequenceStats(prompt_tokens=5, accepted=[1, 0], depths=[2, 0], draft_calls=2)
+    assert stats.acceptance_by_depth(4) == [1.0, 0.0, None, None]
+
+
+def test_cost_curves_are_monotone_as_measured_and_as_read_from_an_old_cache():
+    from eagle_export.runtime.costs import monotone
+
+    dipping = {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.239, 8: 0.5}
+    assert monotone(dipping) == {1: 0.147, 2: 0.150, 6: 0.483, 7: 0.483, 8: 0.5}
+    read = CostCurves.from_json({"verify_s": {"1": {str(t): s for t, s in dipping.items()}}, "draft_s": {}})
+    assert read.verify(1, 7) == 0.483
+
+
+def test_two_builds_of_one_target_whose_verify_costs_disagree_are_named():
+    from types import SimpleNamespace
+
+    from eagle_export.tools.bench import COST_NOISE, cost_disagreements
+
+    def runtime(scale):
+        return SimpleNamespace(costs=flat_costs(0.01, {1: 0.147 * scale, 2: 0.15 * scale}))
+
+    assert cost_disagreements({"chain": runtime(1.0), "tree": runtime(COST_NOISE * 0.98)}, 1) == []
+    [found] = cost_disagreements({"chain": runtime(1.0), "tree": runtime(370 / 147)}, 1)
+    assert found.startswith("chain and tree have the same target") and "2.52x" in found
