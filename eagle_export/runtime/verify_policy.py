@@ -150,24 +150,31 @@ def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, i
     return sum(m for m, _ in rounds), sum(min(m + 1, k) for m, k in rounds)
 
 
+def round_speedup(costs: CostCurves, batch: int, tokens: float, width: int) -> float:
+    """A drafted round's speed over plain decoding, as the cost model sees it: `tokens` expected per
+    round from one drafter call and one verify call of `width` tokens, against one token per plain
+    step:   tokens * c_verify(1) / (c_draft + c_verify(width))."""
+    return tokens * costs.verify(batch, 1) / (costs.draft(batch) + costs.verify(batch, width))
+
+
 def break_even_acceptance(costs: CostCurves, batch: int, depth: int,
                           margin: float = GoodputDepth.MARGIN) -> tuple[float, int] | None:
     """(a, j): the lowest per-draft acceptance a at which a drafted round verifying j drafts of one path
     beats a plain step as the goodput policy judges it, minimized over j = 1..depth:
 
-        1 + a + ... + a^j  =  margin * (c_draft + c_verify(j + 1)) / c_verify(1)
+        round_speedup(tokens = 1 + a + ... + a^j, width = j + 1)  =  margin
 
-    (left: the round's expected tokens, rising in a from 1 to j + 1; solved by bisection). None where
-    no acceptance pays, not even 1.0."""
+    (the round's expected tokens rise in a from 1 to j + 1; solved by bisection). None where no
+    acceptance pays, not even 1.0."""
     best = None
     for j in range(1, depth + 1):
-        needed = margin * (costs.draft(batch) + costs.verify(batch, j + 1)) / costs.verify(batch, 1)
-        if needed > j + 1:
+        if round_speedup(costs, batch, j + 1, j + 1) < margin:
             continue
         low, high = 0.0, 1.0
         for _ in range(40):
             a = (low + high) / 2
-            low, high = (a, high) if sum(a ** i for i in range(j + 1)) < needed else (low, a)
+            paying = round_speedup(costs, batch, sum(a ** i for i in range(j + 1)), j + 1) >= margin
+            low, high = (low, a) if paying else (a, high)
         if best is None or high < best[0]:
             best = (high, j)
     return best

@@ -29,7 +29,7 @@ from ..errors import EagleExportError
 from ..progress import track
 from ..runtime.costs import disagreement
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
-from ..runtime.verify_policy import POLICIES, break_even_acceptance
+from ..runtime.verify_policy import POLICIES, break_even_acceptance, round_speedup
 from ..speculation.stats import acceptance_by_depth, mean_accepted_length
 from ..speculation.synthetic import SyntheticDrafts, label, verify_width_continuations
 from ..speculation.tree import describe
@@ -51,14 +51,13 @@ def model_speedup(costs, batch: int, depth: int, verify_width: int, acceptance, 
     plain step of c_verify(1):
         fixed     E_D * c_v(1) / (c_draft + c_v(verify_width))     (the whole chain or tree)
         goodput   max(1, max_k E_k * c_v(1) / (c_draft + c_v(k + 1)))   (k = 0: plain steps)"""
-    step, draft = costs.verify(batch, 1), costs.draft(batch)
     reach = [1.0]
     for a in acceptance[:depth]:
         reach.append(reach[-1] * a)
     expected = [sum(reach[:k + 1]) for k in range(depth + 1)]
     if policy == "fixed":
-        return expected[depth] * step / (draft + costs.verify(batch, verify_width))
-    return max([1.0] + [expected[k] * step / (draft + costs.verify(batch, k + 1)) for k in range(1, depth + 1)])
+        return round_speedup(costs, batch, expected[depth], verify_width)
+    return max([1.0] + [round_speedup(costs, batch, expected[k], k + 1) for k in range(1, depth + 1)])
 
 
 COST_NOISE = 1.25  # two measurements of one target graph farther apart than this are not noise
