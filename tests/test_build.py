@@ -125,6 +125,16 @@ def test_run_streams_text_and_a_summary_line(built):
     assert why.startswith("speculation (goodput): drafter called in ") and "acceptance" in why
 
 
+def test_run_takes_the_verify_policy_by_its_name_and_its_former_one(built):
+    out, _ = built
+    runs = [CliRunner().invoke(main, ["run", str(out), "--prompt", "w5 w17 w33", "--max-new-tokens", "6",
+                                      "--backend", "onnxruntime", flag, "fixed"])
+            for flag in ("--verify-policy", "--depth-policy")]
+    assert [r.exit_code for r in runs] == [0, 0], runs[0].output + runs[1].output
+    assert runs[0].stdout.split("\n")[0] == runs[1].stdout.split("\n")[0]  # the same text
+    assert all("speculation: fixed" in r.stdout for r in runs)
+
+
 def test_runs_first_cost_measurement_says_so_once(built):
     out, _ = built
     (out / "costs.json").unlink(missing_ok=True)
