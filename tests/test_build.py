@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from hostile import share, snapshot, unprivileged, world_dir
 from random_policy import RandomDepth
 from safetensors.torch import load_file, save_file
+from test_validate import stale_aux_row
 from tiny_models import write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
 from eagle_export.build.build import conformance_prompts
@@ -859,8 +860,9 @@ def _failed(report):
 
 
 @pytest.mark.parametrize("mutation, tiers", [(_off_by_one_accept, {"T0", "T1"}),
-                                             (_cache_row_one_early, {"T1", "T2"})],
-                         ids=["acceptance off by one", "K/V row one slot early"])
+                                             (_cache_row_one_early, {"T1", "T2"}),
+                                             (stale_aux_row, {"T0"})],
+                         ids=["acceptance off by one", "K/V row one slot early", "stale aux row fed to the drafter"])
 def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, tiers):
     """The mutation test: the quantized build's tiers must catch a broken loop (T0 or T1 each; a
     cache bug T2 too), while its graphs stay sound."""

@@ -24,6 +24,8 @@ from eagle_export.models.checkpoint import load_drafter, load_target
 from eagle_export.models.nvfp4 import NVFP4Linear, use_graph_weights
 from eagle_export.quantize import quantize as Q
 from eagle_export.runtime.backends import ort_session, run_graph, run_onnx
+from eagle_export.speculation.eager import speculative_generate
+from eagle_export.speculation.stats import mean_accepted_length
 from eagle_export.speculation.tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -252,6 +254,14 @@ def test_greedy_continuation_agreement_and_tau(models, fp8):
     tau = Q.speculative_tau(target, drafter, prompts, 12, DEPTH)
     assert 1.0 <= tau <= DEPTH + 1
     assert Q.speculative_tau(target, drafter, prompts, 12, DEPTH) == tau
+    # Replayed from one greedy run per prompt, it is the draft-verify loop's own tau, round for round.
+    loop = [speculative_generate(target, drafter, p, 12, DEPTH).accepted for p in prompts]
+    assert tau == mean_accepted_length([m for accepted in loop for m in accepted])
+    # One run per target serves the continuations and tau alike (the build decodes each prompt once).
+    runs = Q.greedy_runs(target, prompts, 12, DEPTH)
+    assert Q.speculative_tau(target, drafter, prompts, 12, DEPTH, runs) == tau
+    assert Q.greedy_continuation_agreement(target, qtarget, prompts, 12, (runs, Q.greedy_runs(qtarget, prompts, 12,
+                                                                                                DEPTH))) == quant
 
 
 def test_quantize_models_takes_a_bf16_drafter_beside_an_fp32_target(tmp_path):

@@ -22,28 +22,48 @@ PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42, 3]]
 CONFIG = GenerationConfig(max_new_tokens=24)
 
 
+def prefer_second_at_near_ties(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits whose near-ties (top-2 margin below NOISE) are broken the other way."""
+    logits = logits.clone()
+    top = logits.topk(2, dim=-1)
+    tie = (top.values[..., 0] - top.values[..., 1]) < NOISE
+    second = top.indices[..., 1:2]
+    raised = logits.gather(-1, top.indices[..., :1]) + 1e-3
+    return logits.scatter_(-1, second, torch.where(tie[..., None], raised, logits.gather(-1, second)))
+
+
 class WidthNoise(TorchBackend):
     """A target whose calls of more than one token prefer the second choice at every near-tie."""
+
+    first_noisy_row = 0
 
     def target(self, feeds, need_logits=False):
         out = dict(super().target(feeds, need_logits=True))
         if feeds[C.INPUT_IDS].shape[1] > 1:
             logits = out[C.LOGITS].clone()
-            top = logits.topk(2, dim=-1)
-            tie = (top.values[..., 0] - top.values[..., 1]) < NOISE
-            second = top.indices[..., 1:2]
-            raised = logits.gather(-1, top.indices[..., :1]) + 1e-3
-            logits.scatter_(-1, second, torch.where(tie[..., None], raised, logits.gather(-1, second)))
+            rows = slice(self.first_noisy_row, None)
+            logits[:, rows] = prefer_second_at_near_ties(logits[:, rows])
             out[C.LOGITS], out[C.GREEDY_IDS] = logits, logits.argmax(-1)
         return out
 
 
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
+class RowNoise(WidthNoise):
+    """A target whose rows after the first of a wide call prefer the second choice at every near-tie:
+    a kernel whose result depends on the row's place in the call."""
+
+    first_noisy_row = 1
+
+
+def noisy_runtime(tmp_path_factory, backend_class):
     target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
     drafter = load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1"), target=target)
-    backend = WidthNoise(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
+    backend = backend_class(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
     return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, verify_policy="fixed")
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    return noisy_runtime(tmp_path_factory, WidthNoise)
 
 
 def shape(runtime):
@@ -64,17 +84,36 @@ def test_delta_bounds_the_planted_width_noise(runtime):
 
 
 def test_speculative_output_is_greedy_at_the_verify_width_and_its_divergences_are_explained(runtime):
-    spec = [r.tokens for r in runtime.generate(PROMPTS, CONFIG)]
+    results = runtime.generate(PROMPTS, CONFIG)
+    spec = [r.tokens for r in results]
     plain = [r.tokens for r in runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=27), speculative=False)]
     anti = [r.tokens for r in runtime.generate(PROMPTS, CONFIG, synthetic=SyntheticDrafts("anti", plain, 320))]
     assert spec == anti  # T1
-    explained = [explain_divergence(runtime.backend, shape(runtime), p, s, a[:24], runtime.backend.verify_width,
-                                    NOISE + 2e-3) for p, s, a in zip(PROMPTS, spec, plain)]
+    explained = [explain_divergence(runtime.backend, shape(runtime), p, r.tokens, a[:24], NOISE + 2e-3,
+                                    r.stats.accepted, r.stats.widths) for p, r, a in zip(PROMPTS, results, plain)]
     assert any(e["d"] is not None for e in explained)  # the noise made speculative output part from plain
     for e in explained:
         assert e["explained"], e
         if e["d"] is not None:
             assert e["margin"] < NOISE and e["identical_prefix"] == e["d"] / 24
+
+
+def test_t2_recomputes_the_divergence_at_the_row_that_verified_it(tmp_path_factory):
+    """Where only rows after the first break near-ties (a row-dependent kernel), speculative output
+    parts from plain decoding at a row > 0 of its round: (a) holds at that row, not at row 0 of a
+    call (which the T1 reference, and T2 before this check, recompute)."""
+    runtime = noisy_runtime(tmp_path_factory, RowNoise)
+    plain = [r.tokens for r in runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=27), speculative=False)]
+    results = runtime.generate(PROMPTS, CONFIG, synthetic=SyntheticDrafts("oracle", plain, 320))  # drafts accepted
+    explained = [explain_divergence(runtime.backend, shape(runtime), p, r.tokens, a[:24], NOISE + 2e-3,
+                                    r.stats.accepted, r.stats.widths) for p, r, a in zip(PROMPTS, results, plain)]
+    assert any(e["d"] is not None for e in explained)
+    assert all(e["explained"] for e in explained), explained
+    # row 0 of a call is noise-free here, so it gives plain decoding's token, never the speculative one
+    rows0 = [explain_divergence(runtime.backend, shape(runtime), p, r.tokens, a[:24], NOISE + 2e-3,
+                                [0] * 30, [runtime.backend.verify_width] * 30)
+             for p, r, a in zip(PROMPTS, results, plain)]
+    assert all(e["argmax_at_verify_width"] is False for e in rows0 if e["d"] is not None)
 
 
 def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_dependent_kernel(runtime, monkeypatch):

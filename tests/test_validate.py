@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eagle_export.build.manifest import Agreement
-from eagle_export.build.validate import AGREEMENT_MARGIN, _agreement_check, _summary
+from eagle_export.build.validate import AGREEMENT_MARGIN, _agreement_check, _summary, _synthetic_tier
 
 
 def test_a_skipped_check_is_neither_passed_nor_failed():
@@ -39,3 +39,63 @@ def test_a_sample_of_the_positions_lowers_the_line_by_its_standard_error():
     assert floors == sorted(floors) and floors[-1] == pytest.approx(0.8 - AGREEMENT_MARGIN, abs=1e-4)
     # A broken graph still fails a one-prompt check.
     assert not check(0.95, 115, 0.5, 1, 22)[1]
+
+
+# ---------------------------------------------------------------- T0 on a tiny pair (torch backend)
+
+PROMPTS = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [42, 3]]
+
+
+@pytest.fixture(scope="module", params=["chain", "tree"])
+def runtime(request, tmp_path_factory):
+    import torch
+    from tiny_models import write_tiny_drafter, write_tiny_target
+
+    from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+    from eagle_export.models.checkpoint import load_drafter, load_target
+    from eagle_export.runtime.backends import TorchBackend
+    from eagle_export.runtime.runtime import SpeculativeRuntime
+    from eagle_export.speculation.tree import TreeShape
+
+    torch.set_grad_enabled(False)
+    target = load_target(write_tiny_target(tmp_path_factory.mktemp("t"), "llama"), aux_layer_ids=(1, 3, 4))
+    drafter = load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1"), target=target)
+    speculation = 3 if request.param == "chain" else TreeShape.from_branching([2, 2, 1])
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False))
+    yield SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, depth_policy="fixed")
+    torch.set_grad_enabled(True)
+
+
+def stale_aux_row(runtime_module):
+    """A planted bug: each sequence's newest drafter row keeps whatever aux state the pending buffer
+    held in that slot before (an earlier round's row, or zeros)."""
+    import torch
+
+    original = runtime_module._PendingRows.append
+
+    def append(self, ids, aux, counts, live):
+        newest = self.count + torch.where(live, counts, 0) - 1
+        held = {b: self.aux[b, n].clone() if n < self.aux.shape[1] else torch.zeros_like(self.aux[b, 0])
+                for b, n in enumerate(newest.tolist()) if live[b] and counts[b] > 0}
+        original(self, ids, aux, counts, live)
+        for b, value in held.items():
+            self.aux[b, int(newest[b])] = value
+    return "_PendingRows.append", append
+
+
+def test_t0_checks_every_drafter_call_against_the_accepted_path(runtime):
+    (name, ok, detail), record = _synthetic_tier(runtime, PROMPTS, exact_plain=True)
+    assert ok, detail
+    assert "the drafter fed the accepted path's rows (token, aux state) at every call" in detail
+
+
+def test_a_stale_aux_row_fed_to_the_drafter_fails_t0(runtime, monkeypatch):
+    """Greedy output stays the target's (the stale row only changes drafts, which verification
+    rejects): only the check of the drafter's input rows sees it."""
+    import eagle_export.runtime.runtime as runtime_module
+
+    name, append = stale_aux_row(runtime_module)
+    monkeypatch.setattr(runtime_module._PendingRows, "append", append)
+    (_, ok, detail), record = _synthetic_tier(runtime, PROMPTS, exact_plain=True)
+    assert not ok and "aux state at position" in detail, detail
+    assert not any("changed the output" in p for p in record["problems"])  # the output alone never shows it

@@ -11,8 +11,8 @@ a row's result depends on the call's width, not on its position within the call 
 output from width-1 decoding is explained here (T2):
 
     d = the first position where the two outputs differ. The speculative token at d must be
-    (a) the argmax of the verify-width logits at d (a width-K+1 call whose row 0 is d, over the
-        common prefix, every earlier row also computed at width K+1, as the T1 reference runs),
+    (a) the argmax of the verify logits at d, recomputed as the speculative run computed them: the
+        row that verified d, in a call of its width, after the run's own earlier calls,
     (b) at a near-tie of the width-1 reference: its top-1 minus top-2 logit margin at d below delta,
     (c) the width-1 reference's second choice.
     After d the outputs are different continuations and no claim is made.
@@ -121,14 +121,24 @@ def position_variance(backend: Backend, cache_shape, prompt: list[int], width: i
     return float((one_by_one - together).abs().max())
 
 
-def verify_width_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int], width: int):
-    """The logits at position len(tokens) after `prompt` + `tokens`, as the T1 reference computes them:
-    one prefill, then every token as row 0 of a width-`width` call."""
+def verified_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int], accepted: list[int],
+                    widths: list[int]):
+    """The logits at output position len(tokens) after `prompt` + `tokens` (the speculative output so
+    far), from the row of the call that verified it, as the speculative run made its calls: one
+    prefill (output 0), then per round r a call of width widths[r] over [the last token, the
+    accepted drafts] that commits accepted[r] + 1 rows, its row j giving output start_r + j. A
+    tree's accepted path is laid out as a chain, its nodes at the rows of their depths (the run
+    records no node order). None where the rounds do not reach that position."""
     calls = TargetCalls(backend, cache_shape)
-    logits = calls(prompt)[-1]
-    for token in tokens:
-        logits = calls([token], width)[0]
-    return logits
+    logits, start, d = calls(prompt)[-1], 1, len(tokens)
+    if d == 0:
+        return logits
+    for a, width in zip(accepted, widths):
+        if d <= start + a:  # verified in this round, at row d - start
+            return calls(tokens[start - 1:d], width)[-1]
+        calls(tokens[start - 1:start + a], width)
+        start += a + 1
+    return None
 
 
 def width1_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int]):
@@ -142,9 +152,10 @@ def width1_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list
 
 @torch.no_grad()
 def explain_divergence(backend: Backend, cache_shape, prompt: list[int], spec: list[int], plain: list[int],
-                       width: int, delta: float) -> dict:
+                       delta: float, accepted: list[int], widths: list[int]) -> dict:
     """T2 for one prompt (module docstring): d (None: identical), the width-1 margin at d, delta, the
-    identical-prefix fraction, conditions (a) (b) (c) and whether all hold."""
+    identical-prefix fraction, conditions (a) (b) (c) and whether all hold. `accepted`, `widths`: the
+    speculative run's rounds (its SequenceStats), so (a) reads the row that verified d."""
     first = agreement(spec, plain)
     d = first["first_divergence"]
     record = {"d": d, "delta": delta, "identical_prefix": (len(plain) if d is None else d) / max(len(plain), 1)}
@@ -153,7 +164,9 @@ def explain_divergence(backend: Backend, cache_shape, prompt: list[int], spec: l
     if d >= len(spec) or d >= len(plain):  # one stopped where the other went on: no token pair to explain
         return {**record, "margin": None, "explained": False, "why": "one output ends where the other goes on"}
     token = spec[d]
-    verify = verify_width_logits(backend, cache_shape, prompt, spec[:d], width)
+    verify = verified_logits(backend, cache_shape, prompt, spec[:d], accepted, widths)
+    if verify is None:
+        return {**record, "margin": None, "explained": False, "why": "the run's recorded rounds end before d"}
     narrow = width1_logits(backend, cache_shape, prompt, plain[:d])
     top = narrow.topk(2)
     margin = float(top.values[0] - top.values[1])

@@ -205,11 +205,89 @@ T0_NEW_TOKENS = 8
 TAU_TOLERANCE = 0.05
 
 
+class CallLog:
+    """The target and drafter calls a runtime's backend makes while in use, recorded (copied) in order
+    as (kind, tensors) without changing them: a target call's ids, positions, tree mask and aux
+    states; a drafter call's ids, aux states, valid-row counts and cache lengths."""
+
+    TARGET = (C.INPUT_IDS, C.POSITIONS, C.TREE_MASK)
+    DRAFTER = (C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.CACHE_LENS)
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def _recording(self, kind, call, names, outputs=()):
+        def recorded(feeds, **kw):
+            tensors = {name: feeds[name].cpu().clone() for name in names}  # the runtime writes its buffers in place
+            out = call(feeds, **kw)
+            self.calls.append((kind, {**tensors, **{name: out[name].cpu().clone() for name in outputs}}))
+            return out
+        return recorded
+
+    def __enter__(self):
+        self.own = {name: vars(self.backend).get(name) for name in ("target", "drafter")}  # set on the instance
+        self.backend.target = self._recording("target", self.backend.target, self.TARGET, (C.AUX_HIDDEN,))
+        self.backend.drafter = self._recording("drafter", self.backend.drafter, self.DRAFTER)
+        return self
+
+    def __exit__(self, *exc):
+        for name, own in self.own.items():
+            if own is None:
+                delattr(self.backend, name)  # the class's method again
+            else:
+                setattr(self.backend, name, own)
+
+
+def drafter_input_problems(calls: list, prompts: list[list[int]], outputs: list[list[int]]) -> list[str]:
+    """Whether every drafter call was fed the accepted path's rows, derived afresh from the recorded
+    target calls and each sequence's final tokens s = prompt + output, never from the runtime's own
+    bookkeeping: the row for position p is (s[p+1], the aux state the target computed for p in its
+    latest call whose row at p, and each of that row's ancestors (tree mask), holds the token s has
+    there). Drafter row i of sequence b is position cache_lens[b] + i; rows at committed positions
+    (below the next verify call's root position) with a known next token are compared, ids equal and
+    aux states bit for bit. A stale or misplaced aux row changes only the drafts, which greedy
+    verification then rejects, so the output alone never shows it."""
+    problems = []
+    for b, (prompt, output) in enumerate(zip(prompts, outputs)):
+        seq = list(prompt) + list(output)
+        aux_at: dict[int, torch.Tensor] = {}
+        for index, (kind, t) in enumerate(calls):
+            if kind == "target":
+                ids, positions, mask = t[C.INPUT_IDS][b], t[C.POSITIONS][b].tolist(), t[C.TREE_MASK][b]
+                known = [p < len(seq) and int(i) == seq[p] for i, p in zip(ids, positions)]
+                found = set()
+                for row, p in enumerate(positions):
+                    on_path = all(known[a] for a in torch.nonzero(mask[row])[:, 0].tolist())
+                    if on_path and p not in found:  # siblings hold distinct tokens: the first is the one
+                        aux_at[p] = t[C.AUX_HIDDEN][b, row]
+                        found.add(p)
+                continue
+            verify = next((c for kind_, c in calls[index + 1:] if kind_ == "target"), None)
+            committed = int(verify[C.POSITIONS][b, 0]) if verify is not None else len(seq)
+            start = int(t[C.CACHE_LENS][b])
+            for row in range(int(t[C.NUM_VALID][b])):
+                p = start + row
+                if p >= committed or p + 1 >= len(seq):
+                    continue  # not a row of this sequence's accepted path (a finished one's padding)
+                aux = t[C.AUX_HIDDEN][b, row]
+                if p not in aux_at:
+                    problems.append(f"sequence {b}: position {p} fed to the drafter was never accepted")
+                elif int(t[C.INPUT_IDS][b, row]) != seq[p + 1] or not torch.equal(aux, aux_at[p].to(aux.dtype)):
+                    what = "token" if int(t[C.INPUT_IDS][b, row]) != seq[p + 1] else "aux state"
+                    problems.append(f"sequence {b}: drafter call {sum(k == 'drafter' for k, _ in calls[:index])} "
+                                    f"was fed a {what} at position {p} other than the accepted path's")
+                if len(problems) >= 3:
+                    return problems
+    return problems
+
+
 def _synthetic_tier(runtime, prompts, exact_plain: bool) -> tuple:
     """T0: the algorithm, exact. Per batch (the first prompt; all three, ragged), the reference is
     greedy decoding through the verify graph with every draft rejected (the `anti` drafter): for an
     fp32/fp16/bf16 target it must equal plain decoding; oracle, anti and random drafts must give the
-    reference's tokens, oracle accepting every draft it verifies and anti none. Returns (check, figures)."""
+    reference's tokens, oracle accepting every draft it verifies and anti none; and every drafter call
+    (the real drafter runs under synthetic drafts) must be fed the accepted path's rows
+    (`drafter_input_problems`). Returns (check, figures)."""
     config = GenerationConfig(max_new_tokens=T0_NEW_TOKENS)
     longer = GenerationConfig(max_new_tokens=T0_NEW_TOKENS + runtime.depth)  # the oracle's look-ahead
     problems, taus = [], {}
@@ -220,9 +298,13 @@ def _synthetic_tier(runtime, prompts, exact_plain: bool) -> tuple:
         if exact_plain and reference != plain:
             problems.append(f"batch {len(batch)}: verify-width greedy differs from plain decoding")
         for mode in MODES:
-            results = runtime.generate(batch, config, synthetic=SyntheticDrafts(mode, reference, runtime.vocab_size))
+            with CallLog(runtime.backend) as log:
+                results = runtime.generate(batch, config,
+                                           synthetic=SyntheticDrafts(mode, reference, runtime.vocab_size))
             if [r.tokens for r in results] != [ref[:T0_NEW_TOKENS] for ref in reference]:
                 problems.append(f"batch {len(batch)}: {mode} drafts changed the output")
+            problems += [f"batch {len(batch)}, {mode} drafts: {p}"
+                         for p in drafter_input_problems(log.calls, batch, [r.tokens for r in results])]
             # rounds of sequences the reference runs past (an EOS ends the oracle's knowledge)
             rounds = [(a, d) for r, ref in zip(results, reference) if len(ref) == longer.max_new_tokens
                       for a, d in zip(r.stats.accepted, r.stats.depths)]
@@ -236,7 +318,8 @@ def _synthetic_tier(runtime, prompts, exact_plain: bool) -> tuple:
     name = f"T0 synthetic drafters, exact ({runtime.backend.name})"
     reference = "plain decoding" if exact_plain else "greedy decoding at the verify width"
     detail = (f"oracle/anti/random drafts, fixed policy, batch 1 and 3 x {T0_NEW_TOKENS} tokens: output equal to "
-              f"{reference}; tau " + ", ".join(f"{k} {v:g}" for k, v in taus.items()) + f" (K+1 = {runtime.depth + 1})")
+              f"{reference}; the drafter fed the accepted path's rows (token, aux state) at every call; tau "
+              + ", ".join(f"{k} {v:g}" for k, v in taus.items()) + f" (K+1 = {runtime.depth + 1})")
     if problems:
         detail += "; " + "; ".join(problems)
     return (name, not problems, detail), {"ok": not problems, "tau": taus, "problems": problems}
@@ -323,7 +406,7 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
         checks.append((t2_name, None, "not run: the build recorded no delta (made before the tiered contract): "
                                       "rebuild to run T2"))
     else:
-        explained = [explain_divergence(backend, shape, p, s.tokens, a, width, delta)
+        explained = [explain_divergence(backend, shape, p, s.tokens, a, delta, s.stats.accepted, s.stats.widths)
                      for p, s, a in track(list(zip(prompts, spec, plain)), "T2 divergences", len(prompts))]
         for r, e in zip(records, explained):
             r["t2"] = e

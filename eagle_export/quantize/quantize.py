@@ -36,7 +36,7 @@ from ..models.drafter import Drafter
 from ..models.nvfp4 import pack_nvfp4
 from ..models.target import Target
 from ..progress import track
-from ..speculation.eager import draft_chain, speculative_generate
+from ..speculation.eager import draft_chain, replay_greedy
 from ..speculation.stats import mean_accepted_length
 
 QUANT_PRESETS = ("fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only")  # ModelOpt presets `quantize` applies
@@ -211,25 +211,49 @@ def target_metrics(reference: Target, quantized: Target, prompts: list[list[int]
 
 
 @torch.no_grad()
+def greedy_runs(target: Target, prompts: list[list[int]], new_tokens: int, depth: int) -> list[tuple]:
+    """Per prompt: (the prompt then the target's greedy continuation of new_tokens + depth tokens, not
+    cut at EOS; the target's aux states of all but its last token, one teacher-forced pass). One run
+    serves the continuation checks and tau at depth `depth` (`replay_greedy`), so each target
+    decodes each prompt once."""
+    runs = []
+    for ids in track(prompts, "greedy continuations"):
+        sequence = list(ids) + target.generate_greedy(ids, new_tokens + depth)
+        runs.append((sequence, target(*target_calibration_batches(target, [sequence[:-1]])[0])[1]))
+    return runs
+
+
+def _continuation(sequence: list[int], prompt_len: int, new_tokens: int, eos_ids) -> list[int]:
+    """The first `new_tokens` tokens after the prompt, up to the first EOS included: what
+    `generate_greedy(prompt, new_tokens, eos_ids)` returns (greedy decoding does not look ahead)."""
+    out = sequence[prompt_len:prompt_len + new_tokens]
+    end = next((i + 1 for i, t in enumerate(out) if t in eos_ids), len(out))
+    return out[:end]
+
+
+@torch.no_grad()
 def greedy_continuation_agreement(reference: Target, quantized: Target, prompts: list[list[int]],
-                                  new_tokens: int = 64) -> dict:
+                                  new_tokens: int = 64, runs: tuple[list, list] | None = None) -> dict:
     """How closely the quantized target follows the reference's greedy continuations.
 
     `greedy_agreement`: the reference generates up to `new_tokens` greedy tokens per prompt (stopping
     at EOS); the quantized target reads prompt + continuation and its argmax is compared with the
     reference's token at each continuation position (teacher forced, so one early flip does not
     condemn the rest). `free_running_prefix`: the quantized target's own greedy continuation, the
-    mean fraction of it that matches the reference's before the first difference."""
+    mean fraction of it that matches the reference's before the first difference. `runs`: the two
+    targets' `greedy_runs` on these prompts (at least `new_tokens` long), decoded here when None."""
     eos = (reference.config.eos_token_id,)
+    if runs is None:
+        runs = tuple(greedy_runs(model, prompts, new_tokens, 0) for model in (reference, quantized))
     agree = total = 0
     prefixes = []
-    for ids in track(prompts, "greedy continuations"):
-        expected = reference.generate_greedy(ids, new_tokens, eos_ids=eos)
+    for ids, (reference_run, _), (quantized_run, _) in zip(prompts, *runs):
+        expected = _continuation(reference_run, len(ids), new_tokens, eos)
         args = target_calibration_batches(quantized, [ids + expected[:-1]])[0]
         predicted = quantized(*args)[0][0, len(ids) - 1:].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(predicted, expected))
         total += len(expected)
-        own = quantized.generate_greedy(ids, len(expected), eos_ids=eos)
+        own = _continuation(quantized_run, len(ids), len(expected), eos)
         same = next((i for i, (a, b) in enumerate(zip(own, expected)) if a != b), min(len(own), len(expected)))
         prefixes.append(same / len(expected))
     return {"greedy_agreement": agree / total, "free_running_prefix": sum(prefixes) / len(prefixes),
@@ -237,10 +261,18 @@ def greedy_continuation_agreement(reference: Target, quantized: Target, prompts:
 
 
 @torch.no_grad()
-def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int, depth: int) -> float:
-    """Mean tokens per round (greedy, chain depth `depth`) of the reference loop over `prompts`."""
-    return mean_accepted_length([m for ids in track(prompts, "tau")
-                                 for m in speculative_generate(target, drafter, ids, new_tokens, depth).accepted])
+def speculative_tau(target: Target, drafter: Drafter, prompts: list[list[int]], new_tokens: int, depth: int,
+                    runs: list[tuple] | None = None) -> float:
+    """Mean tokens per round of the greedy loop (chain depth `depth`, `new_tokens` per prompt, EOS not
+    stopping it) over `prompts`, replayed from the target's greedy runs (`greedy_runs`, decoded here
+    when None): greedy output is the target's whatever the drafter proposes, so each round's accepted
+    count is the number of leading drafts of the drafter's chain after the round's prefix that the
+    target's continuation holds (`reference.replay_greedy`: the loop's rounds, without a verify call
+    per round)."""
+    runs = runs if runs is not None else greedy_runs(target, prompts, new_tokens, depth)
+    return mean_accepted_length([m for ids, (sequence, aux) in zip(prompts, runs)
+                                 for m in replay_greedy(drafter, sequence, aux, len(ids), new_tokens,
+                                                        [depth])[depth].accepted])
 
 
 @torch.no_grad()
@@ -292,6 +324,14 @@ def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str
     report = {}
     qtarget, qdrafter = target, drafter
     measured_target, measured_drafter = target, drafter  # quantized ones: their weights folded (same outputs)
+    runs = {}  # a target's greedy runs on a prompt list: decoded once for the continuations and every tau
+
+    def runs_of(model, prompts):
+        key = model, tuple(map(tuple, prompts))
+        if key not in runs:
+            runs[key] = greedy_runs(model, prompts, max_new_tokens, depth)
+        return runs[key]
+
     if target_precision is not None:
         progress(f"quantizing the target to {target_precision} on {len(calibration)} prompts")
         qtarget = quantize(copy.deepcopy(target), target_precision, target_calibration_batches(target, calibration),
@@ -302,7 +342,8 @@ def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str
         if continuation_prompts:
             progress(f"greedy continuations of {max_new_tokens} tokens on {len(continuation_prompts)} prompts")
             report["target"]["continuations"] = greedy_continuation_agreement(
-                target, measured_target, continuation_prompts, max_new_tokens)
+                target, measured_target, continuation_prompts, max_new_tokens,
+                (runs_of(target, continuation_prompts), runs_of(measured_target, continuation_prompts)))
     if drafter is not None and drafter_precision is not None:
         progress(f"quantizing the drafter to {drafter_precision} on the target's aux states")
         qdrafter = copy.deepcopy(drafter)
@@ -313,13 +354,14 @@ def quantize_pair(target: Target, drafter: Drafter | None, target_precision: str
                              **drafter_metrics(drafter, measured_drafter, target, metric_prompts)}
     if drafter is not None and tau_prompts:  # the pair as quantized (an unquantized model stays the reference one)
         progress(f"measuring tau on {len(tau_prompts)} prompts")
-        report["tau_reference"] = speculative_tau(target, drafter, tau_prompts, max_new_tokens, depth)
-        report["tau_quantized"] = speculative_tau(measured_target, measured_drafter, tau_prompts, max_new_tokens,
-                                                  depth)
+
+        def tau(model, draft):
+            return speculative_tau(model, draft, tau_prompts, max_new_tokens, depth, runs_of(model, tau_prompts))
+        report["tau_reference"] = tau(target, drafter)
+        report["tau_quantized"] = tau(measured_target, measured_drafter)
         report["tau_ratio"] = report["tau_quantized"] / report["tau_reference"]
         if measured_target is not target and measured_drafter is not drafter:  # the drafter against its unquantized self
-            report["tau_unquantized_drafter"] = speculative_tau(measured_target, drafter, tau_prompts, max_new_tokens,
-                                                                depth)
+            report["tau_unquantized_drafter"] = tau(measured_target, drafter)
             report["tau_drafter_ratio"] = report["tau_quantized"] / report["tau_unquantized_drafter"]
     return qtarget, qdrafter, report
 
