@@ -62,7 +62,7 @@ def runtime(request, tmp_path_factory):
     drafter = load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1"), target=target)
     speculation = 3 if request.param == "chain" else TreeShape.from_branching([2, 2, 1])
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False))
-    yield SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, depth_policy="fixed")
+    yield SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, verify_policy="fixed")
     torch.set_grad_enabled(True)
 
 
