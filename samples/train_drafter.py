@@ -15,7 +15,8 @@ restricted to the draft vocabulary (renormalized), `hard` the cross-entropy to t
 token; each step is weighted 0.8^k. `--init layer` starts from the target's weights where shapes
 allow, `--init-from DIR` from a saved drafter (to continue the committed samples). The held-out
 metrics (`evaluate`) count answer positions only: acc@1 per step, the chain estimate and, on
-self-distilled text, the greedy loop's tau replayed from the chains. `train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every
+self-distilled text, the greedy loop's tau replayed from the chains; `--best-out` keeps the drafter
+of the evaluation with the highest replayed tau (the selection; loss keeps falling past it). `train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every
 `--save-minutes` and before its `--max-minutes` guard stops it; `--resume` continues from there.
 Everything is seeded: the same data, arguments and seed give the same drafter.
 """
@@ -23,6 +24,7 @@ Everything is seeded: the same data, arguments and seed give the same drafter.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -320,7 +322,7 @@ def train(args) -> None:
     if state is not None:  # the run's own arguments, except those that only say how long to run
         for key, value in state["args"].items():
             if key not in ("resume", "tokens", "schedule_tokens", "depth", "shards", "max_minutes", "save_minutes", "threads", "eval_every", "log",
-                           "out", "run"):
+                           "out", "best_out", "run"):
                 setattr(args, key, value)
         args.shards = args.shards or state["args"]["shards"]
     torch.manual_seed(args.seed)
@@ -364,12 +366,13 @@ def train(args) -> None:
     params = [p for name, p in drafter.named_parameters() if not name.startswith("embed_tokens") and p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = Batches(data, args.batch_tokens, args.seed)
-    step, seen, scored_seen, spent = 0, 0, 0, 0.0
+    step, seen, scored_seen, spent, best_tau = 0, 0, 0, 0.0, None
     if state is not None:
         drafter.load_state_dict(state["drafter"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         batches = Batches(data, args.batch_tokens, args.seed, **state["batches"])
         step, seen, scored_seen, spent = state["step"], state["tokens"], state["scored_tokens"], state["seconds"]
+        best_tau = state.get("best_replay_tau")
         torch.set_rng_state(state["torch_rng"])
         print(f"train {args.version}: resumed at step {step}, {seen} tokens, {spent / 60:.1f} min spent", flush=True)
     weights = [STEP_WEIGHT_DECAY ** k for k in range(args.depth)]
@@ -382,15 +385,21 @@ def train(args) -> None:
         own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
         torch.save({"drafter": own, "optimizer": optimizer.state_dict(), "batches": batches.state(), "step": step,
                     "tokens": seen, "scored_tokens": scored_seen, "seconds": spent + time.time() - start,
-                    "torch_rng": torch.get_rng_state(), "draft_vocab": draft_vocab, "args": vars(args)},
+                    "torch_rng": torch.get_rng_state(), "draft_vocab": draft_vocab, "args": vars(args),
+                    "best_replay_tau": best_tau},
                    ckpt / "state.pt.partial")
         os.replace(ckpt / "state.pt.partial", ckpt / "state.pt")
 
-    def report(record_type="eval"):
+    def report():
+        nonlocal best_tau
         record = {"version": args.version, "step": step, "train_tokens": seen, "scored_tokens": scored_seen,
                   "minutes": round((spent + time.time() - start) / 60, 2), "run": args.run or args.version}
         if eval_data is not None:
             record.update(evaluate(drafter, eval_data, target_to_draft, args.eval_depth, args.topk))
+        tau = record.get("replay_tau")
+        if args.best_out and tau is not None and (best_tau is None or tau > best_tau):  # selected by tau, not loss
+            best_tau = record["best"] = tau
+            save_rounded(drafter, args.best_out, cfg_dict)
         print(json.dumps(record), flush=True)
         if log:
             log.write(json.dumps(record) + "\n")
@@ -433,10 +442,14 @@ def train(args) -> None:
     save_state()
     if step % args.eval_every:
         report()
-    if args.out:  # the last thing the run does: round to bf16, save
-        drafter.to(torch.bfloat16)
-        save_drafter(drafter, args.out, config=cfg_dict)
+    if args.out:
+        save_rounded(drafter, args.out, cfg_dict)
         print(f"train {args.version}: saved {args.out}", flush=True)
+
+
+def save_rounded(drafter: Drafter, path, config: dict) -> None:
+    """A bf16 copy of the drafter, saved in the vLLM layout; training goes on in fp32."""
+    save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), path, config=config)
 
 
 def plot(args) -> None:
@@ -503,6 +516,8 @@ def main():
     t.add_argument("--resume", action="store_true", help="continue the run in --ckpt with its own arguments")
     t.add_argument("--out", help="write the drafter (bf16, vLLM layout) here when the run stops")
     t.add_argument("--run", help="a name for this run in the log")
+    t.add_argument("--best-out", help="write the drafter (bf16) here at each held-out evaluation whose replayed "
+                   "tau beats every earlier one (needs --eval-data of self-distilled text)")
     t.add_argument("--objective", choices=("kd", "kd-tv", "hard"), default="kd",
                    help="kd: cross-entropy to the target's top-k distribution; kd-tv: plus --tv-weight times the "
                    "total variation to it (1 - the acceptance of sampled drafts); hard: to its greedy token")

@@ -315,3 +315,27 @@ def test_coverage_counts_held_out_answer_tokens_inside_the_draft_vocabulary(monk
         assert record["coverage"] == round(float(np.isin(greedy, top).mean()), 4)
         assert record["positions"] == len(greedy)
     assert got[0]["coverage"] < got[1]["coverage"] < got[2]["coverage"] == 1.0
+
+
+def test_best_out_keeps_the_drafter_of_the_highest_replayed_tau(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 400)
+    taus, seen = iter([1.10, 1.30, 1.20, 1.25] + [1.05] * 100), []
+
+    def evaluate(drafter, *args):
+        seen.append({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items() if not k.startswith("embed")})
+        return {"replay_tau": next(taus)}
+
+    monkeypatch.setattr(train_drafter, "evaluate", evaluate)
+    monkeypatch.setattr(sys, "argv", ["train_drafter.py", "train", "--data", str(tmp_path / "data"), "--eval-data",
+                                      str(tmp_path / "data"), "--version", "3", "--ckpt", str(tmp_path / "ckpt"),
+                                      "--tokens", "500", "--batch-tokens", "64", "--draft-vocab", "64", "--topk", "8",
+                                      "--eval-every", "2", "--best-out", str(tmp_path / "best"),
+                                      "--log", str(tmp_path / "log.jsonl")])
+    train_drafter.main()
+    assert len(seen) >= 5  # step 0 and every second step
+    best = load_drafter(tmp_path / "best", target=load_target(tiny_target_dir)).state_dict()
+    for name, value in seen[1].items():
+        assert torch.equal(best[name].to(torch.bfloat16), value), name
+    assert not all(torch.equal(seen[1][n], seen[3][n]) for n in seen[1])  # later evaluations saw another drafter
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r.get("best") for r in records] == [1.10, 1.30] + [None] * (len(seen) - 2)
