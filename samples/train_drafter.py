@@ -16,8 +16,9 @@ token; each step is weighted 0.8^k. `--init layer` starts from the target's weig
 allow, `--init-from DIR` from a saved drafter (to continue the committed samples). The held-out
 metrics (`evaluate`) count answer positions only: acc@1 per step, the chain estimate and, on
 self-distilled text, the greedy loop's tau replayed from the chains; `--best-out` keeps the drafter
-of the evaluation with the highest replayed tau (the selection; loss keeps falling past it). `train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every
-`--save-minutes` and before its `--max-minutes` guard stops it; `--resume` continues from there.
+of the evaluation with the highest replayed tau (the selection; loss keeps falling past it).
+`train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every `--save-minutes`
+and before its `--max-minutes` guard stops it; `--resume` continues from there.
 Everything is seeded: the same data, arguments and seed give the same drafter.
 """
 

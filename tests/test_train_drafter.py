@@ -307,7 +307,7 @@ def test_coverage_counts_held_out_answer_tokens_inside_the_draft_vocabulary(monk
                                       str(tmp_path / "eval"), "--sizes", "4", "16", "320"])
     train_drafter.main()
     got = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    greedy = np.concatenate([held_out.sequence(i)["greedy"][held_out.sequence(i)["answer"]] for i in range(len(held_out))])
+    greedy = np.concatenate([s["greedy"][s["answer"]] for s in map(held_out.sequence, range(len(held_out)))])
     counts = np.bincount(np.concatenate([data.sequence(i)["greedy"][data.sequence(i)["answer"]]
                                          for i in range(len(data))]), minlength=320)
     for record, size in zip(got, (4, 16, 320)):
