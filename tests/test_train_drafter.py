@@ -221,7 +221,7 @@ def test_the_loss_ignores_prompt_positions(monkeypatch, tmp_path, tiny_target_di
         next_ids, aux, scored, labels, draft_top, probs = batch
         logits = train_drafter.ttt_logits(drafter, next_ids, aux, 3, scored)
         return [torch.stack(train_drafter.step_losses(logits, scored, labels, draft_top, probs, objective)[0])
-                for objective in ("kd", "hard")]
+                for objective in ("kd", "kd-tv", "hard")]
 
     def scramble(s, where):
         s["greedy"][where] = (s["greedy"][where] + 1) % 320
@@ -253,3 +253,89 @@ def test_training_continues_a_saved_drafter(monkeypatch, tmp_path, tiny_target_d
         assert torch.equal(expected, after.state_dict()[name].to(expected.dtype)), name
     with pytest.raises(SystemExit, match="not an EAGLE-3.1 drafter"):
         train("3.1", tmp_path / "other")
+
+
+def test_total_variation_equals_the_dense_distance_despite_padding_ids():
+    """p known on top-k draft ids, where the ids outside the draft vocabulary arrive as padding (id 0,
+    p = 0, repeated): TV must equal 1/2 sum |p - q| over the whole draft vocabulary, padding counted once."""
+    torch.manual_seed(0)
+    vocab, n = 12, 5
+    q = torch.softmax(torch.randn(n, vocab), -1)
+    ids = torch.tensor([[3, 7, 0, 0], [0, 5, 9, 0], [11, 2, 0, 0], [4, 0, 0, 0], [1, 6, 8, 10]])
+    p = torch.rand(n, 4) * (torch.arange(4) < torch.tensor([2, 3, 2, 1, 4])[:, None])  # zeros: padding
+    p[1, 0] = 0.3  # id 0 really in the top-k of row 1, beside padding copies of it
+    p = p / p.sum(-1, keepdim=True)
+    dense = torch.zeros(n, vocab).scatter_add_(1, ids, p)
+    expected = 0.5 * (dense - q).abs().sum(-1)
+    assert torch.allclose(train_drafter.total_variation(p, q.gather(1, ids)), expected, atol=1e-6)
+
+
+def test_layer_init_starts_as_the_targets_last_layer(tiny_target_dir):
+    """--init layer: step 0 of the drafter is the target's last layer and head applied to the deepest
+    aux state, whatever the token (the token half of q/k/v is zero), for EAGLE-3 (pre-norm residual)."""
+    from eagle_export.models.config import DrafterConfig
+    from eagle_export.models.drafter import Drafter
+    from eagle_export.models.layers import attention_mask, rope_cos_sin
+
+    target = load_target(tiny_target_dir, aux_layer_ids=(1, 3, 4)).eval()
+    draft_vocab = torch.tensor([0, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233])
+    cfg = train_drafter.drafter_config(target.config, "3", len(draft_vocab), (1, 3, 4))
+    drafter = Drafter(DrafterConfig.from_hf(cfg))
+    train_drafter.init_from_target(drafter, target, draft_vocab, "layer")
+    drafter.share_embeddings(target.embed_tokens)
+    t, h = 7, target.config.hidden_size
+    aux = torch.randn(1, t, 3 * h)
+    with torch.no_grad():
+        got = [train_drafter.ttt_logits(drafter, torch.randint(0, 320, (1, t + 1)), aux, 1)[0] for _ in range(2)]
+        positions = torch.arange(t)[None]
+        cos, sin = rope_cos_sin(positions, target.inv_freq, aux.dtype)
+        k, v = target.empty_cache(1, 0)
+        mask = attention_mask(positions, torch.tensor([0]), 0)
+        out, _, _ = target.layers[-1](aux[..., -h:], cos, sin, k[-1], v[-1], mask)
+        expected = target.lm_head(target.norm(out))[..., draft_vocab]
+    assert torch.allclose(got[0], expected, atol=1e-4)
+    assert torch.allclose(got[1], expected, atol=1e-4)  # other tokens, the same drafts
+
+
+def test_coverage_counts_held_out_answer_tokens_inside_the_draft_vocabulary(monkeypatch, tmp_path, tiny_target_dir,
+                                                                              capsys):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 300)
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "eval", 200, "--seed", "1")
+    data, held_out = Dataset([tmp_path / "data"]), Dataset([tmp_path / "eval"])
+    np.save(tmp_path / "data" / "text_counts.npy", np.zeros(320, dtype=np.int64))  # the greedy tokens alone
+    monkeypatch.setattr(sys, "argv", ["train_drafter.py", "coverage", "--data", str(tmp_path / "data"), "--eval-data",
+                                      str(tmp_path / "eval"), "--sizes", "4", "16", "320"])
+    train_drafter.main()
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    greedy = np.concatenate([s["greedy"][s["answer"]] for s in map(held_out.sequence, range(len(held_out)))])
+    counts = np.bincount(np.concatenate([data.sequence(i)["greedy"][data.sequence(i)["answer"]]
+                                         for i in range(len(data))]), minlength=320)
+    for record, size in zip(got, (4, 16, 320)):
+        top = np.lexsort((np.arange(320), -counts))[:size]
+        assert record["coverage"] == round(float(np.isin(greedy, top).mean()), 4)
+        assert record["positions"] == len(greedy)
+    assert got[0]["coverage"] < got[1]["coverage"] < got[2]["coverage"] == 1.0
+
+
+def test_best_out_keeps_the_drafter_of_the_highest_replayed_tau(monkeypatch, tmp_path, tiny_target_dir):
+    prepare_tiny(monkeypatch, tiny_target_dir, tmp_path / "data", 400)
+    taus, seen = iter([1.10, 1.30, 1.20, 1.25] + [1.05] * 100), []
+
+    def evaluate(drafter, *args):
+        seen.append({k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items() if not k.startswith("embed")})
+        return {"replay_tau": next(taus)}
+
+    monkeypatch.setattr(train_drafter, "evaluate", evaluate)
+    monkeypatch.setattr(sys, "argv", ["train_drafter.py", "train", "--data", str(tmp_path / "data"), "--eval-data",
+                                      str(tmp_path / "data"), "--version", "3", "--ckpt", str(tmp_path / "ckpt"),
+                                      "--tokens", "500", "--batch-tokens", "64", "--draft-vocab", "64", "--topk", "8",
+                                      "--eval-every", "2", "--best-out", str(tmp_path / "best"),
+                                      "--log", str(tmp_path / "log.jsonl")])
+    train_drafter.main()
+    assert len(seen) >= 5  # step 0 and every second step
+    best = load_drafter(tmp_path / "best", target=load_target(tiny_target_dir)).state_dict()
+    for name, value in seen[1].items():
+        assert torch.equal(best[name].to(torch.bfloat16), value), name
+    assert not all(torch.equal(seen[1][n], seen[3][n]) for n in seen[1])  # later evaluations saw another drafter
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r.get("best") for r in records] == [1.10, 1.30] + [None] * (len(seen) - 2)

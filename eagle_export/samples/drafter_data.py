@@ -257,13 +257,13 @@ class Dataset:
         n, a, length = self.index[i]
         return {f: np.asarray(self.shards[n][f][a:a + length]) for f in FIELDS}
 
+    def answer_tokens(self) -> np.ndarray:
+        """The target's greedy token at every answer position (what a drafter is asked to propose)."""
+        return np.concatenate([np.asarray(a["greedy"])[np.asarray(a["answer"])] for a in self.shards])
+
     def answer_counts(self, vocab_size: int) -> np.ndarray:
         """How often the target's greedy token is each id, over answer positions (the draft vocabulary's basis)."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        for arrays in self.shards:
-            greedy, answer = np.asarray(arrays["greedy"]), np.asarray(arrays["answer"])
-            counts += np.bincount(greedy[answer], minlength=vocab_size)
-        return counts
+        return np.bincount(self.answer_tokens(), minlength=vocab_size).astype(np.int64)
 
 
 @torch.no_grad()

@@ -15,15 +15,17 @@ restricted to the draft vocabulary (renormalized), `hard` the cross-entropy to t
 token; each step is weighted 0.8^k. `--init layer` starts from the target's weights where shapes
 allow, `--init-from DIR` from a saved drafter (to continue the committed samples). The held-out
 metrics (`evaluate`) count answer positions only: acc@1 per step, the chain estimate and, on
-self-distilled text, the greedy loop's tau replayed from the chains. `train` checkpoints (weights,
-optimizer, data position, RNG) to `--ckpt` every `--save-minutes` and before its `--max-minutes`
-guard stops it; `--resume` continues from there.
+self-distilled text, the greedy loop's tau replayed from the chains; `--best-out` keeps the drafter
+of the evaluation with the highest replayed tau (the selection; loss keeps falling past it).
+`train` checkpoints (weights, optimizer, data position, RNG) to `--ckpt` every `--save-minutes`
+and before its `--max-minutes` guard stops it; `--resume` continues from there.
 Everything is seeded: the same data, arguments and seed give the same drafter.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -162,15 +164,28 @@ def make_batch(data: Dataset, indices: list[int], depth: int, target_to_draft: t
     return next_ids, aux, scored, labels, draft_top.clamp(min=0), probs
 
 
-def step_losses(logits, scored, labels, draft_top, probs, objective: str):
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) = 1/2 sum_i |p_i - q_i| = 1 - sum_i min(p_i, q_i) (the rejection rate of sampled
+    verification), for p [N,k] given on k draft ids (0 elsewhere) and q [N,k] the drafter's
+    probabilities of those ids: outside them |p - q| sums to the drafter's remaining mass 1 - sum q.
+    A padding entry (p = 0, possibly repeating an id) adds |0 - q| - q = 0, so it needs no mask."""
+    return 0.5 * ((p - q).abs().sum(-1) + 1 - q.sum(-1))
+
+
+def step_losses(logits, scored, labels, draft_top, probs, objective: str, tv_weight: float = 1.0):
     """Per-step mean loss over scored positions (logits of those only, see ttt_logits), and whether
-    each one's argmax is the target's greedy token."""
+    each one's argmax is the target's greedy token. kd: -sum p log q (the KL to the target's top-k
+    distribution p, up to p's entropy); kd-tv: that plus tv_weight * TV(p, q), a term on the
+    acceptance itself (LK-style); hard: -log q(greedy)."""
     losses, hits = [], []
     for k, lg in enumerate(logits):
         mask = scored[k]
         logp = torch.log_softmax(lg, dim=-1)
-        if objective == "kd":
-            loss = -(probs[k][mask] * logp.gather(-1, draft_top[k][mask])).sum(-1).mean()
+        if objective in ("kd", "kd-tv"):
+            p, logq = probs[k][mask], logp.gather(-1, draft_top[k][mask])
+            loss = -(p * logq).sum(-1).mean()
+            if objective == "kd-tv":
+                loss = loss + tv_weight * total_variation(p, logq.exp()).mean()
         else:
             loss = F.nll_loss(logp, labels[k][mask], ignore_index=-1)
         losses.append(loss)
@@ -209,13 +224,36 @@ def evaluate(drafter, data: Dataset, target_to_draft, depth: int, topk: int) -> 
             "replay_tau": round(1 + float(np.mean(accepted)), 4) if accepted else None, "rounds": len(accepted)}
 
 
+def draft_vocabulary(data: Dataset, cache_dir: Path, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens, as sorted target ids: ShareGPT's assistant text and the
+    target's greedy tokens in `data` (ties: lowest id). The text counts are cached in cache_dir."""
+    cache = cache_dir / "text_counts.npy"
+    if not cache.is_file():
+        np.save(cache, text_token_counts(ChatTemplate(data.metas[0]["target"]), vocab_size))
+    counts = data.answer_counts(vocab_size) + np.load(cache)
+    return torch.from_numpy(np.sort(np.lexsort((np.arange(vocab_size), -counts))[:size]))
+
+
+def coverage(args) -> None:
+    """Per draft vocabulary size: the fraction of held-out answer positions whose target greedy token
+    lies in the vocabulary `train` picks from --data (the ceiling of acc@1 at that size)."""
+    data, held_out = Dataset(args.data), Dataset([args.eval_data])
+    vocab_size = json.loads((Path(data.metas[0]["target"]) / "config.json").read_text())["vocab_size"]
+    greedy = held_out.answer_tokens()
+    for size in args.sizes:
+        inside = np.isin(greedy, draft_vocabulary(data, Path(args.data[0]), vocab_size, size).numpy())
+        print(json.dumps({"draft_vocab": size, "coverage": round(float(inside.mean()), 4), "positions": len(greedy)}))
+
+
 def init_from_target(drafter: Drafter, target, draft_vocab: torch.Tensor, parts: str) -> None:
     """Copy target weights into the drafter where the shapes allow.
 
     head: lm_head rows of the draft vocabulary and the final norm (the drafter's output space is the
     target's). layer (also): the drafter layer from the target's last layer, its q/k/v weights in
-    the hidden-state half of the 2H-wide input (the token half keeps its random init), and fc as
-    the projection that passes the last aux state (the deepest) through unchanged."""
+    the hidden-state half of the 2H-wide input and zero in the token half (the layer starts as the
+    target's own, reading the hidden state alone; the token half still learns, as the embeddings it
+    multiplies are not zero), and fc as the projection that passes the last aux state (the deepest)
+    through unchanged."""
     with torch.no_grad():
         drafter.lm_head.weight.copy_(target.lm_head.weight[draft_vocab])
         drafter.norm.weight.copy_(target.norm.weight)
@@ -223,6 +261,7 @@ def init_from_target(drafter: Drafter, target, draft_vocab: torch.Tensor, parts:
             return
         last, mid, h = target.layers[-1], drafter.midlayer, target.config.hidden_size
         for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(mid.self_attn, name).weight[:, :h].zero_()
             getattr(mid.self_attn, name).weight[:, h:].copy_(getattr(last.self_attn, name).weight)
         mid.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
         mid.hidden_norm.weight.copy_(last.input_layernorm.weight)
@@ -283,7 +322,7 @@ def train(args) -> None:
     if state is not None:  # the run's own arguments, except those that only say how long to run
         for key, value in state["args"].items():
             if key not in ("resume", "tokens", "schedule_tokens", "depth", "shards", "max_minutes", "save_minutes",
-                           "threads", "eval_every", "log", "out", "run"):
+                           "threads", "eval_every", "log", "out", "best_out", "run"):
                 setattr(args, key, value)
         args.shards = args.shards or state["args"]["shards"]
     torch.manual_seed(args.seed)
@@ -301,12 +340,8 @@ def train(args) -> None:
         draft_vocab = state["draft_vocab"]
     elif warm is not None:  # a saved drafter goes on with its own draft vocabulary
         draft_vocab = warm.to_target_ids(torch.arange(warm.config.draft_vocab_size))
-    else:  # the most frequent answer tokens: ShareGPT's assistant text and the target's greedy tokens (ties: lowest id)
-        cache = Path(args.data[0]) / "text_counts.npy"
-        if not cache.is_file():
-            np.save(cache, text_token_counts(ChatTemplate(data.metas[0]["target"]), vocab))
-        counts = data.answer_counts(vocab) + np.load(cache)
-        draft_vocab = torch.from_numpy(np.sort(np.lexsort((np.arange(vocab), -counts))[:args.draft_vocab]))
+    else:
+        draft_vocab = draft_vocabulary(data, Path(args.data[0]), vocab, args.draft_vocab)
     cfg_dict = (dict(warm.config.raw) if warm is not None else
                 drafter_config(target.config, args.version, len(draft_vocab), data.metas[0]["aux_layer_ids"]))
     drafter = Drafter(DrafterConfig.from_hf(cfg_dict))
@@ -331,12 +366,13 @@ def train(args) -> None:
     params = [p for name, p in drafter.named_parameters() if not name.startswith("embed_tokens") and p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = Batches(data, args.batch_tokens, args.seed)
-    step, seen, scored_seen, spent = 0, 0, 0, 0.0
+    step, seen, scored_seen, spent, best_tau = 0, 0, 0, 0.0, None
     if state is not None:
         drafter.load_state_dict(state["drafter"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         batches = Batches(data, args.batch_tokens, args.seed, **state["batches"])
         step, seen, scored_seen, spent = state["step"], state["tokens"], state["scored_tokens"], state["seconds"]
+        best_tau = state.get("best_replay_tau")
         torch.set_rng_state(state["torch_rng"])
         print(f"train {args.version}: resumed at step {step}, {seen} tokens, {spent / 60:.1f} min spent", flush=True)
     weights = [STEP_WEIGHT_DECAY ** k for k in range(args.depth)]
@@ -349,15 +385,21 @@ def train(args) -> None:
         own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
         torch.save({"drafter": own, "optimizer": optimizer.state_dict(), "batches": batches.state(), "step": step,
                     "tokens": seen, "scored_tokens": scored_seen, "seconds": spent + time.time() - start,
-                    "torch_rng": torch.get_rng_state(), "draft_vocab": draft_vocab, "args": vars(args)},
+                    "torch_rng": torch.get_rng_state(), "draft_vocab": draft_vocab, "args": vars(args),
+                    "best_replay_tau": best_tau},
                    ckpt / "state.pt.partial")
         os.replace(ckpt / "state.pt.partial", ckpt / "state.pt")
 
-    def report(record_type="eval"):
+    def report():
+        nonlocal best_tau
         record = {"version": args.version, "step": step, "train_tokens": seen, "scored_tokens": scored_seen,
                   "minutes": round((spent + time.time() - start) / 60, 2), "run": args.run or args.version}
         if eval_data is not None:
             record.update(evaluate(drafter, eval_data, target_to_draft, args.eval_depth, args.topk))
+        tau = record.get("replay_tau")
+        if args.best_out and tau is not None and (best_tau is None or tau > best_tau):  # selected by tau, not loss
+            best_tau = record["best"] = tau
+            save_rounded(drafter, args.best_out, cfg_dict)
         print(json.dumps(record), flush=True)
         if log:
             log.write(json.dumps(record) + "\n")
@@ -375,7 +417,7 @@ def train(args) -> None:
         next_ids, aux, scored, labels, draft_top, probs = make_batch(data, indices, args.depth, target_to_draft,
                                                                      args.topk)
         logits = ttt_logits(drafter, next_ids, aux, args.depth, scored)
-        losses, hits = step_losses(logits, scored, labels, draft_top, probs, args.objective)
+        losses, hits = step_losses(logits, scored, labels, draft_top, probs, args.objective, args.tv_weight)
         loss = sum(w * step_loss for w, step_loss in zip(weights, losses)) / sum(weights)
         optimizer.zero_grad()
         loss.backward()
@@ -400,10 +442,14 @@ def train(args) -> None:
     save_state()
     if step % args.eval_every:
         report()
-    if args.out:  # the last thing the run does: round to bf16, save
-        drafter.to(torch.bfloat16)
-        save_drafter(drafter, args.out, config=cfg_dict)
+    if args.out:
+        save_rounded(drafter, args.out, cfg_dict)
         print(f"train {args.version}: saved {args.out}", flush=True)
+
+
+def save_rounded(drafter: Drafter, path, config: dict) -> None:
+    """A bf16 copy of the drafter, saved in the vLLM layout; training goes on in fp32."""
+    save_drafter(copy.deepcopy(drafter).to(torch.bfloat16), path, config=config)
 
 
 def plot(args) -> None:
@@ -470,7 +516,12 @@ def main():
     t.add_argument("--resume", action="store_true", help="continue the run in --ckpt with its own arguments")
     t.add_argument("--out", help="write the drafter (bf16, vLLM layout) here when the run stops")
     t.add_argument("--run", help="a name for this run in the log")
-    t.add_argument("--objective", choices=("kd", "hard"), default="kd")
+    t.add_argument("--best-out", help="write the drafter (bf16) here at each held-out evaluation whose replayed "
+                   "tau beats every earlier one (needs --eval-data of self-distilled text)")
+    t.add_argument("--objective", choices=("kd", "kd-tv", "hard"), default="kd",
+                   help="kd: cross-entropy to the target's top-k distribution; kd-tv: plus --tv-weight times the "
+                   "total variation to it (1 - the acceptance of sampled drafts); hard: to its greedy token")
+    t.add_argument("--tv-weight", type=float, default=1.0, help="weight of the total-variation term (kd-tv)")
     t.add_argument("--init", choices=("random", "head", "layer"), default="layer",
                    help="weights copied from the target: none, lm_head and norm, or those and the last layer")
     t.add_argument("--init-from", help="start from this saved drafter: its weights and draft vocabulary "
@@ -491,6 +542,10 @@ def main():
     t.add_argument("--save-minutes", type=float, default=10.0, help="checkpoint this often")
     t.add_argument("--log", help="append the held-out curve (JSON lines) here")
     t.add_argument("--threads", type=int, default=1)
+    c = sub.add_parser("coverage", help="held-out greedy tokens inside the draft vocabulary, per vocabulary size")
+    c.add_argument("--data", nargs="+", required=True, help="prepared dataset directories (what train reads)")
+    c.add_argument("--eval-data", required=True, help="held-out prepared dataset")
+    c.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     g = sub.add_parser("plot", help="plot the held-out curves of logged runs (matplotlib PNG)")
     g.add_argument("logs", nargs="+", help="--log files of train runs")
     g.add_argument("--out", required=True)
@@ -499,7 +554,7 @@ def main():
     g.add_argument("--depth", type=int, default=4)
     g.add_argument("--dpi", type=int, default=80)
     args = parser.parse_args()
-    {"prepare": prepare, "train": train, "plot": plot}[args.command](args)
+    {"prepare": prepare, "train": train, "coverage": coverage, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":
