@@ -199,7 +199,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
         check_engine_precisions(recipe["precision"], gpu_info())
     log = StageLog(echo, total=8)
     precision = recipe["precision"]
-    depth, sampling = recipe["depth"], recipe["sampling"]
+    sampling = recipe["sampling"]
     model_precisions = {precision["target"], precision["drafter"]}
     target_dir, drafter_dir = resolve_sources(recipe)
     with atomic_output_dir(out_dir, BUILD_OUTPUT, force, inputs=(target_dir, drafter_dir), warn=echo) as tmp:
@@ -253,7 +253,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                 echo(f"  {skipped}")
 
         manifest = Manifest(
-            recipe=recipe.data, speculation=recipe.speculation, depth=depth, sampling=sampling,
+            recipe=recipe.data, speculation=recipe.speculation, sampling=sampling,
             max_context=recipe["profiles"]["context"]["max"],
             target=built_target(target, str(target_dir), precision["target"], target_dtype),
             drafter=built_drafter(drafter, str(drafter_dir), precision["drafter"], drafter_dtype),

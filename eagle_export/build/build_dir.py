@@ -22,7 +22,6 @@ from ..models.nvfp4 import use_graph_weights
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
-from ..speculation.tree import DynamicTree
 from .manifest import MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts, verify_sources
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
@@ -107,8 +106,8 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
                                    "run without --cuda-graphs (the torch backend runs eagerly on the CPU)")
         target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
         target, drafter = target.to(device), drafter.to(device)
-        speculation = manifest.speculation  # (a dynamic tree is drafted greedily only: no sampling graph)
-        sampling_graph = None if isinstance(speculation, DynamicTree) else UnrolledDrafter(drafter, speculation, True)
+        speculation = manifest.speculation
+        sampling_graph = UnrolledDrafter(drafter, speculation, True) if speculation.can_sample else None
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False),
                             sampling_graph, device=device,
                             cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)

@@ -159,7 +159,7 @@ class BuiltModel:
         return self.precision in QUANTIZED
 
     @classmethod
-    def from_json(cls, role: str, model: dict, source: str, measured: dict | None) -> BuiltModel:
+    def from_json(cls, model: dict, source: str, measured: dict | None) -> BuiltModel:
         eos = model.get("eos_token_id")
         return cls(source, model["precision"], model["dtype"], model["hidden_size"], model["num_kv_heads"],
                    model["head_dim"], model.get("num_layers", 1), tuple(model.get("aux_layer_ids", ())),
@@ -185,7 +185,7 @@ class GraphFile:
     report: dict = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_json(cls, graph: str, data: dict) -> GraphFile:
+    def from_json(cls, data: dict) -> GraphFile:
         report = {k: v for k, v in data.items() if k not in ("file", "return_logits", "sampling")}
         return cls(data["file"], data.get("return_logits", False), data.get("sampling", False), report)
 
@@ -203,7 +203,6 @@ class Manifest:
     the code that wrote them, not interpreted here."""
     recipe: dict  # the normalized recipe it was built from
     speculation: Speculation
-    depth: int  # the drafter graph's unroll depth (speculation.depth)
     sampling: bool
     max_context: int
     target: BuiltModel
@@ -224,6 +223,11 @@ class Manifest:
     version: str | None = None
     created: str | None = None
     libraries: dict | None = None
+
+    @property
+    def depth(self) -> int:
+        """The drafter graph's unroll depth (written as `depth`, which builds before trees hold alone)."""
+        return self.speculation.depth
 
     @property
     def target_graph(self) -> GraphFile:
@@ -282,12 +286,12 @@ class Manifest:
     def from_json(cls, data: dict, where: str | Path = MANIFEST) -> Manifest:
         try:
             quantization, engines = data["quantization"], data["engines"]
-            models = {role: BuiltModel.from_json(role, data["models"][role], data["sources"][role],
+            models = {role: BuiltModel.from_json(data["models"][role], data["sources"][role],
                                                  quantization.get(role)) for role in MODEL_KEYS}
             return cls(
-                data.get("recipe", {}), Speculation.from_block(data.get("speculation"), data["depth"]), data["depth"],
+                data.get("recipe", {}), Speculation.from_block(data.get("speculation"), data["depth"]),
                 data["sampling"], data["max_context"], models["target"], models["drafter"],
-                {name: GraphFile.from_json(name, g) for name, g in data["graphs"].items()},
+                {name: GraphFile.from_json(g) for name, g in data["graphs"].items()},
                 tuple(Engine(e["graph"], e["file"], e["tensorrt"], e["compute_capability"], e.get("gpu", "?"))
                       for e in engines) if isinstance(engines, list) else (),
                 None if isinstance(engines, list) else engines.get("skipped", ""),
