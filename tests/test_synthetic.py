@@ -131,3 +131,58 @@ def test_sampling_with_synthetic_drafts_is_refused(pair):
     runtime = runtime_for(pair, SPECULATIONS["chain"])
     with pytest.raises(EagleExportError, match="greedy"):
         SyntheticDrafts.for_prompts(runtime, PROMPTS, GenerationConfig(temperature=0.7), 0.5)
+
+
+def _replace_node_by_node(self, parents, depths, emitted):
+    """The rule as first written, one sequence and one node at a time: the oracle for `replace`."""
+    b, n = parents.shape
+    a = self.probabilities(int(depths.max()) if n else 0)
+    draws = torch.rand(b, n, generator=self.generator)
+    right_ids = torch.zeros(b, n, dtype=torch.int64)
+    for s in range(b):
+        cont = self.continuations[s] if s < len(self.continuations) else []
+        for i in range(n):
+            at = emitted[s] + int(depths[s, i]) - 1
+            right_ids[s, i] = cont[at] if at < len(cont) else 0
+    height = torch.zeros(b, n, dtype=torch.int64)
+    for i in reversed(range(n)):
+        p = parents[:, i]
+        has = p >= 0
+        height[has, p[has]] = torch.maximum(height[has, p[has]], height[has, i] + 1)
+    spine = torch.zeros(b, n, dtype=torch.bool)
+    for s in range(b):
+        node = -1
+        while True:
+            children = (parents[s] == node).nonzero()[:, 0]
+            if not len(children):
+                break
+            node = int(children[height[s, children].argmax()])
+            spine[s, node] = True
+    right = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(n):
+        p = parents[:, i]
+        parent_right = torch.where(p >= 0, right.gather(1, p.clamp_min(0)[:, None])[:, 0], True)
+        right[:, i] = spine[:, i] & parent_right & (draws[:, i] < a[depths[:, i] - 1])
+    probs = torch.where(spine, a[(depths - 1).clamp_min(0)], 0.0)
+    wrong = (right_ids + 1 + torch.arange(n)) % self.vocab_size
+    return torch.where(right, right_ids, wrong), probs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_batched_replacement_equals_the_node_by_node_rule(seed):
+    """`replace` works on whole batches (it runs inside every timed round); it must draw exactly what
+    the node-by-node rule draws, on chains and on random trees of ragged depth, with continuations
+    that run out and a sequence that has none."""
+    from eagle_export.speculation.tree import node_depths
+
+    gen = torch.Generator().manual_seed(seed)
+    b, n = 3, [4, 6, 9, 12, 16, 5][seed]
+    parents = (torch.arange(n) - 1).expand(b, -1).clone() if seed == 0 else \
+        (torch.rand(b, n, generator=gen) * (torch.arange(n) + 1)).long() - 1
+    depths = node_depths(parents)
+    continuations = [torch.randint(0, 50, (int(L),), generator=gen).tolist() for L in (30, 4)]  # the third has none
+    for acceptance in ((0.8, 0.6, 0.5, 0.9, 0.7, 0.3, 0.95, 0.2, 0.4, 0.6, 0.1, 0.9, 0.5, 0.5, 0.5, 0.5), "oracle", "anti"):
+        ours, theirs = (SyntheticDrafts(acceptance, continuations, 50, seed=seed) for _ in range(2))
+        for emitted in ([1, 2, 1], [7, 3, 5], [20, 1, 9]):
+            got, want = ours.replace(parents, depths, emitted), _replace_node_by_node(theirs, parents, depths, emitted)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (acceptance, emitted)

@@ -366,6 +366,8 @@ class SpeculativeRuntime:
         self.timings = Timings()
         state = _State(self, prompts, config)
         state.policy = policy
+        # Bound once: a policy that verifies whole trees (fixed) skips the menu every round.
+        state.whole_tree = getattr(policy, "verifies_whole_tree", False)
         return state
 
     def _check_ids(self, i: int, prompt) -> None:
@@ -415,12 +417,17 @@ class SpeculativeRuntime:
         verified_depth = torch.zeros(b, dtype=torch.int64)  # the deepest node verified, per sequence
         if drafted:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
-            menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-            j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
-            verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
-            order, parents, valid = tree.subtree(parents, menu[j])
-            nodes = nodes.gather(1, order)
-            draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
+            if state.whole_tree:  # the policy verifies every node: no menu to choose from (nor a j)
+                j = None
+                verified_depth = tree.node_depths(parents).max(-1).values
+                valid = torch.ones(nodes.shape, dtype=torch.bool)
+            else:
+                menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
+                j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
+                verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
+                order, parents, valid = tree.subtree(parents, menu[j])
+                nodes = nodes.gather(1, order)
+                draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
         verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
         mask = tree.verify_mask(parents)
         positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth

@@ -43,6 +43,7 @@ class FixedDepth:
     """Draft every round and verify the whole chain or tree."""
 
     name = "fixed"
+    verifies_whole_tree = True  # the runtime skips the menu of subtrees (`choose` is never asked)
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -62,6 +63,7 @@ class FixedDepth:
 
 class GoodputDepth:
     name = "goodput"
+    verifies_whole_tree = False
     DECAY = 0.7          # weight of the past in the running estimates (about 3 rounds of memory)
     PROBE_EVERY = 16     # plain rounds before the drafter is tried again
     PROBE_MAX = 64       # the probe interval doubles up to this while probes keep failing

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import EagleExportError
+from .tree import ancestor_mask
 
 MODES = ("oracle", "anti", "random")
 
@@ -90,6 +91,7 @@ class SyntheticDrafts:
     vocab_size: int
     seed: int = 0
     generator: torch.Generator = field(init=False)
+    _padded: tuple | None = field(init=False, default=None, repr=False)  # (table, lengths): see _table
 
     def __post_init__(self):
         if isinstance(self.acceptance, str) and self.acceptance not in MODES:
@@ -116,48 +118,54 @@ class SyntheticDrafts:
     def replace(self, parents: torch.Tensor, depths: torch.Tensor, emitted: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """parents, depths [B,N] of the drafted tree; emitted[b] tokens sequence b has emitted ->
-        (node ids [B,N] in the target vocabulary, each node's draft probability [B,N])."""
+        (node ids [B,N] in the target vocabulary, each node's draft probability [B,N]).
+        A few whole-batch tensor operations, no loop over sequences or nodes: this runs inside every
+        timed round of a synthetic benchmark, so its cost is part of what the benchmark reports."""
         b, n = parents.shape
         a = self.probabilities(int(depths.max()) if n else 0)
         draws = torch.rand(b, n, generator=self.generator)
         if self.acceptance == "random":
             ids = torch.randint(self.vocab_size, (b, n), generator=self.generator)
             return ids, torch.full((b, n), 1.0 / self.vocab_size)
-        right_ids = torch.zeros(b, n, dtype=torch.int64)
-        for s in range(b):
-            cont = self.continuations[s] if s < len(self.continuations) else []
-            for i in range(n):
-                at = emitted[s] + int(depths[s, i]) - 1
-                right_ids[s, i] = cont[at] if at < len(cont) else 0
+        table, lengths = self._table(b)
+        at = torch.as_tensor(emitted, dtype=torch.int64)[:, None] + depths - 1  # c[n + d - 1]
+        right_ids = torch.where(at < lengths[:, None], table.gather(1, at.clamp(0, table.shape[1] - 1)), 0)
+        # A node is right iff every node on its root path (itself included) is on the spine and drew
+        # below its depth's a_d: the topological rule "spine, parent right, draw" unrolled.
+        ancestors = ancestor_mask(parents)                                     # [B,N,N]: j is i or above it
+        spine = _spine(parents, ancestors)
+        ok = spine & (draws < a[(depths - 1).clamp_min(0)])
+        right = ~(ancestors & ~ok[:, None, :]).any(-1)
         # The probabilities say a_d on the whole spine whatever was drawn, so they tell the policy no
         # more than a calibrated drafter would.
-        spine = _spine(parents)
-        right = torch.zeros(b, n, dtype=torch.bool)
-        for i in range(n):  # topological order: a parent's verdict precedes its children's
-            p = parents[:, i]
-            parent_right = torch.where(p >= 0, right.gather(1, p.clamp_min(0)[:, None])[:, 0], True)
-            right[:, i] = spine[:, i] & parent_right & (draws[:, i] < a[depths[:, i] - 1])
         probs = torch.where(spine, a[(depths - 1).clamp_min(0)], 0.0)
         wrong = (right_ids + 1 + torch.arange(n)) % self.vocab_size
         return torch.where(right, right_ids, wrong), probs
 
+    def _table(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The continuations as one zero-padded [batch, W] tensor and their lengths (a sequence
+        without one has length 0: every node a guess), made once."""
+        if self._padded is None or len(self._padded[0]) != batch:
+            width = max([len(c) for c in self.continuations[:batch]] + [1])
+            table = torch.zeros(batch, width, dtype=torch.int64)
+            lengths = torch.zeros(batch, dtype=torch.int64)
+            for s, c in enumerate(self.continuations[:batch]):
+                table[s, :len(c)] = torch.as_tensor(c, dtype=torch.int64)
+                lengths[s] = len(c)
+            self._padded = (table, lengths)
+        return self._padded
 
-def _spine(parents: torch.Tensor) -> torch.Tensor:
+
+def _spine(parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """[B,N] -> [B,N] bool: the path from the root through, at each node, the child whose subtree
-    is deepest (ties: the lowest index)."""
+    is deepest (ties: the lowest index). With `ancestors` [B,N,N] (j is i or an ancestor of i): a
+    node's height is the deepest descendant's depth minus its own; a node is its parent's best child
+    when its key (height, then the lower index) is the largest among its siblings'; the spine is the
+    set of nodes whose whole root path is made of best children."""
     b, n = parents.shape
-    height = torch.zeros(b, n, dtype=torch.int64)  # levels below each node
-    for i in reversed(range(n)):  # children come after their parents
-        p = parents[:, i]
-        has = p >= 0
-        height[has, p[has]] = torch.maximum(height[has, p[has]], height[has, i] + 1)
-    spine = torch.zeros(b, n, dtype=torch.bool)
-    for s in range(b):
-        node = -1
-        while True:
-            children = (parents[s] == node).nonzero()[:, 0]
-            if not len(children):
-                break
-            node = int(children[height[s, children].argmax()])  # argmax returns the first of equal heights
-            spine[s, node] = True
-    return spine
+    depths = ancestors.sum(-1)                                                 # [B,N]
+    height = (ancestors * depths[:, :, None]).amax(1) - depths                 # max over descendants i of j
+    key = height * (n + 1) + (n - torch.arange(n))                             # > 0, unique among siblings
+    siblings = parents[:, :, None] == parents[:, None, :]                      # [B,N,N]
+    best = key == (siblings * key[:, None, :]).amax(-1)
+    return ~(ancestors & ~best[:, None, :]).any(-1)

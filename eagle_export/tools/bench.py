@@ -281,8 +281,12 @@ def plot_sweep(results: list[dict], path) -> None:
     """Speedup against synthetic acceptance, per build, policy and batch, beside the cost model's
     promise, with each batch's break-even acceptance, as a PNG."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.5), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    cols = min(2, len(results))  # batches side by side; builds or shapes one under another
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(results):]:
+        ax.set_visible(False)
+    for ax, r in zip(axes.flat, results):
         for name, build in r["builds"].items():
             flat = [rec for rec in build["sweep"] if "/" not in rec["acceptance"]]  # one value for every depth
             xs = [float(rec["acceptance"]) for rec in flat]
