@@ -441,7 +441,7 @@ def test_bench_json_and_plot(built, tmp_path):
 
 
 @pytest.mark.slow
-def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, monkeypatch):
+def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, monkeypatch, tmp_path):
     """`selftest --gpu`'s tree step on a CPU (ONNX Runtime): the build's twin drafting a dynamic tree
     is built from the same sources (greedy, though the build samples), and both run side by side,
     every output equal to plain decoding."""
@@ -452,7 +452,7 @@ def test_selftest_tree_step_builds_a_dynamic_tree_twin_and_benches_both(built, m
     prompts = [opened.encode(t) for t in ("w5 w6 w7", "w8 w9", "w10 w11 w12 w13", "w14")]
     monkeypatch.setattr(selftest, "chat_prompts", lambda template, name, count: prompts[:count])
     monkeypatch.setattr(OpenBuild, "chat_template", lambda self: None)  # the tiny build has none
-    state = {"build_dir": out}
+    state = {"build_dir": out, "scratch": tmp_path}
     ok, fact = selftest.tree_vs_chain(state)
     assert ok is True, fact
     figures = state["tree_vs_chain"]

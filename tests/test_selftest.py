@@ -51,6 +51,23 @@ def test_a_failed_build_step_stops_the_steps_that_need_engines(tmp_path, monkeyp
     assert not later and report["ok"] is False and len(report["steps"]) == 1
 
 
+def test_the_builds_selftest_makes_are_removed_when_it_ends(tmp_path, monkeypatch):
+    """The sample and the tree twin are built into a scratch folder that does not outlive the run."""
+    made = []
+
+    def build(state):
+        state["build_dir"] = state["scratch"] / "sample"
+        state["build_dir"].mkdir()
+        made.append(state["build_dir"])
+        return True, "built"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(environment, "nvidia_driver_loaded", lambda: True)
+    monkeypatch.setattr(selftest, "STEPS", [("build", build)])
+    report = selftest.selftest(None, tmp_path / "r.json", echo=lambda line: None)
+    assert report["ok"] is True and made and not made[0].exists() and not made[0].parent.exists()
+
+
 def test_a_build_without_engines_still_runs_the_steps_that_need_none(tmp_path, monkeypatch):
     """No TensorRT: the build holds ONNX graphs only; the torch CUDA-graph check and the bench still run."""
     (tmp_path / "manifest.json").write_text("{}")

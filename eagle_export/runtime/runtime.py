@@ -441,12 +441,14 @@ class SpeculativeRuntime:
             next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
         path_ids = verify_ids.gather(1, rows)                                   # [root, accepted nodes..]
         state.write_target(_gather_rows(out, rows), accepted + 1, live)
-        emitted = []
-        for i in range(b):
-            emitted.append(path_ids[i, 1:accepted[i] + 1].tolist() + [int(next_token[i])])
-            if live[i] and policy is not None:
-                state.stats[i].accepted.append(int(accepted[i]))
-                state.stats[i].depths.append(int(verified_depth[i]))
+        # Per-sequence bookkeeping on Python lists: one conversion each, not an indexing call per sequence
+        # (each torch call is host time in every round, a GPU's included).
+        counts, ids, nexts = accepted.tolist(), path_ids.tolist(), next_token.tolist()
+        emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
+        if policy is not None:
+            for i, depth in zip(live.nonzero()[:, 0].tolist(), verified_depth[live].tolist()):
+                state.stats[i].accepted.append(counts[i])
+                state.stats[i].depths.append(depth)
                 state.stats[i].widths.append(verify_ids.shape[1])
                 state.stats[i].draft_calls += drafted
         events = state.emit(emitted, live)
@@ -659,10 +661,10 @@ class _PendingRows:
     def append(self, ids, aux, counts, live):
         counts = torch.where(live, counts, 0)
         self._fit(int((self.count + counts).max()))
-        for b in torch.nonzero(counts)[:, 0].tolist():
-            n, c = int(self.count[b]), int(counts[b])
-            self.ids[b, n:n + c] = ids[b, :c]
-            self.aux[b, n:n + c] = aux[b, :c]
+        for b, (n, c) in enumerate(zip(self.count.tolist(), counts.tolist())):
+            if c:
+                self.ids[b, n:n + c] = ids[b, :c]
+                self.aux[b, n:n + c] = aux[b, :c]
         self.count += counts
 
     def take(self, live, width_for=lambda rows: rows):
@@ -690,7 +692,7 @@ def _gather_rows(out, rows):
 def _write_rows(keys, values, out, starts, counts, live):
     """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
     cache write the runtime does (rejected rows are simply never written)."""
-    for b in torch.nonzero(live)[:, 0].tolist():
-        n, c = int(starts[b]), int(counts[b])
-        keys[:, b, :, n:n + c] = out[C.NEW_KEY][:, b, :, :c]
-        values[:, b, :, n:n + c] = out[C.NEW_VALUE][:, b, :, :c]
+    new_keys, new_values = out[C.NEW_KEY], out[C.NEW_VALUE]
+    for b, n, c in zip(live.nonzero()[:, 0].tolist(), starts[live].tolist(), counts[live].tolist()):
+        keys[:, b, :, n:n + c] = new_keys[:, b, :, :c]
+        values[:, b, :, n:n + c] = new_values[:, b, :, :c]

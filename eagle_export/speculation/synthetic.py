@@ -36,6 +36,7 @@ checks. Past the end of a continuation the right token is unknown and every node
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -133,7 +134,7 @@ class SyntheticDrafts:
         # A node is right iff every node on its root path (itself included) is on the spine and drew
         # below its depth's a_d: the topological rule "spine, parent right, draw" unrolled.
         ancestors = ancestor_mask(parents)                                     # [B,N,N]: j is i or above it
-        spine = _spine(parents, ancestors)
+        spine = _spine_of(parents)
         ok = spine & (draws < a[(depths - 1).clamp_min(0)])
         right = ~(ancestors & ~ok[:, None, :]).any(-1)
         # The probabilities say a_d on the whole spine whatever was drawn, so they tell the policy no
@@ -154,6 +155,18 @@ class SyntheticDrafts:
                 lengths[s] = len(c)
             self._padded = (table, lengths)
         return self._padded
+
+
+def _spine_of(parents: torch.Tensor) -> torch.Tensor:
+    """`_spine`, remembered per tree: a chain's and a static tree's parents repeat every round."""
+    parents = parents.to(torch.int64)
+    return _remembered_spine(tuple(parents.shape), parents.numpy().tobytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_spine(shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    parents = torch.frombuffer(bytearray(data), dtype=torch.int64).reshape(shape)
+    return _spine(parents, ancestor_mask(parents))
 
 
 def _spine(parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:

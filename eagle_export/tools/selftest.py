@@ -58,7 +58,7 @@ def environment(state) -> tuple:
 def build(state) -> tuple:
     """The build to test (--build), or the sample built here: both graphs parsed and built with both profiles."""
     if state["build_dir"] is None:
-        state["build_dir"] = Path(tempfile.mkdtemp(prefix="eagle-export-selftest-")) / "sample"
+        state["build_dir"] = state["scratch"] / "sample"
         run_build(load_recipe(None), state["build_dir"], echo=lambda line: None)
     state["opened"] = opened = open_build(state["build_dir"], backend="tensorrt", verify_policy="fixed")
     engines = {e.graph: e.file for e in opened.manifest.engines}
@@ -247,7 +247,7 @@ def tree_vs_chain(state) -> tuple:
     manifest = Manifest.read(state["build_dir"])
     recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation")}
     recipe.update(target=manifest.target.source, drafter=manifest.drafter.source)
-    tree_dir = Path(tempfile.mkdtemp(prefix="eagle-export-selftest-")) / "tree"
+    tree_dir = state["scratch"] / "tree"
     run_build(parse_recipe(yaml.safe_dump(recipe), "selftest tree twin", overrides={"speculation": TREE, "sampling": False}),
               tree_dir, echo=lambda line: None)
     opened = {name: open_build(path, verify=False) for name, path in (("chain", state["build_dir"]), ("tree", tree_dir))}
@@ -279,22 +279,24 @@ def selftest(build_dir, report_path, echo=print) -> dict | None:
     if not cuda_available():
         echo(NO_GPU_SELFTEST)
         return None
-    state = {"build_dir": Path(build_dir) if build_dir else None}
-    steps, engines = [], True
-    for name, step in STEPS:
-        if not engines and name not in WITHOUT_ENGINES:
-            ok, fact = None, "skipped: the build has no TensorRT engines"
-        else:
-            try:
-                ok, fact = step(state)
-            except Exception as e:  # a failed step is a finding: the report goes on
-                ok, fact = False, f"{type(e).__name__}: {getattr(e, 'problem', None) or e}"
-        steps.append({"step": name, "ok": ok, "fact": fact})
-        echo(f"{'ok  ' if ok else 'FAIL' if ok is False else '-   '} {name}: {fact}")
-        if name == "build" and ok is not True:
-            if not (state["build_dir"] and (state["build_dir"] / MANIFEST).is_file()):
-                break  # no build at all: nothing after it can run
-            engines = False  # built without engines: the steps that need none still run
+    # The builds selftest makes (the sample, the tree twin) live in a scratch folder removed at the end.
+    with tempfile.TemporaryDirectory(prefix="eagle-export-selftest-") as scratch:
+        state = {"build_dir": Path(build_dir) if build_dir else None, "scratch": Path(scratch)}
+        steps, engines = [], True
+        for name, step in STEPS:
+            if not engines and name not in WITHOUT_ENGINES:
+                ok, fact = None, "skipped: the build has no TensorRT engines"
+            else:
+                try:
+                    ok, fact = step(state)
+                except Exception as e:  # a failed step is a finding: the report goes on
+                    ok, fact = False, f"{type(e).__name__}: {getattr(e, 'problem', None) or e}"
+            steps.append({"step": name, "ok": ok, "fact": fact})
+            echo(f"{'ok  ' if ok else 'FAIL' if ok is False else '-   '} {name}: {fact}")
+            if name == "build" and ok is not True:
+                if not (state["build_dir"] and (state["build_dir"] / MANIFEST).is_file()):
+                    break  # no build at all: nothing after it can run
+                engines = False  # built without engines: the steps that need none still run
     report = {"ok": all(s["ok"] is not False for s in steps), "steps": steps, "bench": state.get("bench"),
               "tree_vs_chain": state.get("tree_vs_chain")}
     Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
