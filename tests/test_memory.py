@@ -85,3 +85,60 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     before, after = (run_onnx(ort_session(d / "drafter.onnx"), feeds) for d in (tmp_path, tmp_path / "again"))
     for name in before:
         np.testing.assert_array_equal(before[name].numpy(), after[name].numpy())
+
+
+def test_a_single_file_graph_is_written_tensor_by_tensor_with_the_bytes_onnx_ir_writes(tmp_path, pair, monkeypatch):
+    """save_single_file writes what ir.save writes, byte for byte (graph hashes unchanged), but serializes
+    the model only as a skeleton whose initializers hold no bytes, then each initializer on its own: no
+    proto of the whole model, nor its serialized copy, is held beside the IR's weights."""
+    import onnx_ir as ir
+
+    from eagle_export.export.export import export_drafter, export_target, save_single_file
+    from eagle_export.export.loader import load_pair
+
+    target, drafter = load_pair(*pair, torch.float16)
+    export_target(target, tmp_path / "target.onnx", True)
+    export_drafter(drafter, TreeShape.from_branching([2, 2]), True, tmp_path / "drafter.onnx")
+    for name in ("target", "drafter"):
+        model = ir.load(tmp_path / f"{name}.onnx")
+        ir.save(model, tmp_path / f"{name}-ir.onnx")
+        serialized = ir.serde.serialize_model
+        weights_seen = []
+        monkeypatch.setattr(ir.serde, "serialize_model", lambda m: weights_seen.append(
+            sum(v.const_value.nbytes for v in m.graph.initializers.values())) or serialized(m))
+        save_single_file(model, tmp_path / f"{name}-streamed.onnx")
+        monkeypatch.setattr(ir.serde, "serialize_model", serialized)
+        assert weights_seen == [0]
+        streamed_bytes = (tmp_path / f"{name}-streamed.onnx").read_bytes()
+        assert streamed_bytes == (tmp_path / f"{name}-ir.onnx").read_bytes()
+        assert streamed_bytes == (tmp_path / f"{name}.onnx").read_bytes()  # what export wrote
+        assert sum(v.const_value.nbytes for v in model.graph.initializers.values()) > 10_000  # the weights restored
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(name)) == \
+            [f"{name}-ir.onnx", f"{name}-streamed.onnx", f"{name}.onnx"]  # no spool file left
+
+
+def test_export_frees_the_target_before_the_drafter_is_exported(tmp_path, pair, monkeypatch):
+    """The drafter's export runs beside the drafter and the embedding table it shares, not the whole target."""
+    import gc
+    import weakref
+
+    import eagle_export.export.export as export_module
+
+    loaded, seen = [], []
+    real_load_pair, real_export_drafter = export_module.load_pair, export_module.export_drafter
+
+    def load_and_watch(*args, **kwargs):
+        target, drafter = real_load_pair(*args, **kwargs)
+        loaded.append((weakref.ref(target), weakref.ref(target.layers[0]), weakref.ref(drafter.embed_tokens)))
+        return target, drafter
+
+    def export_and_check(drafter, *args, **kwargs):
+        gc.collect()
+        seen.append(tuple(ref() is None for ref in loaded[0]))
+        return real_export_drafter(drafter, *args, **kwargs)
+
+    monkeypatch.setattr(export_module, "load_pair", load_and_watch)
+    monkeypatch.setattr(export_module, "export_drafter", export_and_check)
+    summary = export_module.export_models(*pair, 2, "fp32", tmp_path / "out", sampling=True)
+    assert seen == [(True, True, False)] * 2  # target and its layers gone, the shared table alive, for both drafters
+    assert {"target", "drafter", "drafter_sampling"} <= set(summary)
