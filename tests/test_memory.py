@@ -23,12 +23,30 @@ def pair(tmp_path_factory):
 def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
     target = load_target(pair[0], dtype=dtype)
     drafter = load_drafter(pair[1], target=target, dtype=dtype)
-    tensors = {id(p): p for m in (target, drafter) for p in m.parameters()}  # the shared table once
-    loaded = sum(p.numel() * p.element_size() for p in tensors.values())
-    projected, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
+    nbytes = lambda tensors: sum(p.numel() * p.element_size() for p in tensors)
+    loaded = nbytes({id(p): p for m in (target, drafter) for p in m.parameters()}.values())  # the shared table once
+    projected, target_graph, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
     assert 0.97 * loaded <= projected <= loaded  # norm gains and biases are left out
-    graph = sum(p.numel() * p.element_size() for p in drafter.parameters())  # with the shared table
+    assert 0.97 * nbytes(target.parameters()) <= target_graph <= nbytes(target.parameters())
+    graph = nbytes(drafter.parameters())  # with the shared table
     assert 0.97 * graph <= drafter_graph <= graph
+
+
+def test_the_projection_follows_the_stages(pair, monkeypatch):
+    """export: the larger of the target's stage (pair + the exporter's copies of a one-file target graph)
+    and the drafter's (its graph and the exporter's copies of it; the target freed); a build keeps the target."""
+    import eagle_export.export.export as export_module
+    from eagle_export.models.config import DrafterConfig, TargetConfig, read_config_json
+
+    target_cfg, drafter_cfg = TargetConfig.from_hf(read_config_json(pair[0])), DrafterConfig.from_hf(read_config_json(pair[1]))
+    gib, fixed, copies = 2**30, export_module.EXPORT_PEAK_FIXED_BYTES, export_module.EXPORT_PEAK_GRAPH_COPIES
+    for (w, t, d), export, build in [
+        ((16 * gib, 15 * gib, 2 * gib - gib // 4), 16 * gib, 16 * gib + copies * (2 * gib - gib // 4)),  # 8B: target external
+        ((int(1.2 * gib), gib, gib // 2), int(1.2 * gib) + copies * gib, int(1.2 * gib) + copies * gib),  # both one file
+        ((gib, gib // 8, gib), (1 + copies) * gib, (1 + copies) * gib)]:  # a drafter graph larger than the target's
+        monkeypatch.setattr(export_module, "weight_bytes", lambda *a, sizes=(w, t, d): sizes)
+        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=False) == export + fixed
+        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=True) == build + fixed
 
 
 def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
@@ -37,7 +55,7 @@ def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, mon
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     assert needed > EXPORT_PEAK_FIXED_BYTES
     assert check_export_fits(*pair, torch.float32, available=1 << 20) == needed  # tiny: never refused
-    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 1 << 30))  # a 3 GiB pair from here on
+    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 2 << 30, 1 << 30))  # a 3 GiB pair from here on
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     with pytest.raises(EagleExportError, match=r"needs about .* GiB .* available; in fp16 it needs") as e:
         check_export_fits(*pair, torch.float32, available=needed - 1)

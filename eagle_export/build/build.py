@@ -208,7 +208,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
-            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))  # before loading
+            # before loading; the build keeps the target beside the drafter's export (its validation reads it)
+            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype), keeps_target=True)
             # the model passes run after the conformance check, which reads the models as loaded
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             positions = target.config.max_position_embeddings

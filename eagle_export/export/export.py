@@ -135,10 +135,29 @@ def release_freed_memory() -> None:
     threshold, which the heap otherwise keeps: measured, 0.85 GiB stayed resident after a 0.94 GiB
     target.onnx was written, under the next graph's export."""
     gc.collect()
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class TrimEvery:
+    """Called with each tensor's size as a save writes it; trims the C heap (`release_freed_memory`)
+    after every `interval` bytes, so the freed buffers of the tensors already written do not pile up
+    in the heap across the save."""
+
+    def __init__(self, interval: int = 256 * 2**20):
+        self.interval, self.pending = interval, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.interval:
+            _malloc_trim()
+            self.pending = 0
 
 
 def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
@@ -159,7 +178,9 @@ def save_model(model: ir.Model, path: Path) -> None:
         return
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
+    trim = TrimEvery()
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024,
+            callback=lambda tensor, info: trim(tensor.nbytes))
 
 
 def save_single_file(model: ir.Model, path: Path) -> None:
@@ -186,12 +207,15 @@ def save_single_file(model: ir.Model, path: Path) -> None:
     model_before, model_after = _split_fields(skeleton, _field_number(skeleton, "graph"))
     graph_before, graph_after = _split_fields(skeleton.graph, _field_number(skeleton.graph, "initializer"))
     initializer_number = _field_number(skeleton.graph, "initializer")
+    trim = TrimEvery()
     with tempfile.TemporaryFile(dir=path.parent) as spool:
         for value, tensor in zip(initializers, tensors):
             tensor.name = value.name  # as serialize_model names them
             data = ir.serde.serialize_tensor(tensor).SerializeToString()
-            spool.write(_field_header(initializer_number, len(data)) + data)
+            spool.write(_field_header(initializer_number, len(data)))
+            spool.write(data)
             del data
+            trim(tensor.nbytes)
         spool_bytes = spool.tell()
         spool.seek(0)
         with open(path, "wb") as f:
@@ -250,21 +274,24 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 
 
 
-# Peak resident memory of an fp16 export, measured with /usr/bin/time -v (README "Bring your own
-# model"; pair weights W, drafter graph bytes D -> peak, GiB): Qwen3-1.7B-shaped 3.46, 0.83 -> 7.11;
-# Llama-3.2-3B-shaped 6.44, 1.19 -> 10.84; Llama-3.1-8B-shaped with 8 of 32 layers 6.00, 1.77 -> 12.29.
-# The loaded pair holds W once; the drafter graph, under the 2 GiB protobuf limit and carrying its own
-# copy of the embedding table, is held about three times while it is exported (the exporter's proto,
-# the IR, the serialized bytes); the target's graph streams. W + 3 D + 1.25 GiB lies 0.1-0.4 GiB above
-# each measurement.
-EXPORT_PEAK_DRAFTER_GRAPH_COPIES = 3
-EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
+# Peak resident memory, measured with /usr/bin/time -v (README "Bring your own model"). The loaded pair
+# holds its weights W once. A graph under the 2 GiB protobuf limit goes through torch's exporter as one
+# proto: its C++ proto, the serialized bytes and torch's own re-parse of them (it looks for onnxscript
+# functions) hold about 3 x the graph's weights D for a moment; a larger graph the exporter writes
+# tensor by tensor to external files, and the passes and the save stream it (nothing held twice).
+# `export` frees the target before the drafter's graph: its peak is the larger of W + 3 D_target
+# (target under the limit) and 4 D_drafter (the drafter graph carries its own copy of the embedding
+# table); `build` keeps the target (its validation compares against it): W + 3 D of its larger
+# one-file graph. The rest, EXPORT_PEAK_FIXED_BYTES, is the interpreter, torch and the exporter's
+# working memory, fit to the measurements.
+EXPORT_PEAK_GRAPH_COPIES = 3
+EXPORT_PEAK_FIXED_BYTES = int(0.8 * 2**30)
 
 
-def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the pair's weights, bytes of the drafter graph's weights) at `dtype`, from the configs
-    alone (norm gains and biases left out: under 0.1%). The drafter shares the target's embedding
-    table in memory; its graph carries a copy."""
+def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(bytes of the pair's weights, of the target graph's, of the drafter graph's) at `dtype`, from
+    the configs alone (norm gains and biases left out: under 0.1%). The target graph stores a tied
+    table once; the drafter shares the target's embedding table in memory, and its graph carries a copy."""
     t, d = target_cfg, drafter_cfg
     attention = lambda h_in, h, heads, kv, hd: h_in * (heads + 2 * kv) * hd + heads * hd * h
     layer = (attention(t.hidden_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim)
@@ -274,7 +301,23 @@ def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: to
                + attention(2 * d.hidden_size, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim)
                + 3 * d.hidden_size * d.intermediate_size)
     size = torch.empty(0, dtype=dtype).element_size()
-    return (target + drafter) * size, (drafter + d.vocab_size * d.hidden_size) * size
+    return (target + drafter) * size, target * size, (drafter + d.vocab_size * d.hidden_size) * size
+
+
+def exporter_copies(graph_bytes: int) -> int:
+    """What torch's exporter holds beyond the loaded model while it writes a graph of `graph_bytes`
+    weights (see EXPORT_PEAK_GRAPH_COPIES)."""
+    return EXPORT_PEAK_GRAPH_COPIES * graph_bytes if graph_bytes < EXTERNAL_DATA_THRESHOLD else 0
+
+
+def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype,
+                   keeps_target: bool) -> int:
+    """Peak resident bytes of exporting the pair at `dtype`: `export` (keeps_target False: the target
+    is freed before the drafter's graph) or a build's export stage (True)."""
+    weights, target_graph, drafter_graph = weight_bytes(target_cfg, drafter_cfg, dtype)
+    target_stage = weights + exporter_copies(target_graph)
+    drafter_stage = (weights if keeps_target else drafter_graph) + exporter_copies(drafter_graph)
+    return max(target_stage, drafter_stage) + EXPORT_PEAK_FIXED_BYTES
 
 
 def available_memory_bytes() -> int | None:
@@ -288,26 +331,29 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
-    """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
-    machine has available. Returns the projection in bytes. Pairs under 1 GiB of weights are not
-    refused: the fit's fixed part is the interpreter and torch, which any machine running this has."""
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None,
+                      keeps_target: bool = False) -> int:
+    """Refuse, before loading anything, a pair whose projected peak (`projected_peak`: `export`, or a
+    build's export stage with `keeps_target`) exceeds the memory this machine has available. Returns
+    the projection in bytes. Pairs under 1 GiB of weights are not refused: the fit's fixed part is the
+    interpreter and torch, which any machine running this has."""
     target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
     if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
         return 0  # swapped or odd directories: the loaders name the problem
     target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
-    weights, drafter_graph = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
-    projected = weights + EXPORT_PEAK_DRAFTER_GRAPH_COPIES * drafter_graph + EXPORT_PEAK_FIXED_BYTES
+    drafter_cfg = DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir))
+    weights = weight_bytes(target_cfg, drafter_cfg, dtype)[0]
+    projected = projected_peak(target_cfg, drafter_cfg, dtype, keeps_target)
     available = available_memory_bytes() if available is None else available
     if available is not None and projected > available and weights >= 1 << 30:
         gib = lambda n: f"{n / 2**30:.1f} GiB"
-        smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib((projected + EXPORT_PEAK_FIXED_BYTES) / 2)}"
+        smaller = ("" if dtype != torch.float32 else
+                   f"; in fp16 it needs {gib(projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target))}")
         raise EagleExportError(
-            f"exporting this pair ({target_cfg.architecture}, {target_cfg.num_layers} layers, "
-            f"{gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about {gib(projected)} of memory at its peak "
-            f"(the weights, {EXPORT_PEAK_DRAFTER_GRAPH_COPIES} x the drafter graph's {gib(drafter_graph)}, "
-            f"{gib(EXPORT_PEAK_FIXED_BYTES)}), and this machine has "
-            f"{gib(available)} available{smaller}",
+            f"{'building' if keeps_target else 'exporting'} this pair ({target_cfg.architecture}, "
+            f"{target_cfg.num_layers} layers, {gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about "
+            f"{gib(projected)} of memory at its peak (README \"Bring your own model\", Memory), and this machine "
+            f"has {gib(available)} available{smaller}",
             "export on a machine with that much free memory, close what else holds memory here, or export "
             "in fp16 (--dtype fp16) if you asked for fp32")
     return projected
