@@ -278,14 +278,15 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 # holds its weights W once. A graph under the 2 GiB protobuf limit goes through torch's exporter as one
 # proto: its C++ proto, the serialized bytes and torch's own re-parse of them (it looks for onnxscript
 # functions) hold about 3 x the graph's weights D for a moment; a larger graph the exporter writes
-# tensor by tensor to external files, and the passes and the save stream it (nothing held twice).
+# tensor by tensor to external files, and the passes and the save stream it, one tensor at a time
+# (the largest: the embedding table).
 # `export` frees the target before the drafter's graph: its peak is the larger of W + 3 D_target
 # (target under the limit) and 4 D_drafter (the drafter graph carries its own copy of the embedding
 # table); `build` keeps the target (its validation compares against it): W + 3 D of its larger
 # one-file graph. The rest, EXPORT_PEAK_FIXED_BYTES, is the interpreter, torch and the exporter's
 # working memory, fit to the measurements.
 EXPORT_PEAK_GRAPH_COPIES = 3
-EXPORT_PEAK_FIXED_BYTES = int(0.8 * 2**30)
+EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
 
 
 def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -304,10 +305,10 @@ def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: to
     return (target + drafter) * size, target * size, (drafter + d.vocab_size * d.hidden_size) * size
 
 
-def exporter_copies(graph_bytes: int) -> int:
-    """What torch's exporter holds beyond the loaded model while it writes a graph of `graph_bytes`
-    weights (see EXPORT_PEAK_GRAPH_COPIES)."""
-    return EXPORT_PEAK_GRAPH_COPIES * graph_bytes if graph_bytes < EXTERNAL_DATA_THRESHOLD else 0
+def exporter_copies(graph_bytes: int, largest_tensor: int) -> int:
+    """What exporting a graph of `graph_bytes` weights holds beyond the loaded model: 3 copies under
+    the protobuf limit (EXPORT_PEAK_GRAPH_COPIES), else the one tensor a pass or the save reads at a time."""
+    return EXPORT_PEAK_GRAPH_COPIES * graph_bytes if graph_bytes < EXTERNAL_DATA_THRESHOLD else largest_tensor
 
 
 def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype,
@@ -315,8 +316,9 @@ def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: 
     """Peak resident bytes of exporting the pair at `dtype`: `export` (keeps_target False: the target
     is freed before the drafter's graph) or a build's export stage (True)."""
     weights, target_graph, drafter_graph = weight_bytes(target_cfg, drafter_cfg, dtype)
-    target_stage = weights + exporter_copies(target_graph)
-    drafter_stage = (weights if keeps_target else drafter_graph) + exporter_copies(drafter_graph)
+    table = target_cfg.vocab_size * target_cfg.hidden_size * torch.empty(0, dtype=dtype).element_size()
+    target_stage = weights + exporter_copies(target_graph, table)
+    drafter_stage = (weights if keeps_target else drafter_graph) + exporter_copies(drafter_graph, table)
     return max(target_stage, drafter_stage) + EXPORT_PEAK_FIXED_BYTES
 
 
