@@ -16,7 +16,8 @@ Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fail
 quantized or not.
 A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
 are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
-weight read from its file when a pass needs its values, and the save writes them tensor by tensor.
+weight read from its file when a pass needs its values, and the save writes them tensor by tensor (a
+one-file graph too: `save_single_file`). `export` frees the target before it exports the drafter.
 """
 
 from __future__ import annotations
