@@ -1,6 +1,8 @@
 """Export memory: the projection from the configs, and the refusal before loading when it exceeds
 what the machine has available."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -161,3 +163,21 @@ def test_export_frees_the_target_before_the_drafter_is_exported(tmp_path, pair, 
     summary = export_module.export_models(*pair, 2, "fp32", tmp_path / "out", sampling=True)
     assert seen == [(True, True, False)] * 2  # target and its layers gone, the shared table alive, for both drafters
     assert {"target", "drafter", "drafter_sampling"} <= set(summary)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_checkpoint_tensors_are_read_into_memory_of_their_own_not_views_of_the_mapped_file(pair):
+    """A view of the mapped file would keep the whole file mapped, and every page read resident, while
+    the model lives (fused q/k/v and gate/up included); the values are the file's."""
+    from safetensors.torch import load
+
+    file = pair[0] / "model.safetensors"
+    stored = load(file.read_bytes())  # the reference: parsed from bytes, nothing mapped
+    target = load_target(pair[0], dtype=next(iter(stored.values())).dtype)  # the file's dtype: no cast copies
+    assert str(file) not in Path("/proc/self/maps").read_text()
+    from eagle_export.models.checkpoint import load_state_dict
+
+    state = load_state_dict(pair[0])
+    assert str(file) not in Path("/proc/self/maps").read_text()
+    assert state.keys() == stored.keys() and all(torch.equal(state[k], stored[k]) for k in stored)
+    assert target.embed_tokens.weight.dtype == stored["model.embed_tokens.weight"].dtype

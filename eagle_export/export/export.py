@@ -379,6 +379,7 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
     progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
              "through the model passes a build applies")
     target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
+    release_freed_memory()  # the tensors the model passes fused
     aux_ids = target.aux_layer_ids  # the states this drafter was trained on
     # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
     # named before, not discovered as a truncated file after.
