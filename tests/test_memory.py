@@ -1,6 +1,8 @@
 """Export memory: the projection from the configs, and the refusal before loading when it exceeds
 what the machine has available."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -23,12 +25,31 @@ def pair(tmp_path_factory):
 def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
     target = load_target(pair[0], dtype=dtype)
     drafter = load_drafter(pair[1], target=target, dtype=dtype)
-    tensors = {id(p): p for m in (target, drafter) for p in m.parameters()}  # the shared table once
-    loaded = sum(p.numel() * p.element_size() for p in tensors.values())
-    projected, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
+    nbytes = lambda tensors: sum(p.numel() * p.element_size() for p in tensors)
+    loaded = nbytes({id(p): p for m in (target, drafter) for p in m.parameters()}.values())  # the shared table once
+    projected, target_graph, drafter_graph = weight_bytes(target.config, drafter.config, dtype)
     assert 0.97 * loaded <= projected <= loaded  # norm gains and biases are left out
-    graph = sum(p.numel() * p.element_size() for p in drafter.parameters())  # with the shared table
+    assert 0.97 * nbytes(target.parameters()) <= target_graph <= nbytes(target.parameters())
+    graph = nbytes(drafter.parameters())  # with the shared table
     assert 0.97 * graph <= drafter_graph <= graph
+
+
+def test_the_projection_follows_the_stages(pair, monkeypatch):
+    """export: the larger of the target's stage (pair + the exporter's copies of a one-file target graph)
+    and the drafter's (its graph and the exporter's copies of it; the target freed); a build keeps the target."""
+    import eagle_export.export.export as export_module
+    from eagle_export.models.config import DrafterConfig, TargetConfig, read_config_json
+
+    target_cfg, drafter_cfg = TargetConfig.from_hf(read_config_json(pair[0])), DrafterConfig.from_hf(read_config_json(pair[1]))
+    gib, fixed, copies = 2**30, export_module.EXPORT_PEAK_FIXED_BYTES, export_module.EXPORT_PEAK_GRAPH_COPIES
+    table = target_cfg.vocab_size * target_cfg.hidden_size * 2  # an external graph's largest tensor, read alone
+    for (w, t, d), export, build in [
+        ((16 * gib, 15 * gib, 2 * gib - gib // 4), 16 * gib + table, 16 * gib + copies * (2 * gib - gib // 4)),  # 8B
+        ((int(1.2 * gib), gib, gib // 2), int(1.2 * gib) + copies * gib, int(1.2 * gib) + copies * gib),  # both one file
+        ((gib, gib // 8, gib), (1 + copies) * gib, (1 + copies) * gib)]:  # a drafter graph larger than the target's
+        monkeypatch.setattr(export_module, "weight_bytes", lambda *a, sizes=(w, t, d): sizes)
+        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=False) == export + fixed
+        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=True) == build + fixed
 
 
 def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
@@ -37,7 +58,7 @@ def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, mon
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     assert needed > EXPORT_PEAK_FIXED_BYTES
     assert check_export_fits(*pair, torch.float32, available=1 << 20) == needed  # tiny: never refused
-    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 1 << 30))  # a 3 GiB pair from here on
+    monkeypatch.setattr(export_module, "weight_bytes", lambda *a: (3 << 30, 2 << 30, 1 << 30))  # a 3 GiB pair from here on
     needed = check_export_fits(*pair, torch.float32, available=1 << 40)
     with pytest.raises(EagleExportError, match=r"needs about .* GiB .* available; in fp16 it needs") as e:
         check_export_fits(*pair, torch.float32, available=needed - 1)
@@ -85,3 +106,78 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     before, after = (run_onnx(ort_session(d / "drafter.onnx"), feeds) for d in (tmp_path, tmp_path / "again"))
     for name in before:
         np.testing.assert_array_equal(before[name].numpy(), after[name].numpy())
+
+
+def test_a_single_file_graph_is_written_tensor_by_tensor_with_the_bytes_onnx_ir_writes(tmp_path, pair, monkeypatch):
+    """save_single_file writes what ir.save writes, byte for byte (graph hashes unchanged), but serializes
+    the model only as a skeleton whose initializers hold no bytes, then each initializer on its own: no
+    proto of the whole model, nor its serialized copy, is held beside the IR's weights."""
+    import onnx_ir as ir
+
+    from eagle_export.export.export import export_drafter, export_target, save_single_file
+    from eagle_export.export.loader import load_pair
+
+    target, drafter = load_pair(*pair, torch.float16)
+    export_target(target, tmp_path / "target.onnx", True)
+    export_drafter(drafter, TreeShape.from_branching([2, 2]), True, tmp_path / "drafter.onnx")
+    for name in ("target", "drafter"):
+        model = ir.load(tmp_path / f"{name}.onnx")
+        ir.save(model, tmp_path / f"{name}-ir.onnx")
+        serialized = ir.serde.serialize_model
+        weights_seen = []
+        monkeypatch.setattr(ir.serde, "serialize_model", lambda m: weights_seen.append(
+            sum(v.const_value.nbytes for v in m.graph.initializers.values())) or serialized(m))
+        save_single_file(model, tmp_path / f"{name}-streamed.onnx")
+        monkeypatch.setattr(ir.serde, "serialize_model", serialized)
+        assert weights_seen == [0]
+        streamed_bytes = (tmp_path / f"{name}-streamed.onnx").read_bytes()
+        assert streamed_bytes == (tmp_path / f"{name}-ir.onnx").read_bytes()
+        assert streamed_bytes == (tmp_path / f"{name}.onnx").read_bytes()  # what export wrote
+        assert sum(v.const_value.nbytes for v in model.graph.initializers.values()) > 10_000  # the weights restored
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(name)) == \
+            [f"{name}-ir.onnx", f"{name}-streamed.onnx", f"{name}.onnx"]  # no spool file left
+
+
+def test_export_frees_the_target_before_the_drafter_is_exported(tmp_path, pair, monkeypatch):
+    """The drafter's export runs beside the drafter and the embedding table it shares, not the whole target."""
+    import gc
+    import weakref
+
+    import eagle_export.export.export as export_module
+
+    loaded, seen = [], []
+    real_load_pair, real_export_drafter = export_module.load_pair, export_module.export_drafter
+
+    def load_and_watch(*args, **kwargs):
+        target, drafter = real_load_pair(*args, **kwargs)
+        loaded.append((weakref.ref(target), weakref.ref(target.layers[0]), weakref.ref(drafter.embed_tokens)))
+        return target, drafter
+
+    def export_and_check(drafter, *args, **kwargs):
+        gc.collect()
+        seen.append(tuple(ref() is None for ref in loaded[0]))
+        return real_export_drafter(drafter, *args, **kwargs)
+
+    monkeypatch.setattr(export_module, "load_pair", load_and_watch)
+    monkeypatch.setattr(export_module, "export_drafter", export_and_check)
+    summary = export_module.export_models(*pair, 2, "fp32", tmp_path / "out", sampling=True)
+    assert seen == [(True, True, False)] * 2  # target and its layers gone, the shared table alive, for both drafters
+    assert {"target", "drafter", "drafter_sampling"} <= set(summary)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_checkpoint_tensors_are_read_into_memory_of_their_own_not_views_of_the_mapped_file(pair):
+    """A view of the mapped file would keep the whole file mapped, and every page read resident, while
+    the model lives (fused q/k/v and gate/up included); the values are the file's."""
+    from safetensors.torch import load
+
+    file = pair[0] / "model.safetensors"
+    stored = load(file.read_bytes())  # the reference: parsed from bytes, nothing mapped
+    target = load_target(pair[0], dtype=next(iter(stored.values())).dtype)  # the file's dtype: no cast copies
+    assert str(file) not in Path("/proc/self/maps").read_text()
+    from eagle_export.models.checkpoint import load_state_dict
+
+    state = load_state_dict(pair[0])
+    assert str(file) not in Path("/proc/self/maps").read_text()
+    assert state.keys() == stored.keys() and all(torch.equal(state[k], stored[k]) for k in stored)
+    assert target.embed_tokens.weight.dtype == stored["model.embed_tokens.weight"].dtype

@@ -22,7 +22,13 @@ from ..data.prompts import ChatTemplate, chat_prompts
 from ..engine.engine import Engine, build_engine, engine_file_name, engine_profiles
 from ..environment import buildable_precisions, gpu_info, tensorrt_version
 from ..errors import EagleExportError
-from ..export.export import check_export_fits, export_drafter, export_target, resolve_export_dtype
+from ..export.export import (
+    check_export_fits,
+    export_drafter,
+    export_target,
+    release_freed_memory,
+    resolve_export_dtype,
+)
 from ..export.loader import load_pair, passes_skipping, prepare_pair
 from ..models import contract as C
 from ..output_dir import atomic_output_dir
@@ -208,7 +214,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
-            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))  # before loading
+            # before loading; the build keeps the target beside the drafter's export (its validation reads it)
+            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype), keeps_target=True)
             # the model passes run after the conformance check, which reads the models as loaded
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             positions = target.config.max_position_embeddings
@@ -229,6 +236,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                 raise EagleExportError(f"passes.skip names unknown passes: {', '.join(sorted(unknown))}",
                                        "run `eagle-export passes` for the list")
             pass_records = prepare_pair(target, drafter, passes_skipping(skip))
+            release_freed_memory()  # the q/k/v and gate/up weights the passes fused, kept by the C heap otherwise
 
         unquantized = target, drafter  # validation measures the graphs against them
         with log("quantize"):

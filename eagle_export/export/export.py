@@ -16,14 +16,18 @@ Runtime loads the file) runs, then the TensorRT-readiness lint: any finding fail
 quantized or not.
 A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
 are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
-weight read from its file when a pass needs its values, and the save writes them tensor by tensor.
+weight read from its file when a pass needs its values, and the save writes them tensor by tensor (a
+one-file graph too: `save_single_file`). `export` frees the target before it exports the drafter.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
+import gc
 import json
+import shutil
 import tempfile
 import time
 import warnings
@@ -104,11 +108,14 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
             raise EagleExportError(f"{path.name} fails the TensorRT lint: " + "; ".join(findings[:5]),
                                    "this is a bug in the export: report it with the model's config.json")
         save_model(result.model, path)
+        nodes_after_passes, records = len(result.model.graph), [r.to_json() for r in result.records]
+        del model, result
+    release_freed_memory()
     for w in others:  # every other warning reaches the user as it would have
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return {"nodes_exported": exported_nodes, "nodes_after_passes": len(result.model.graph),
+    return {"nodes_exported": exported_nodes, "nodes_after_passes": nodes_after_passes,
             "export_seconds": round(export_seconds, 3), "passes_seconds": round(passes_seconds, 3), **rewrites,
-            "passes": [r.to_json() for r in result.records], "lint_findings": findings, "trace_warnings": trace_warnings}
+            "passes": records, "lint_findings": findings, "trace_warnings": trace_warnings}
 
 
 def streamed(model: ir.Model) -> ir.Model:
@@ -123,6 +130,49 @@ def streamed(model: ir.Model) -> ir.Model:
     return model
 
 
+def release_freed_memory() -> None:
+    """Collect unreachable objects and hand the C heap's free pages back to the system (glibc's
+    malloc_trim; nothing elsewhere). Serializing a graph frees gigabytes in blocks under glibc's
+    (dynamic) mmap threshold, which the heap may keep: measured without it, the process stayed 0.84 GiB
+    larger after a 0.94 GiB target.onnx was written than before, under the next graph's export."""
+    gc.collect()
+    _malloc_trim()
+
+
+def return_large_blocks_at_once() -> None:
+    """Serve every allocation of 1 MiB or more by its own mapping, handed back to the system when freed
+    (glibc's M_MMAP_THRESHOLD, fixed; nothing elsewhere). glibc raises that threshold as large blocks
+    are freed (up to 32 MiB), after which the weights a model pass replaces (the q/k/v and gate/up it
+    fuses) or a save has written stay in the heap: measured, loading a Qwen3-1.7B-shaped fp16 pair
+    peaked at 5.67 GiB for 3.77 GiB once trimmed. Process-wide; export and build set it before loading."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class TrimEvery:
+    """Called with each tensor's size as a save writes it; trims the C heap (`release_freed_memory`)
+    after every `interval` bytes, so the freed buffers of the tensors already written do not pile up
+    in the heap across the save."""
+
+    def __init__(self, interval: int = 256 * 2**20):
+        self.interval, self.pending = interval, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.interval:
+            _malloc_trim()
+            self.pending = 0
+
+
 def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
     with open(tensor.path, "rb") as f:
         f.seek(tensor.offset or 0)
@@ -133,14 +183,93 @@ def _read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
 
 def save_model(model: ir.Model, path: Path) -> None:
     """One .onnx file, or (weights of EXTERNAL_DATA_THRESHOLD bytes or more) the graph and one
-    `.onnx.data` file beside it, written tensor by tensor (tensors under 1 KiB stay in the graph)."""
+    `.onnx.data` file beside it; either way written tensor by tensor (tensors under 1 KiB stay in the
+    graph)."""
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if weight_bytes < EXTERNAL_DATA_THRESHOLD:
-        ir.save(model, path)
+        save_single_file(model, path)
         return
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
+    trim = TrimEvery()
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=1024,
+            callback=lambda tensor, info: trim(tensor.nbytes))
+
+
+def save_single_file(model: ir.Model, path: Path) -> None:
+    """The bytes `ir.save(model, path)` writes, without a proto of the whole model or its serialized
+    copy in memory (those are two more copies of every weight): the initializers are serialized one at
+    a time.
+
+    A protobuf message is its fields in field-number order, each length-delimited field written as
+    tag, length (varint), bytes; a message's bytes are the concatenation of any split of its fields.
+    So the file is: the model's fields before `graph` (7); graph's tag and length; the graph's fields
+    before `initializer` (5); each initializer as one such field; the graph's fields after 5; the
+    model's fields after 7. The skeleton (nodes, names, types) is serialized with a 0-byte placeholder
+    for each initializer; the initializers go to a spool file first, which sizes the graph field."""
+    initializers = [v for v in model.graph.initializers.values() if v.const_value is not None]
+    tensors = [v.const_value for v in initializers]
+    try:
+        for value, tensor in zip(initializers, tensors):
+            value.const_value = ir.Tensor(np.empty(0, dtype=np.uint8), name=value.name)
+        skeleton = ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in zip(initializers, tensors):
+            value.const_value = tensor
+    skeleton.graph.ClearField("initializer")
+    model_before, model_after = _split_fields(skeleton, _field_number(skeleton, "graph"))
+    graph_before, graph_after = _split_fields(skeleton.graph, _field_number(skeleton.graph, "initializer"))
+    initializer_number = _field_number(skeleton.graph, "initializer")
+    trim = TrimEvery()
+    with tempfile.TemporaryFile(dir=path.parent) as spool:
+        for value, tensor in zip(initializers, tensors):
+            tensor.name = value.name  # as serialize_model names them
+            data = ir.serde.serialize_tensor(tensor).SerializeToString()
+            spool.write(_field_header(initializer_number, len(data)))
+            spool.write(data)
+            del data
+            trim(tensor.nbytes)
+        spool_bytes = spool.tell()
+        spool.seek(0)
+        with open(path, "wb") as f:
+            f.write(model_before)
+            f.write(_field_header(_field_number(skeleton, "graph"),
+                                  len(graph_before) + spool_bytes + len(graph_after)))
+            f.write(graph_before)
+            shutil.copyfileobj(spool, f, 16 * 1024**2)
+            f.write(graph_after)
+            f.write(model_after)
+
+
+def _field_number(message, name: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[name].number
+
+
+def _split_fields(message, number: int) -> tuple[bytes, bytes]:
+    """`message` serialized as two parts: its fields numbered below `number`, and above it."""
+    before, after = type(message)(), type(message)()
+    before.CopyFrom(message)
+    after.CopyFrom(message)
+    for field, _ in message.ListFields():
+        if field.number >= number:
+            before.ClearField(field.name)
+        if field.number <= number:
+            after.ClearField(field.name)
+    return before.SerializeToString(), after.SerializeToString()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field_header(number: int, length: int) -> bytes:
+    """Tag (wire type 2, length-delimited) and length of a field of `length` bytes."""
+    return _varint(number << 3 | 2) + _varint(length)
 
 
 def export_target(target, path: Path, return_logits: bool, quantized: bool = False) -> dict:
@@ -158,21 +287,26 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 
 
 
-# Peak resident memory of an fp16 export, measured with /usr/bin/time -v (README "Bring your own
-# model"; pair weights W, drafter graph bytes D -> peak, GiB): Qwen3-1.7B-shaped 3.46, 0.83 -> 7.11;
-# Llama-3.2-3B-shaped 6.44, 1.19 -> 10.84; Llama-3.1-8B-shaped with 8 of 32 layers 6.00, 1.77 -> 12.29.
-# The loaded pair holds W once; the drafter graph, under the 2 GiB protobuf limit and carrying its own
-# copy of the embedding table, is held about three times while it is exported (the exporter's proto,
-# the IR, the serialized bytes); the target's graph streams. W + 3 D + 1.25 GiB lies 0.1-0.4 GiB above
-# each measurement.
-EXPORT_PEAK_DRAFTER_GRAPH_COPIES = 3
+# Peak resident memory, measured with /usr/bin/time -v (README "Bring your own model"). The loaded pair
+# holds its weights W once. A graph under the 2 GiB protobuf limit goes through torch's exporter as one
+# proto: its C++ proto, the serialized bytes and torch's own re-parse of them (it looks for onnxscript
+# functions) hold about 3 x the graph's weights D for a moment (measured 3.0 x on a 0.94 GiB target
+# graph); a larger graph the exporter writes
+# tensor by tensor to external files, and the passes and the save stream it, one tensor at a time
+# (the largest: the embedding table).
+# `export` frees the target before the drafter's graph: its peak is the larger of W + 3 D_target
+# (target under the limit) and 4 D_drafter (the drafter graph carries its own copy of the embedding
+# table); `build` keeps the target (its validation compares against it): W + 3 D of its larger
+# one-file graph. The rest, EXPORT_PEAK_FIXED_BYTES, is the interpreter, torch and the exporter's
+# working memory, fit to the measurements.
+EXPORT_PEAK_GRAPH_COPIES = 3
 EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
 
 
-def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the pair's weights, bytes of the drafter graph's weights) at `dtype`, from the configs
-    alone (norm gains and biases left out: under 0.1%). The drafter shares the target's embedding
-    table in memory; its graph carries a copy."""
+def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(bytes of the pair's weights, of the target graph's, of the drafter graph's) at `dtype`, from
+    the configs alone (norm gains and biases left out: under 0.1%). The target graph stores a tied
+    table once; the drafter shares the target's embedding table in memory, and its graph carries a copy."""
     t, d = target_cfg, drafter_cfg
     attention = lambda h_in, h, heads, kv, hd: h_in * (heads + 2 * kv) * hd + heads * hd * h
     layer = (attention(t.hidden_size, t.hidden_size, t.num_heads, t.num_kv_heads, t.head_dim)
@@ -182,7 +316,24 @@ def weight_bytes(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: to
                + attention(2 * d.hidden_size, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim)
                + 3 * d.hidden_size * d.intermediate_size)
     size = torch.empty(0, dtype=dtype).element_size()
-    return (target + drafter) * size, (drafter + d.vocab_size * d.hidden_size) * size
+    return (target + drafter) * size, target * size, (drafter + d.vocab_size * d.hidden_size) * size
+
+
+def exporter_copies(graph_bytes: int, largest_tensor: int) -> int:
+    """What exporting a graph of `graph_bytes` weights holds beyond the loaded model: 3 copies under
+    the protobuf limit (EXPORT_PEAK_GRAPH_COPIES), else the one tensor a pass or the save reads at a time."""
+    return EXPORT_PEAK_GRAPH_COPIES * graph_bytes if graph_bytes < EXTERNAL_DATA_THRESHOLD else largest_tensor
+
+
+def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype,
+                   keeps_target: bool) -> int:
+    """Peak resident bytes of exporting the pair at `dtype`: `export` (keeps_target False: the target
+    is freed before the drafter's graph) or a build's export stage (True)."""
+    weights, target_graph, drafter_graph = weight_bytes(target_cfg, drafter_cfg, dtype)
+    table = target_cfg.vocab_size * target_cfg.hidden_size * torch.empty(0, dtype=dtype).element_size()
+    target_stage = weights + exporter_copies(target_graph, table)
+    drafter_stage = (weights if keeps_target else drafter_graph) + exporter_copies(drafter_graph, table)
+    return max(target_stage, drafter_stage) + EXPORT_PEAK_FIXED_BYTES
 
 
 def available_memory_bytes() -> int | None:
@@ -196,26 +347,29 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
-    """Refuse, before loading anything, a pair whose projected export peak exceeds the memory this
-    machine has available. Returns the projection in bytes. Pairs under 1 GiB of weights are not
-    refused: the fit's fixed part is the interpreter and torch, which any machine running this has."""
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None,
+                      keeps_target: bool = False) -> int:
+    """Refuse, before loading anything, a pair whose projected peak (`projected_peak`: `export`, or a
+    build's export stage with `keeps_target`) exceeds the memory this machine has available. Returns
+    the projection in bytes. Pairs under 1 GiB of weights are not refused: the fit's fixed part is the
+    interpreter and torch, which any machine running this has."""
     target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
     if is_drafter_config(target_raw) or not is_drafter_config(drafter_raw):
         return 0  # swapped or odd directories: the loaders name the problem
     target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
-    weights, drafter_graph = weight_bytes(target_cfg, DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir)), dtype)
-    projected = weights + EXPORT_PEAK_DRAFTER_GRAPH_COPIES * drafter_graph + EXPORT_PEAK_FIXED_BYTES
+    drafter_cfg = DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir))
+    weights = weight_bytes(target_cfg, drafter_cfg, dtype)[0]
+    projected = projected_peak(target_cfg, drafter_cfg, dtype, keeps_target)
     available = available_memory_bytes() if available is None else available
     if available is not None and projected > available and weights >= 1 << 30:
         gib = lambda n: f"{n / 2**30:.1f} GiB"
-        smaller = "" if dtype != torch.float32 else f"; in fp16 it needs {gib((projected + EXPORT_PEAK_FIXED_BYTES) / 2)}"
+        smaller = ("" if dtype != torch.float32 else
+                   f"; in fp16 it needs {gib(projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target))}")
         raise EagleExportError(
-            f"exporting this pair ({target_cfg.architecture}, {target_cfg.num_layers} layers, "
-            f"{gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about {gib(projected)} of memory at its peak "
-            f"(the weights, {EXPORT_PEAK_DRAFTER_GRAPH_COPIES} x the drafter graph's {gib(drafter_graph)}, "
-            f"{gib(EXPORT_PEAK_FIXED_BYTES)}), and this machine has "
-            f"{gib(available)} available{smaller}",
+            f"{'building' if keeps_target else 'exporting'} this pair ({target_cfg.architecture}, "
+            f"{target_cfg.num_layers} layers, {gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about "
+            f"{gib(projected)} of memory at its peak (README \"Bring your own model\", Memory), and this machine "
+            f"has {gib(available)} available{smaller}",
             "export on a machine with that much free memory, close what else holds memory here, or export "
             "in fp16 (--dtype fp16) if you asked for fp32")
     return projected
@@ -237,6 +391,7 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
 
     progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
              "through the model passes a build applies")
+    return_large_blocks_at_once()
     target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
     aux_ids = target.aux_layer_ids  # the states this drafter was trained on
     # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
@@ -247,19 +402,28 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
         raise file_error(out_dir, OSError(errno.ENOSPC, "No space left on device"), needed=needed)
     with reading(out_dir, "choose an output directory you can write to (-o)"):
         out_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs loaded: a refused export leaves nothing
+    pair = [target, drafter]
+    del target, drafter  # _export_into frees the target once its graph is written: no other reference may stay
     try:
-        return _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress)
+        return _export_into(out_dir, pair, aux_ids, depth, sampling, torch_dtype, progress)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise file_error(out_dir, e, needed=needed) from None
 
 
-def _export_into(out_dir, target, drafter, aux_ids, depth, sampling, torch_dtype, progress) -> dict:
+def _export_into(out_dir, pair: list, aux_ids, depth, sampling, torch_dtype, progress) -> dict:
+    """`pair` is [target, drafter], this function's only reference to them: the target is freed once
+    target.onnx is written, so the drafter's export runs beside the drafter and the embedding table it
+    shares, not beside the whole target (the export's peak is then the target's stage, not the drafter's)."""
     summary = {"dtype": DTYPE_NAMES[torch_dtype], "depth": depth, "sampling": sampling,
                "opset": C.ONNX_OPSET, "ir_version": ONNX_IR_VERSION, "aux_layer_ids": list(aux_ids)}
+    target, drafter = pair
+    pair.clear()
     progress("exporting target.onnx")
     summary["target"] = export_target(target, out_dir / "target.onnx", return_logits=sampling)
+    del target
+    release_freed_memory()
     progress(f"  target: {summary['target']['nodes_exported']} nodes exported, "
              f"{summary['target']['nodes_after_passes']} after passes, {summary['target']['export_seconds']:.1f} s")
     # The greedy drafter is always drafter.onnx (what greedy decoding runs); --sampling adds the
