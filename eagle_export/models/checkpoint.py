@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
@@ -72,6 +71,12 @@ def _read_safetensors(file: Path, prepare=None) -> dict[str, torch.Tensor]:
     except Exception as e:
         raise CheckpointError(f"{file} is not a readable safetensors file ({e})",
                               "re-download the file; a truncated or corrupted file cannot be loaded") from None
+
+
+# safetensors' dtype names (its format spec) -> torch's; a tensor of another dtype is read by safe_open.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def _safetensors_layout(raw) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
