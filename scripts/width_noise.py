@@ -12,8 +12,9 @@ teacher-forced, under several call layouts, each building its own cache of exact
   chunks +64 slots   the chunks with 64 more masked slots
   ... view           the cache shown as the runtime shows it: a multiple of cache_step slots
 and each pair that must agree for T1 is printed: bit-identical or not, max |logit difference|,
-argmax flips (of the aux states, for a graph that returns no logits). Only width 1 against width W may
-differ for a quantized target.
+argmax flips (of the aux states, for a graph that returns no logits). Each chunk layout builds its own
+cache, so it also carries the width noise of the calls before; `validate` probes the layouts T1 relies on
+one at a time over a shared cache (`teacher_forced.position_variance`; README: the lossless contract).
 
 Run: python scripts/width_noise.py BUILD [--backend onnxruntime|torch|tensorrt] [--positions 16]
 """

@@ -876,6 +876,31 @@ def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, t
     assert not any(name.startswith("quantized") for name in failed)  # only the loop is at fault
 
 
+def test_t1_is_not_applicable_where_the_probe_finds_a_row_with_other_bits(fp8_built, monkeypatch):
+    """A backend that gives a row other bits at another place in the call cannot make T1 exact: it is
+    skipped with the probe's figures, never failed (the loop is not at fault) nor passed."""
+    import eagle_export.build.validate as validate
+
+    out, _ = fp8_built
+    probe = validate.position_variance
+    seen = []
+
+    def varied(*args, **kw):
+        found = probe(*args, **kw)
+        seen.append(found)
+        return {**found, "differing": 3, "max_logit_difference": 0.5}
+
+    monkeypatch.setattr(validate, "position_variance", varied)
+    report = validate.validate_build_dir(out, quick=True)
+    t1 = next(c for c in report["checks"] if c["name"] == T1)
+    assert report["ok"] and t1["status"] == "skipped" and t1["ok"] is None
+    rows = seen[0]["rows"]  # every row of 2 prompts x 16 reference tokens, each window of K+1 = 4 rows
+    assert rows == 2 * (16 * 4 - (1 + 2 + 3)) and seen[0]["view_slots"][0] == seen[0]["view_slots"][1]
+    assert t1["detail"].startswith(f"not applicable on onnxruntime: a row's bits depend on its place in a width-4 "
+                                   f"call") and f"3 of {rows} rows" in t1["detail"]
+    assert report["lossless"]["t1"]["position_variance"]["differing"] == 3
+
+
 @pytest.mark.slow
 def test_a_rejected_row_left_in_the_cache_fails_t0_t1_and_t2_on_a_tree(sources, tmp_path, monkeypatch):
     from eagle_export.build.validate import validate_build_dir

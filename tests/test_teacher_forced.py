@@ -116,12 +116,21 @@ def test_t2_recomputes_the_divergence_at_the_row_that_verified_it(tmp_path_facto
     assert all(e["argmax_at_verify_width"] is False for e in rows0 if e["d"] is not None)
 
 
+def probe(runtime, view=None):
+    """position_variance along each prompt's first 12 greedy tokens (as validate runs it on T1's)."""
+    backend = runtime.backend
+    tokens = [r.tokens for r in runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=12), speculative=False)]
+    return position_variance(backend, shape(runtime), list(zip(PROMPTS, tokens)), backend.verify_width, view)
+
+
 def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_dependent_kernel(runtime, monkeypatch):
-    """T1 is exact only where a row's logits do not depend on its position within the call; validate
+    """T1 is exact only where a row's bits do not depend on its place within the call; validate
     records T1 as not applicable where this probe finds they do."""
-    backend, prompt = runtime.backend, PROMPTS[1]
-    # fp32 torch on CPU: rounding-level only (the ONNX Runtime and NVFP4 tiny builds: exactly 0)
-    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) < 1e-5
+    backend = runtime.backend
+    # fp32 torch on CPU: rounding-level only
+    found = probe(runtime)
+    assert found["rows"] == sum(12 for _ in PROMPTS) * backend.verify_width - 3 * sum(range(backend.verify_width))
+    assert found["max_logit_difference"] < 1e-5 and found["argmax_flips"] == 0
     target = backend.target
 
     def row_dependent(feeds, need_logits=False):
@@ -131,4 +140,26 @@ def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_de
         return out
 
     monkeypatch.setattr(backend, "target", row_dependent)
-    assert position_variance(backend, shape(runtime), prompt, backend.verify_width) >= 1e-3
+    assert probe(runtime)["max_logit_difference"] >= 1e-3
+
+
+def test_position_variance_reads_the_runtimes_cache_views_and_the_new_kv(runtime, monkeypatch):
+    """The layout T1 depends on includes the cache view's masked slots, and a row's K/V: a kernel
+    that changes only the last row's new K/V, only when the cache view shows masked slots, leaves
+    every logit of its call as it was, is invisible with exact views, and is found with the runtime's."""
+    backend = runtime.backend
+    target = backend.target
+
+    def last_row_kv_under_masked_slots(feeds, need_logits=False):
+        out = dict(target(feeds, need_logits))
+        if feeds[C.PAST_KEY].shape[3] > int(feeds[C.CACHE_LENS].max()) and feeds[C.INPUT_IDS].shape[1] > 1:
+            out[C.NEW_KEY] = out[C.NEW_KEY].clone()
+            out[C.NEW_KEY][:, :, :, -1] += 0.25
+        return out
+
+    monkeypatch.setattr(backend, "target", last_row_kv_under_masked_slots)
+    exact = probe(runtime)
+    assert exact["max_kv_difference"] < 1e-4 and exact["view_slots"] == [2, 22]
+    found = probe(runtime, view=lambda past, width: runtime.cache_slots(past + width, 256))
+    assert found["max_kv_difference"] >= 0.25 and found["max_logit_difference"] < 1e-4
+    assert found["differing"] > 0 and found["view_slots"] == [64, 64]

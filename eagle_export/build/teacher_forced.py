@@ -4,10 +4,14 @@ Greedy speculative decoding verifies up to K+1 tokens per target call; plain dec
 call. An fp32/fp16/bf16 target gives the same tokens either way (checked by equality). A quantized
 target's kernels round differently with the call's width (a 1e-6 accumulation difference flips an
 activation's FP8 rounding, and the flip grows through the layers), so at a near-tie speculative
-decoding may take the other token and go on along its own continuation. What is exact there, and
-checked as such (T0, T1 in `validate.py`), is greedy decoding through the verify graph at width K+1:
-a row's result depends on the call's width, not on its position within the call or on how many
-(masked) cache slots the call reads (measured per backend; see the README). What parts speculative
+decoding may take the other token and go on along its own continuation. What can be exact there
+(T1 in `validate.py`) is greedy decoding through the verify graph at width K+1, where a row's result
+depends on the call's width only. The graph's attention makes it depend on the row's place too: it
+scores a row's keys as [cache view | the call's new keys] and sums probs.V as a cache part plus a
+call part, so which of a row's keys come from the cache and which from the call (its row, the call's
+past length, the view's masked slots) changes the order of its fp32 sums. An FP8 quantizer absorbs
+most such last-bit differences, not all; `position_variance` measures, per build, whether any row
+of the runtime's layouts gets other bits (README: the lossless contract). What parts speculative
 output from width-1 decoding is explained here (T2):
 
     d = the first position where the two outputs differ. The speculative token at d must be
@@ -47,25 +51,30 @@ class TargetCalls:
     """Target calls on one sequence through a backend, each appending its new K/V to a cache of
     exactly the tokens seen; returns each call's logits [T, V] in fp32. `width` pads a call with
     filler tokens after its live ones (their rows discarded, never cached), as a verify call whose
-    drafts are all rejected has them."""
+    drafts are all rejected has them. `view(past, width)` -> the cache slots a call shows (the
+    runtime's view: masked slots after the `past` real ones); None: exactly the real ones."""
 
-    def __init__(self, backend: Backend, cache_shape: tuple[int, int, int]):
+    def __init__(self, backend: Backend, cache_shape: tuple[int, int, int], view=None):
         layers, heads, dim = cache_shape
-        self.backend = backend
+        self.backend, self.view = backend, view
         self.key = torch.zeros(layers, 1, heads, 0, dim, dtype=backend.model_dtype, device=backend.device)
         self.value = torch.zeros_like(self.key)
 
-    def fork(self) -> "TargetCalls":
+    def fork(self, past: int | None = None) -> "TargetCalls":
+        """A twin over this cache, or over its first `past` positions."""
         twin = TargetCalls.__new__(TargetCalls)
-        twin.backend, twin.key, twin.value = self.backend, self.key, self.value  # never written in place
+        twin.backend, twin.view = self.backend, self.view
+        twin.key, twin.value = self.key[:, :, :, :past], self.value[:, :, :, :past]  # never written in place
         return twin
 
     def __call__(self, ids: list[int], width: int | None = None) -> torch.Tensor:
         n, device, live = self.key.shape[3], self.backend.device, len(ids)
         ids = list(ids) + [0] * max(0, (width or live) - live)
+        masked = (self.view(n, len(ids)) - n) if self.view else 0
+        key, value = (torch.nn.functional.pad(c, (0, 0, 0, masked)) for c in (self.key, self.value))
         feeds = {C.INPUT_IDS: torch.tensor([ids], device=device),
                  C.POSITIONS: torch.arange(n, n + len(ids), device=device)[None],
-                 C.PAST_KEY: self.key, C.PAST_VALUE: self.value, C.CACHE_LENS: torch.tensor([n], device=device),
+                 C.PAST_KEY: key, C.PAST_VALUE: value, C.CACHE_LENS: torch.tensor([n], device=device),
                  C.TREE_MASK: causal_mask(1, len(ids), device)}
         out = self.backend.target(feeds, need_logits=True)
         self.key = torch.cat([self.key, out[C.NEW_KEY][:, :, :, :live]], dim=3)
@@ -107,18 +116,45 @@ def measure_delta(backend: Backend, cache_shape, prompts: list[list[int]], width
 
 
 @torch.no_grad()
-def position_variance(backend: Backend, cache_shape, prompt: list[int], width: int) -> float:
-    """max |logit difference| of the prompt's last tokens (at most `width`) computed each as row 0 of
-    a width-`width` call (the T1 reference) and all as the rows of one such call (a fully accepted
-    round): 0.0 where a row's result does not depend on its position within the call."""
-    start = max(1, len(prompt) - width)
-    base = TargetCalls(backend, cache_shape)
-    base(prompt[:start])
-    rest = prompt[start:]
-    row0 = base.fork()
-    one_by_one = torch.cat([row0([t], width) for t in rest])
-    together = base.fork()(rest, width)
-    return float((one_by_one - together).abs().max())
+def position_variance(backend: Backend, cache_shape, sequences, width: int, view=None) -> dict:
+    """Whether a row's result depends on its place in a width-`width` call, in the call layouts a
+    speculative run makes, with the cache shown as the runtime shows it (`view`, as TargetCalls).
+    For each (prompt, tokens) of `sequences`, every position p of the tokens is computed
+      (r) as row 0 of a call over the p positions before it (the T1 reference's layout), and
+      (s) as row p - s of one call over past s holding tokens s..s+width-1, for every s in
+          p-width+1..p (a round that accepted p - s drafts),
+    the cache before the call from the (r) calls in both. Each (s) row is compared with (r) bit for
+    bit: its logits and the new K/V it returns at every layer (a K/V difference that leaves this
+    row's logits equal still changes every later row). -> {"rows": compared, "differing": rows with
+    other bits, "max_logit_difference", "max_kv_difference" (|K|+|V| differences), "argmax_flips",
+    "view_slots": [fewest, most] shown}; all 0 where the layout does not change the bits."""
+    rows = differing = flips = 0
+    largest = kv_largest = 0.0
+    shown = set()
+    for prompt, tokens in sequences:
+        seq = list(prompt) + list(tokens)
+        start = len(prompt)
+        reference = TargetCalls(backend, cache_shape, view)
+        reference(prompt)
+        row0 = torch.cat([reference([t], width) for t in seq[start:]])  # (r): position start + i at i
+        for s in range(start, len(seq)):
+            window = seq[s:s + width]
+            call = reference.fork(s)
+            shown.add(view(s, width) if view else s)
+            logits = call(window, width)
+            expected = row0[s - start:s - start + len(window)]
+            new_kv = (call.key[:, :, :, s:] - reference.key[:, :, :, s:s + len(window)]).abs().amax(dim=(0, 1, 2, 4))
+            new_kv = new_kv + (call.value[:, :, :, s:] - reference.value[:, :, :, s:s + len(window)]).abs().amax(
+                dim=(0, 1, 2, 4))
+            difference = (logits - expected).abs().amax(-1)
+            differing += int(((difference > 0) | (new_kv.cpu().float() > 0)).sum())
+            largest = max(largest, float(difference.max()))
+            kv_largest = max(kv_largest, float(new_kv.max()))
+            flips += int((logits.argmax(-1) != expected.argmax(-1)).sum())
+            rows += len(window)
+    return {"rows": rows, "differing": differing, "max_logit_difference": largest, "max_kv_difference": kv_largest,
+            "argmax_flips": flips,
+            "view_slots": [min(shown), max(shown)] if shown else None}
 
 
 def verified_logits(backend: Backend, cache_shape, prompt: list[int], tokens: list[int], accepted: list[int],

@@ -17,7 +17,7 @@
    a quantized target (FP8, NVFP4), whose logits depend on the call width:
    T1  speculative tokens identical to that verify-width reference (the `anti` drafter's output);
        "not applicable" (skipped, with the difference found) where the backend gives a row other
-       bits at another position within the call (`teacher_forced.position_variance`);
+       bits at another place in the call, in the runs' layouts (`teacher_forced.position_variance`);
    T2  each prompt's first divergence from width-1 decoding explained (`teacher_forced.py`): a
        near-tie below the build's delta, the reference's second choice, the verify width's argmax;
    T3  tau of the quantized pair within 5% of the unquantized pair's, and of the quantized drafter
@@ -359,7 +359,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     if quantized:
         anti = runtime.generate(prompts, config, synthetic=SyntheticDrafts("anti", plain, runtime.vocab_size))
         checks, record = _quantized_tiers(opened, manifest, prompts, spec, [r.tokens for r in anti], ar, records,
-                                          detail)
+                                          detail, new_tokens)
         return [t0, *checks], {**record, "tau": round(tau, 4), "t0": t0_record}
     same = all(s.tokens == a for s, a in zip(spec, ar))
     if not same:  # where each prompt first parts ways tells a numerics flip from a broken loop
@@ -375,7 +375,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
                     "t0": t0_record}
 
 
-def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain, records, detail):
+def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain, records, detail, new_tokens):
     """A quantized target's T1 (speculative == greedy at the verify width, token for token), T2 (each
     divergence from width-1 decoding explained: `teacher_forced.py`) and T3 (tau kept, as the build
     measured it). Returns (checks, record)."""
@@ -388,15 +388,25 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
     t1_detail = (f"{detail}; speculative (real drafter) vs greedy through the verify graph at width {width} "
                  "(anti drafter): first differing token per prompt: " + ", ".join("-" if d is None else str(d)
                                                                                   for d in first))
-    # Exactness at the verify width needs a row's result independent of its position within the call.
-    variance = position_variance(backend, shape, prompts[0], width)
-    if variance > 0:
+    # Exactness at the verify width needs a row's bits independent of its place in the call, in the
+    # layouts these runs made: probed on the same prompts, along the reference's tokens, with the
+    # runtime's cache views for them (sized as `_State` sizes them: capacity, then past + K + 1).
+    reach = runtime.depth + 1
+    capacity = min(runtime.max_context, max(len(p) for p in prompts) + new_tokens + reach)
+    variance = position_variance(backend, shape, list(zip(prompts, reference)), width,
+                                 view=lambda past, _: runtime.cache_slots(past + reach, capacity))
+    if variance["differing"]:
         t1 = None
-        t1_detail = (f"not applicable on {backend.name}: a row's logits depend on its position within a "
-                     f"width-{width} call (max |logit difference| {variance:.3g} between row 0 and rows 0..{width - 1} "
-                     f"of one call; README: the lossless contract); T2 and T3 carry the contract here; {t1_detail}")
+        low, high = variance["view_slots"]
+        t1_detail = (f"not applicable on {backend.name}: a row's bits depend on its place in a width-{width} call "
+                     f"(the attention sums a row's keys as cache view + call, in an order that depends on which "
+                     f"keys the call brings): {variance['differing']} of {variance['rows']} rows (logits or new K/V) "
+                     f"differ between row 0 over past p and row j over past p-j, max |logit difference| "
+                     f"{variance['max_logit_difference']:.3g}, {variance['argmax_flips']} argmax flips, cache views of "
+                     f"{low}-{high} slots; README: the lossless contract; T2 and T3 carry the contract here; {t1_detail}")
     elif not t1:
-        t1_detail += "; the backend is position-invariant for this build, so the loop is at fault"
+        t1_detail += (f"; the backend gave every one of {variance['rows']} rows the same bits at every place in the "
+                      "call, so the loop is at fault")
     checks = [(f"T1 exact at the verify width ({backend.name})", t1, t1_detail)]
     record = {"contract": "tiered", "backend": backend.name, "verify_width": width,
               "t1": {"ok": t1, "first_divergence": first, "position_variance": variance}, "prompts": records}

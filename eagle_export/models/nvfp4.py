@@ -202,13 +202,16 @@ def linears_from_graph(model) -> dict[str, NVFP4Linear]:
         if node.op_type != "DequantizeLinear" or not node.input[0].endswith("_f4") or node.input[0] not in initializers:
             continue
         base = node.input[0][:-len("_f4")]
-        f4, f8 = initializers[base + "_f4"], initializers[base + "_f8_scale"]
+        # The block scales' DequantizeLinear names the FP8 scales and the global scale it reads: after
+        # initializer deduplication a global scale equal to another layer's has that one's name.
+        block_dq = producer[node.input[1]]
+        f4, f8 = initializers[base + "_f4"], initializers[block_dq.input[0]]
         rows, cols = f4.dims
         codes = torch.from_numpy(np.frombuffer(f4.raw_data, np.uint8).reshape(rows, cols // 2).copy())
         block_scales = torch.from_numpy(np.frombuffer(f8.raw_data, np.uint8).reshape(tuple(f8.dims)).copy())
         scale = input_scale(node.output[0])
         linears[base] = NVFP4Linear.from_packed(
-            codes, block_scales.view(torch.float8_e4m3fn), torch.tensor(constant(base + "_f32_scale")),
+            codes, block_scales.view(torch.float8_e4m3fn), torch.tensor(constant(block_dq.input[1])),
             None if scale is None else torch.tensor(scale), None)
     return linears
 
