@@ -896,8 +896,8 @@ def test_t1_is_not_applicable_where_the_probe_finds_a_row_with_other_bits(fp8_bu
     assert report["ok"] and t1["status"] == "skipped" and t1["ok"] is None
     rows = seen[0]["rows"]  # every row of 2 prompts x 16 reference tokens, each window of K+1 = 4 rows
     assert rows == 2 * (16 * 4 - (1 + 2 + 3)) and seen[0]["view_slots"][0] == seen[0]["view_slots"][1]
-    assert t1["detail"].startswith(f"not applicable on onnxruntime: a row's bits depend on its place in a width-4 "
-                                   f"call") and f"3 of {rows} rows" in t1["detail"]
+    assert t1["detail"].startswith("not applicable on onnxruntime: a row's bits depend on its place in a width-4 "
+                                   "call") and f"3 of {rows} rows" in t1["detail"]
     assert report["lossless"]["t1"]["position_variance"]["differing"] == 3
 
 
