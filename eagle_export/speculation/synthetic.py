@@ -36,14 +36,13 @@ checks. Past the end of a continuation the right token is unknown and every node
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import EagleExportError
-from .tree import ancestor_mask
+from .tree import ancestor_mask, remembered_per_tree
 
 MODES = ("oracle", "anti", "random")
 
@@ -133,13 +132,11 @@ class SyntheticDrafts:
         right_ids = torch.where(at < lengths[:, None], table.gather(1, at.clamp(0, table.shape[1] - 1)), 0)
         # A node is right iff every node on its root path (itself included) is on the spine and drew
         # below its depth's a_d: the topological rule "spine, parent right, draw" unrolled.
-        ancestors = ancestor_mask(parents)                                     # [B,N,N]: j is i or above it
-        spine = _spine_of(parents)
-        ok = spine & (draws < a[(depths - 1).clamp_min(0)])
-        right = ~(ancestors & ~ok[:, None, :]).any(-1)
+        spine, node_a = _spine(parents), a[(depths - 1).clamp_min(0)]          # node_a: a_d at each node's depth
+        right = ~(ancestor_mask(parents) & ~(spine & (draws < node_a))[:, None, :]).any(-1)
         # The probabilities say a_d on the whole spine whatever was drawn, so they tell the policy no
         # more than a calibrated drafter would.
-        probs = torch.where(spine, a[(depths - 1).clamp_min(0)], 0.0)
+        probs = torch.where(spine, node_a, 0.0)
         wrong = (right_ids + 1 + torch.arange(n)) % self.vocab_size
         return torch.where(right, right_ids, wrong), probs
 
@@ -157,25 +154,15 @@ class SyntheticDrafts:
         return self._padded
 
 
-def _spine_of(parents: torch.Tensor) -> torch.Tensor:
-    """`_spine`, remembered per tree: a chain's and a static tree's parents repeat every round."""
-    parents = parents.to(torch.int64)
-    return _remembered_spine(tuple(parents.shape), parents.numpy().tobytes())
-
-
-@functools.lru_cache(maxsize=64)
-def _remembered_spine(shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    parents = torch.frombuffer(bytearray(data), dtype=torch.int64).reshape(shape)
-    return _spine(parents, ancestor_mask(parents))
-
-
-def _spine(parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+@remembered_per_tree
+def _spine(parents: torch.Tensor) -> torch.Tensor:
     """[B,N] -> [B,N] bool: the path from the root through, at each node, the child whose subtree
-    is deepest (ties: the lowest index). With `ancestors` [B,N,N] (j is i or an ancestor of i): a
+    is deepest (ties: the lowest index). With the ancestor mask (j is i or an ancestor of i): a
     node's height is the deepest descendant's depth minus its own; a node is its parent's best child
     when its key (height, then the lower index) is the largest among its siblings'; the spine is the
     set of nodes whose whole root path is made of best children."""
     b, n = parents.shape
+    ancestors = ancestor_mask(parents)                                         # [B,N,N]
     depths = ancestors.sum(-1)                                                 # [B,N]
     height = (ancestors * depths[:, :, None]).amax(1) - depths                 # max over descendants i of j
     key = height * (n + 1) + (n - torch.arange(n))                             # > 0, unique among siblings

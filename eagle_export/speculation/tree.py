@@ -217,24 +217,28 @@ def _ancestry(parents: torch.Tensor) -> torch.Tensor:
     return parents[..., :, None] == torch.arange(n, device=parents.device)
 
 
+def remembered_per_tree(fn):
+    """`fn(parents)`, remembered per tree for parents on the CPU: the runtime asks for the same few
+    trees round after round (a chain's, a static tree's), so callers must not write into the result."""
+    @functools.lru_cache(maxsize=256)
+    def remembered(shape: tuple[int, ...], data: bytes):
+        return fn(torch.frombuffer(bytearray(data), dtype=torch.int64).reshape(shape))
+
+    @functools.wraps(fn)
+    def call(parents: torch.Tensor):
+        if parents.device.type != "cpu":
+            return fn(parents)
+        parents = parents.to(torch.int64)
+        return remembered(tuple(parents.shape), parents.numpy().tobytes())
+    return call
+
+
+@remembered_per_tree
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """parents [..., N] -> bool [..., N, N]: mask[i, j] is true when node j is node i or one of its
     ancestors. With P the parent one-hot (P[i, j] = parents[i] == j), P^h[i, j] says j is node i's
     ancestor h hops up, so mask = I | P | P^2 | ... ; P^h vanishes past the tree's depth.
-    Masks of parents on the CPU are remembered (the runtime asks for the same few trees round after
-    round: a chain's, a static tree's), so callers must not write into the result."""
-    if parents.device.type != "cpu":
-        return _ancestor_mask(parents)
-    parents = parents.to(torch.int64)
-    return _remembered_mask(tuple(parents.shape), parents.numpy().tobytes())
-
-
-@functools.lru_cache(maxsize=256)
-def _remembered_mask(shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    return _ancestor_mask(torch.frombuffer(bytearray(data), dtype=torch.int64).reshape(shape))
-
-
-def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    Remembered per tree (`remembered_per_tree`): callers must not write into the result."""
     step = _ancestry(parents).to(torch.int64)
     n = parents.shape[-1]
     mask = torch.eye(n, dtype=torch.int64, device=parents.device).expand_as(step).clone()
