@@ -143,9 +143,8 @@ def position_variance(backend: Backend, cache_shape, sequences, width: int, view
             shown.add(view(s, width) if view else s)
             logits = call(window, width)
             expected = row0[s - start:s - start + len(window)]
-            new_kv = (call.key[:, :, :, s:] - reference.key[:, :, :, s:s + len(window)]).abs().amax(dim=(0, 1, 2, 4))
-            new_kv = new_kv + (call.value[:, :, :, s:] - reference.value[:, :, :, s:s + len(window)]).abs().amax(
-                dim=(0, 1, 2, 4))
+            new_kv = sum((getattr(call, c)[:, :, :, s:] - getattr(reference, c)[:, :, :, s:s + len(window)]).abs()
+                         .amax(dim=(0, 1, 2, 4)) for c in ("key", "value"))  # per row: max |dK| + max |dV|
             difference = (logits - expected).abs().amax(-1)
             differing += int(((difference > 0) | (new_kv.cpu().float() > 0)).sum())
             largest = max(largest, float(difference.max()))

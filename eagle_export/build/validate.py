@@ -390,11 +390,10 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
                                                                                   for d in first))
     # Exactness at the verify width needs a row's bits independent of its place in the call, in the
     # layouts these runs made: probed on the same prompts, along the reference's tokens, with the
-    # runtime's cache views for them (sized as `_State` sizes them: capacity, then past + K + 1).
-    reach = runtime.depth + 1
-    capacity = min(runtime.max_context, max(len(p) for p in prompts) + new_tokens + reach)
+    # runtime's cache views for them (as a round reserves them: past + K + 1, within the capacity).
+    capacity = runtime.capacity(prompts, new_tokens)
     variance = position_variance(backend, shape, list(zip(prompts, reference)), width,
-                                 view=lambda past, _: runtime.cache_slots(past + reach, capacity))
+                                 view=lambda past, _: runtime.cache_slots(past + runtime.depth + 1, capacity))
     if variance["differing"]:
         t1 = None
         low, high = variance["view_slots"]

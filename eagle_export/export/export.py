@@ -144,7 +144,8 @@ def return_large_blocks_at_once() -> None:
     (glibc's M_MMAP_THRESHOLD, fixed; nothing elsewhere). glibc raises that threshold as large blocks
     are freed (up to 32 MiB), after which the weights a model pass replaces (the q/k/v and gate/up it
     fuses) or a save has written stay in the heap: measured, loading a Qwen3-1.7B-shaped fp16 pair
-    peaked at 5.67 GiB for 3.77 GiB once trimmed. Process-wide; export and build set it before loading."""
+    peaked at 5.67 GiB for 3.77 GiB once trimmed. Process-wide, so only `export` sets it (before
+    loading); `build`, whose validation runs many forward passes, only trims (`release_freed_memory`)."""
     try:
         ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
@@ -159,9 +160,9 @@ def _malloc_trim() -> None:
 
 
 class TrimEvery:
-    """Called with each tensor's size as a save writes it; trims the C heap (`release_freed_memory`)
-    after every `interval` bytes, so the freed buffers of the tensors already written do not pile up
-    in the heap across the save."""
+    """Called with each tensor's size as a save writes it; hands the C heap's free pages back
+    (`malloc_trim`, as `release_freed_memory` does) after every `interval` bytes, so the freed
+    buffers of the tensors already written do not pile up in the heap across the save."""
 
     def __init__(self, interval: int = 256 * 2**20):
         self.interval, self.pending = interval, 0

@@ -263,6 +263,11 @@ class SpeculativeRuntime:
             return min(self.max_context, max(STATIC_MIN_SLOTS, 1 << (needed - 1).bit_length()))
         return min(capacity, -(-needed // self.cache_step) * self.cache_step)
 
+    def capacity(self, prompts, max_new_tokens: int) -> int:
+        """The cache slots a request ever needs: its longest prompt, the new tokens and one round's
+        K+1 rows past them, at most max_context."""
+        return min(self.max_context, max(len(p) for p in prompts) + max_new_tokens + self.depth + 1)
+
     def drafter_width(self, rows: int) -> int:
         """The drafter's input width for `rows` rows: padded to K+1 in static mode (one graph)."""
         return self.depth + 1 if self.static_cache and rows <= self.depth + 1 else rows
@@ -569,7 +574,7 @@ class _State:
         b = len(prompts)
         k = runtime.depth
         longest = max(len(p) for p in prompts)
-        self.capacity = min(runtime.max_context, longest + config.max_new_tokens + k + 1)  # slots ever needed
+        self.capacity = runtime.capacity(prompts, config.max_new_tokens)
         self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self._slots(longest + k + 1))
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.draft_lens = None
