@@ -451,7 +451,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                 hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
                 click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
                            f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
-                           f"round cost {p['round_cost_in_steps']:.2f} steps; depth verified per round {hist} "
+                           f"round cost {p['round_cost_in_steps']:.2f} steps"
+                           + (f", a round without drafts {p['plain_round_vs_step']:.3f}x a plain step"
+                              if p["plain_round_vs_step"] is not None else "")
+                           + f"; depth verified per round {hist} "
                            f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds); outputs identical to "
                            f"plain decoding: {'yes' if p['identical_to_autoregressive'] else 'NO, OUTPUT DIFFERS'}")
     if json_file:

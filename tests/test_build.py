@@ -412,6 +412,11 @@ def test_bench_json_and_plot(built, tmp_path):
         assert b["policies"]["fixed"]["depth_histogram"] == {"0": 0, "1": 0, "2": 0, "3": sum(
             b["policies"]["fixed"]["depth_histogram"].values())}
         assert b["policies"]["fixed"]["verify_width_mean"] == 4  # a chain of 3 verified whole: 4 tokens a call
+        # A round without drafts is timed the way a plain step is: fixed has none (its rounds all draft,
+        # the prompts end far from the context limit), plain decoding has only those.
+        assert r["ar_round_ms"] > 0 and b["policies"]["fixed"]["plain_round_ms"] is None
+        goodput = b["policies"]["goodput"]
+        assert (goodput["plain_round_ms"] is None) == (goodput["draft_calls"] == goodput["rounds"])
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine

@@ -73,13 +73,13 @@ def stale_aux_row(runtime_module):
 
     original = runtime_module._PendingRows.append
 
-    def append(self, ids, aux, counts, live):
-        newest = self.count + torch.where(live, counts, 0) - 1
+    def append(self, tokens, aux, rows=None):
+        newest = {b: len(self.ids[b]) + len(new) - 1 for b, new in enumerate(tokens) if new}
         held = {b: self.aux[b, n].clone() if n < self.aux.shape[1] else torch.zeros_like(self.aux[b, 0])
-                for b, n in enumerate(newest.tolist()) if live[b] and counts[b] > 0}
-        original(self, ids, aux, counts, live)
+                for b, n in newest.items()}
+        original(self, tokens, aux, rows)
         for b, value in held.items():
-            self.aux[b, int(newest[b])] = value
+            self.aux[b, newest[b]] = value
     return "_PendingRows.append", append
 
 

@@ -63,6 +63,28 @@ def test_a_drafter_that_never_pays_is_only_probed_at_a_doubling_interval():
     assert len(probes) <= 300 // GoodputDepth.PROBE_MAX + 2
 
 
+def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
+    """A drafter that does not pay is not probed again in the first round of every request: the next
+    stream continues the probe interval; one that pays drafts from its first round; a stream of
+    another batch size starts afresh (it probes at once)."""
+    costs = curves(draft=0.3)
+    costs.verify_s[2], costs.draft_s[2] = costs.verify_s[1], costs.draft_s[1]
+    policy = GoodputDepth(K, costs)
+    policy.start(1)
+    run_rounds(policy, [0.01] * K, accepted=0, rounds=120)  # settled: probes 64 rounds apart
+    policy.start(1)
+    again = run_rounds(policy, [0.01] * K, accepted=0, rounds=300)
+    probes = [i for i, c in enumerate(again) if c is not None]
+    assert probes[0] > 0 and {b - a for a, b in zip(probes, probes[1:])} == {GoodputDepth.PROBE_MAX + 1}
+    good = GoodputDepth(K, curves(draft=0.2))
+    good.start(1)
+    run_rounds(good, [0.95] * K, accepted=K, rounds=5)
+    good.start(1)
+    assert run_rounds(good, [0.95] * K, accepted=K, rounds=3) == [K] * 3
+    policy.start(2)
+    assert run_rounds(policy, [0.01] * K, accepted=0, rounds=1, batch=2) == [0]
+
+
 def test_depth_follows_the_drafters_confidence_and_the_costs():
     policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
     policy.start(1)

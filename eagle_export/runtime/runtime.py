@@ -143,12 +143,17 @@ class Event:
 
 @dataclass
 class Timings:
-    """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest."""
+    """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest.
+    `plain_rounds` rounds called no drafter (plain decoding's steps, a speculative stream's k = 0 rounds
+    and its last steps near the limit) and took `plain_round` seconds, host work included: what one
+    token costs without speculation, measured the same way in both kinds of stream."""
 
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     total: float = 0.0
+    plain_round: float = 0.0
+    plain_rounds: int = 0
 
     @property
     def host(self) -> float:
@@ -212,6 +217,7 @@ class SpeculativeRuntime:
         self.vocab_size = shapes.vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.verify_policy = verify_policy
         check_policy(verify_policy)  # an unknown name fails here, not mid-generation
+        self._policies = {}  # (policy name, batch) -> the policy its streams share (see _policy)
         self.cost_cache = cost_cache
         self.costs = costs or (cost_cache.load() if cost_cache else CostCurves())
         self.depth = backend.depth
@@ -300,8 +306,12 @@ class SpeculativeRuntime:
             state.synthetic = synthetic
             policy = state.policy
             yield from self._prefill(state)
+            last_full_round = state.capacity - self.depth - 1  # the longest sequence a full round fits
             while state.active.any():
-                near_limit = state.active & (state.lens + self.depth + 1 > state.capacity)
+                if int(state.lens.max()) <= last_full_round:  # every round but the last few: all fit
+                    yield from self._round(state, state.active, policy, policy.should_draft(state.active))
+                    continue
+                near_limit = state.active & (state.lens > last_full_round)
                 spec = state.active & ~near_limit
                 if spec.any():
                     yield from self._round(state, spec, policy, policy.should_draft(spec))
@@ -366,7 +376,7 @@ class SpeculativeRuntime:
         if verify_policy is not None:  # (measuring the costs of a new batch size is not generation time)
             check_policy(verify_policy)
             costs = self.cost_curves(len(prompts)) if verify_policy == "goodput" else None
-            policy = make_policy(verify_policy, self.depth, costs)
+            policy = self._policy(verify_policy, len(prompts), costs)
             policy.start(len(prompts))
         self.timings = Timings()
         state = _State(self, prompts, config)
@@ -374,6 +384,16 @@ class SpeculativeRuntime:
         # Bound once: a policy that verifies whole trees (fixed) skips the menu every round.
         state.whole_tree = getattr(policy, "verifies_whole_tree", False)
         return state
+
+    def _policy(self, name, batch: int, costs):
+        """The verify policy of a stream: a policy object as it is; a named one kept per batch size, so
+        what goodput learned on earlier requests (whether drafting pays here, when it last probed)
+        carries to the next instead of being probed again from each request's first round."""
+        if not isinstance(name, str):
+            return name
+        if (name, batch) not in self._policies:
+            self._policies[name, batch] = make_policy(name, self.depth, costs)
+        return self._policies[name, batch]
 
     def _check_ids(self, i: int, prompt) -> None:
         """Token ids are whole numbers in [0, vocab): Gather would wrap a negative id silently."""
@@ -400,7 +420,7 @@ class SpeculativeRuntime:
         state.write_target(out, prompt_lens, state.active)
         last = prompt_lens - 1
         first = self._pick(state, out, last)
-        events = state.emit([[int(t)] for t in first], state.active)
+        events = state.emit([[int(t)] for t in first], state.active.tolist())
         state.lens += prompt_lens
         if draft:  # the drafter's rows: token p+1 with aux p, for every prompt position
             shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
@@ -415,6 +435,7 @@ class SpeculativeRuntime:
         policy keeps] (menu entry j of `tree.nested_subtrees`, chosen after the drafter call); without a
         drafter call (drafted False) a plain step. A chain is the tree whose node i has parent i-1: one
         path serves both."""
+        start = time.perf_counter()
         b = len(state.prompts)
         state.reserve(int(state.lens[live].max()) + self.depth + 1)
         nodes, parents = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
@@ -444,29 +465,32 @@ class SpeculativeRuntime:
         rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
         if not state.sampling:
             next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
-        path_ids = verify_ids.gather(1, rows)                                   # [root, accepted nodes..]
-        state.write_target(_gather_rows(out, rows), accepted + 1, live)
+        # A plain step's path is the call's one row: nothing to gather (host time in every plain round).
+        plain = verify_ids.shape[1] == 1
+        path_ids = verify_ids if plain else verify_ids.gather(1, rows)          # [root, accepted nodes..]
+        state.write_target(out if plain else _gather_rows(out, rows), accepted + 1, live)
         # Per-sequence bookkeeping on Python lists: one conversion each, not an indexing call per sequence
         # (each torch call is host time in every round, a GPU's included).
-        counts, ids, nexts = accepted.tolist(), path_ids.tolist(), next_token.tolist()
+        counts, ids, nexts, alive = accepted.tolist(), path_ids.tolist(), next_token.tolist(), live.tolist()
         emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
         if policy is not None:
-            for i, depth in zip(live.nonzero()[:, 0].tolist(), verified_depth[live].tolist()):
-                state.stats[i].accepted.append(counts[i])
-                state.stats[i].depths.append(depth)
-                state.stats[i].widths.append(verify_ids.shape[1])
-                state.stats[i].draft_calls += drafted
-        events = state.emit(emitted, live)
+            for i, depth in enumerate(verified_depth.tolist()):
+                if alive[i]:
+                    state.stats[i].accepted.append(counts[i])
+                    state.stats[i].depths.append(depth)
+                    state.stats[i].widths.append(verify_ids.shape[1])
+                    state.stats[i].draft_calls += drafted
+        events = state.emit(emitted, alive)
         if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
-            next_ids = torch.cat([path_ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
-            next_ids[torch.arange(b), accepted] = next_token
-            aux = out[C.AUX_HIDDEN]
-            aux = aux.gather(1, rows.to(aux.device)[:, :, None].expand(-1, -1, aux.shape[2]))
-            state.pending.append(next_ids, aux, accepted + 1, live)
+            state.pending.append([emitted[i] if alive[i] else [] for i in range(b)], out[C.AUX_HIDDEN],
+                                 None if plain else rows)
         if policy is not None:
             policy.observe(j, accepted, live, drafted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
+        if not drafted:
+            self.timings.plain_round += time.perf_counter() - start
+            self.timings.plain_rounds += 1
         yield from events
 
     # ------------------------------------------------------------ graph calls
@@ -612,7 +636,7 @@ class _State:
     def write_drafter(self, out, counts, live):
         _write_rows(self.draft_k, self.draft_v, out, self.draft_lens, counts, live)
 
-    def emit(self, tokens_per_seq: list[list[int]], live) -> list[Event]:
+    def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
         """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
         events = []
         cfg = self.config
@@ -650,35 +674,46 @@ class _State:
 
 
 class _PendingRows:
-    """The drafter's input rows it has not consumed yet, per sequence: ids [B,W], aux [B,W,A], count [B].
-    Verify calls append; a drafter call takes all rows of the live sequences (the others never draft
-    again: they finished or finish token by token, so their rows are never read)."""
+    """The drafter's input rows it has not consumed yet, per sequence: token ids (Python lists: a
+    round's append then needs no torch call for them) and aux states aux [B,W,A]. Verify calls append;
+    a drafter call takes all rows of the live sequences (the others never draft again: they finished
+    or finish token by token, so their rows are never read)."""
 
     def __init__(self, ids, aux, count):
-        self.ids, self.aux, self.count = ids.clone(), aux.clone(), count.clone()  # ours to write into
+        self.ids = [row[:n] for row, n in zip(ids.tolist(), count.tolist())]
+        self.aux = aux.clone()  # ours to write into
 
     def _fit(self, width):
-        if width > self.ids.shape[1]:  # grow by doubling: plain steps add one row at a time
-            grow = max(width, 2 * self.ids.shape[1]) - self.ids.shape[1]
-            self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
+        if width > self.aux.shape[1]:  # grow by doubling: plain steps add one row at a time
+            grow = max(width, 2 * self.aux.shape[1]) - self.aux.shape[1]
             self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
 
-    def append(self, ids, aux, counts, live):
-        counts = torch.where(live, counts, 0)
-        self._fit(int((self.count + counts).max()))
-        for b, (n, c) in enumerate(zip(self.count.tolist(), counts.tolist())):
-            if c:
-                self.ids[b, n:n + c] = ids[b, :c]
-                self.aux[b, n:n + c] = aux[b, :c]
-        self.count += counts
+    def append(self, tokens: list[list[int]], aux, rows=None):
+        """Sequence b's new rows: the tokens tokens[b] (its accepted drafts, then the target's next
+        token), the i-th beside the aux state of the verify call's row rows[b, i] (None: row i), the
+        row that predicted it. One indexed copy for the whole batch."""
+        picked = rows.tolist() if rows is not None else None
+        batch, source, slot = [], [], []
+        for b, new in enumerate(tokens):
+            batch += [b] * len(new)
+            source += picked[b][:len(new)] if picked is not None else range(len(new))
+            slot += range(len(self.ids[b]), len(self.ids[b]) + len(new))
+            self.ids[b].extend(new)
+        if batch:
+            self._fit(max(slot) + 1)
+            batch, source, slot = torch.tensor([batch, source, slot]).to(aux.device)
+            self.aux[batch, slot] = aux[batch, source]
 
     def take(self, live, width_for=lambda rows: rows):
-        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid)."""
-        width = width_for(int(self.count[live].max()))
+        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid):
+        ids [B,W], aux [B,W,A], num_valid [B] (at least 1: a finished sequence's row is padding)."""
+        alive = live.tolist()
+        width = width_for(max(len(row) for row, keep in zip(self.ids, alive) if keep))
         self._fit(width)
-        rows = (self.ids[:, :width].contiguous(), self.aux[:, :width].contiguous(), self.count.clamp(1, width))
-        self.count = torch.where(live, 0, self.count)
-        return rows
+        ids = torch.tensor([row[:width] + [0] * (width - len(row)) for row in self.ids])
+        num_valid = torch.tensor([min(max(len(row), 1), width) for row in self.ids])
+        self.ids = [[] if keep else row for row, keep in zip(self.ids, alive)]
+        return ids, self.aux[:, :width].contiguous(), num_valid
 
 
 def _chain(k: int) -> torch.Tensor:

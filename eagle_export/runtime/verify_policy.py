@@ -18,6 +18,7 @@ keeps all of them where a wide call costs what a narrow one does. The quantity b
 decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
 probes every PROBE_EVERY rounds, doubling the interval (up to PROBE_MAX) while probes keep failing,
 so a drafter that never helps costs at most about c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
+The runtime keeps one policy per batch size, so these estimates carry from one request to the next.
 
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
@@ -74,13 +75,25 @@ class GoodputDepth:
         self.depth, self.costs = depth, costs
 
     def start(self, batch: int) -> None:
+        """A stream of `batch` sequences begins. After a stream of the same size the estimates carry
+        over (same drafter, same machine, same costs): the sequences start from the last stream's mean,
+        and the probe interval and the rounds since the last drafter call continue, so a drafter that
+        does not pay costs one call per PROBE_MAX rounds across requests, not a probe in each request's
+        first round; one that pays drafts from the first round, which then counts as a probe. A new size
+        starts afresh."""
+        # A stream's first drafted round replaces the estimates, as a probe does: this request's drafts
+        # may be worth more or less than the last one's.
+        self._promised, self._sampling, self._first = None, False, True
+        if getattr(self, "batch", None) == batch:
+            self.expected = self.expected.mean().expand(batch).clone()
+            self.acceptance = self.acceptance.mean(0).expand(batch, -1).clone()
+            return
         self.batch = batch
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
-        self._promised, self._sampling = None, False
 
     def _round_cost(self, j: int) -> float:
         return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
@@ -123,7 +136,7 @@ class GoodputDepth:
         if not drafted:
             self.since_draft += 1
             return
-        probe = self._probing()
+        probe, self._first = self._probing() or self._first, False
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth

@@ -14,6 +14,8 @@ policy a round may be a plain step (no drafter call, k = 0): `depth_histogram` c
 number of drafts verified, `draft_calls` the rounds that called the drafter; `verify_width_mean` is the
 mean number of tokens per verify call (a chain's k+1, a tree's root plus the nodes kept), and
 `round_cost_in_steps` a round's graph time (drafter and verify call) in plain decoding steps.
+`plain_round_vs_step` is a round that called no drafter (k = 0, or a last step near the limit) against
+a plain decoding step, both timed whole (graph and host) by the runtime.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..errors import EagleExportError
 from ..progress import track
 from ..runtime.costs import disagreement
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
-from ..runtime.verify_policy import POLICIES, break_even_acceptance, round_speedup
+from ..runtime.verify_policy import POLICIES, break_even_acceptance, make_policy, round_speedup
 from ..speculation.stats import acceptance_by_depth, mean_accepted_length
 from ..speculation.synthetic import SyntheticDrafts, label, verify_width_continuations
 from ..speculation.tree import describe
@@ -92,6 +94,9 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     for runtime in runtimes.values():
         runtime.cost_curves(batch)  # measured (or read from the cache) before anything is timed
     cost_warnings = cost_disagreements(runtimes, batch)
+    # A policy learns across the streams it serves (goodput's estimates carry over): one per build,
+    # setting and policy, so one acceptance setting's runs never start from another's estimates.
+    policies = {run: make_policy(run[1], runtimes[run[0]].depth, runtimes[run[0]].costs) for run in runs[:-1]}
 
     totals = {run: Counter() for run in runs}
     stats = {run: [] for run in runs[:-1]}
@@ -107,8 +112,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             runtime, policy = runtimes[run[0]], run[1]
             drafts = None if run[2] is None else synthetic[run[2]]  # None: the real drafter's own drafts
             start = time.perf_counter()
-            results = runtime.generate(chunk, config, speculative=policy is not None, verify_policy=policy,
-                                       synthetic=drafts)
+            results = runtime.generate(chunk, config, speculative=policy is not None,
+                                       verify_policy=policies.get(run), synthetic=drafts)
             seconds, t = time.perf_counter() - start, runtime.timings
             if policy is not None:
                 totals[run]["rounds"] += max(r.stats.rounds for r in results)  # a batch advances in lock step
@@ -119,7 +124,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             tokens[run] = [r.tokens for r in results]
             count = sum(r.stats.new_tokens for r in results)
             totals[run].update({"tokens": count, "seconds": seconds, "prefill": t.prefill, "draft": t.draft,
-                                "verify": t.verify})
+                                "verify": t.verify, "plain_round": t.plain_round, "plain_rounds": t.plain_rounds})
             rates[run] = count / seconds
         for run in runs[:-1]:
             per_batch[run].append(rates[run] / rates[runs[-1]])
@@ -138,6 +143,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
+        "ar_round_ms": _round_ms(ar),
         "cost_warnings": cost_warnings,
         "builds": {},
     }
@@ -174,6 +180,11 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     return result
 
 
+def _round_ms(s: Counter) -> float | None:
+    """Milliseconds per round that called no drafter, host work included (None: there was none)."""
+    return round(1000 * s["plain_round"] / s["plain_rounds"], 3) if s["plain_rounds"] else None
+
+
 def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, t_ar_step: float, depth: int) -> dict:
     """One policy's figures over the bench: tau, depths, widths, speedups, efficiency, time split."""
     accepted = [a for q in seqs for a in q.accepted]
@@ -191,6 +202,10 @@ def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, 
         "depth_histogram": {k: depths.count(k) for k in range(depth + 1)},
         "verify_width_mean": round(statistics.mean(widths), 3),
         "round_cost_in_steps": round(round_graph_s / t_ar_step, 3),
+        # A round without a drafter call should cost what a plain decoding step does: the runtime's
+        # speculative bookkeeping is the difference (pending drafter rows, the policy, the stats).
+        "plain_round_ms": _round_ms(s),
+        "plain_round_vs_step": round(_round_ms(s) / _round_ms(ar), 4) if s["plain_rounds"] and ar["plain_rounds"] else None,
         "rounds": s["rounds"], "draft_calls": s["draft_calls"],
         "identical_to_autoregressive": s["differing"] == 0,
         "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / (ar["tokens"] / ar["seconds"]), 4),
