@@ -17,6 +17,13 @@ from . import __version__, progress
 from .errors import EagleExportError
 from .models.contract import MAX_DEPTH
 
+# torch's OpenMP workers spin on the cores for a while after each parallel region (libgomp's default),
+# and ONNX Runtime's threads need those cores for every graph call: on a 2-core machine that made
+# plain decoding steps and speculative rounds alike slower (see README "Threads on a CPU"). Passive
+# waiting has to be chosen before torch loads libgomp, so the command line sets it; a user's own
+# OMP_WAIT_POLICY wins, and library users set it themselves.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _refuse(e: EagleExportError):
     click.echo(f"error: {e.problem}", err=True)

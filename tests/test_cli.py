@@ -104,6 +104,24 @@ def test_the_light_import_probe_sees_a_heavy_import():
     assert "torch" in light_command_imports(["passes"])
 
 
+@pytest.mark.parametrize("mine", [None, "ACTIVE"])
+def test_the_command_line_has_torchs_idle_threads_wait_passively_before_torch_loads(mine):
+    """torch's OpenMP workers spinning after a parallel region took the cores ONNX Runtime's calls
+    needed: the command line chooses passive waiting before anything imports torch (libgomp reads the
+    setting once, when torch loads it), and a user's own choice stands."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, sys; import eagle_export.cli; "
+             "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if mine is not None:
+        env["OMP_WAIT_POLICY"] = mine
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.split() == ["False", mine or "PASSIVE"], out.stderr
+
+
 def test_every_option_of_every_command_says_what_it_does():
     for name, command in main.commands.items():
         for param in command.params:

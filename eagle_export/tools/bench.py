@@ -20,6 +20,7 @@ a plain decoding step, both timed whole (graph and host) by the runtime.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -141,6 +142,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     result = {
         "backend": first.backend.name, "device": device_name(first), "batch": batch,
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's idle threads spin unless PASSIVE
         "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
         "ar_round_ms": _round_ms(ar),
