@@ -25,7 +25,9 @@ from ..errors import EagleExportError
 from ..export.export import (
     check_export_fits,
     export_pair,
+    keep_large_blocks_in_heap,
     release_freed_memory,
+    return_large_blocks_at_once,
     resolve_export_dtype,
 )
 from ..export.loader import load_pair, passes_skipping, prepare_pair
@@ -211,6 +213,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             # before loading: the export stage's peak, as `export`'s (the same stage order)
             check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))
             # the model passes run after the conformance check, which reads the models as loaded
+            return_large_blocks_at_once()  # while the build holds models (to the end of the export stage)
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
@@ -251,6 +254,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             del target, drafter
             graphs = export_stage(recipe, tmp, pair, echo)
             release_freed_memory()
+            keep_large_blocks_in_heap()
             for name in TOKENIZER_FILES:
                 if (target_dir / name).is_file():
                     shutil.copy(target_dir / name, tmp / name)

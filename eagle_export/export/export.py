@@ -122,12 +122,19 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
 def streamed(model: ir.Model) -> ir.Model:
     """Each initializer held in an external file becomes a tensor that reads its bytes from the file
     whenever asked and keeps nothing (onnx_ir's ExternalTensor keeps its file mapped once read, so
-    hashing every weight for de-duplication and writing them out would map all of them at once)."""
+    hashing every weight for de-duplication and writing them out would map all of them at once).
+    A Constant node's value the exporter wrote to a file of its own (it does so for every tensor of a
+    graph over 2 GB) is read into the graph: the save writes only initializers to the data file, and
+    that file is gone once the export's temporary directory is (ONNX Runtime refused the graph)."""
     for value in model.graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor):
             value.const_value = ir.LazyTensor(functools.partial(_read_external, tensor), tensor.dtype,
                                               tensor.shape, name=tensor.name)
+    for node in model.graph.all_nodes():
+        for name, attr in list(node.attributes.items()):
+            if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                node.attributes[name] = ir.AttrTensor(name, _read_external(attr.value))
     return model
 
 
@@ -145,10 +152,22 @@ def return_large_blocks_at_once() -> None:
     (glibc's M_MMAP_THRESHOLD, fixed; nothing elsewhere). glibc raises that threshold as large blocks
     are freed (up to 32 MiB), after which the weights a model pass replaces (the q/k/v and gate/up it
     fuses) or a save has written stay in the heap: measured, loading a Qwen3-1.7B-shaped fp16 pair
-    peaked at 5.67 GiB for 3.77 GiB once trimmed. Process-wide, so only `export` sets it (before
-    loading); `build`, whose validation runs many forward passes, only trims (`release_freed_memory`)."""
+    peaked at 5.67 GiB for 3.77 GiB once trimmed, and a build's export of its target graph at 6.36 GiB
+    (5.01 with it). Process-wide: `export` sets it before loading; `build` from loading to the end of
+    its export stage, then `keep_large_blocks_in_heap` (its validation runs many forward passes)."""
+    _set_mmap_threshold(1 << 20)
+
+
+def keep_large_blocks_in_heap() -> None:
+    """Undo `return_large_blocks_at_once` for work that allocates and frees many large blocks (forward
+    passes): the threshold becomes 32 MiB, the ceiling glibc's dynamic threshold reaches once a process
+    has freed blocks that large, as one that has loaded and freed a model has."""
+    _set_mmap_threshold(32 << 20)
+
+
+def _set_mmap_threshold(nbytes: int) -> None:
     try:
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
 
