@@ -213,8 +213,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             # before loading: the export stage's peak, as `export`'s (the same stage order)
             check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))
             # the model passes run after the conformance check, which reads the models as loaded
-            return_large_blocks_at_once()  # while the build holds models (to the end of the export stage)
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
+            return_large_blocks_at_once()  # while the build holds these models (to the end of the export stage)
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
                 raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "

@@ -153,8 +153,9 @@ def return_large_blocks_at_once() -> None:
     are freed (up to 32 MiB), after which the weights a model pass replaces (the q/k/v and gate/up it
     fuses) or a save has written stay in the heap: measured, loading a Qwen3-1.7B-shaped fp16 pair
     peaked at 5.67 GiB for 3.77 GiB once trimmed, and a build's export of its target graph at 6.36 GiB
-    (5.01 with it). Process-wide: `export` sets it before loading; `build` from loading to the end of
-    its export stage, then `keep_large_blocks_in_heap` (its validation runs many forward passes)."""
+    (5.01 with it). Process-wide: `load_pair` sets it while it loads, `export` and `build` from their
+    load to the end of their export, then `keep_large_blocks_in_heap` (forward passes, e.g. a build's
+    validation, allocate and free many large blocks)."""
     _set_mmap_threshold(1 << 20)
 
 
@@ -409,8 +410,8 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
 
     progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
              "through the model passes a build applies")
-    return_large_blocks_at_once()
     target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
+    return_large_blocks_at_once()  # for the export too: the tensors a save has written
     aux_ids = target.aux_layer_ids  # the states this drafter was trained on
     # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
     # named before, not discovered as a truncated file after.
