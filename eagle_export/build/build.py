@@ -27,8 +27,8 @@ from ..export.export import (
     export_pair,
     keep_large_blocks_in_heap,
     release_freed_memory,
-    return_large_blocks_at_once,
     resolve_export_dtype,
+    return_large_blocks_at_once,
 )
 from ..export.loader import load_pair, passes_skipping, prepare_pair
 from ..models import contract as C
