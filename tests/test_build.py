@@ -57,11 +57,37 @@ def write_recipe(path, sources, sampling=False, **edits):
     return path
 
 
+# What the `built` build held when each drafter graph's export began: (target, its first layer, the
+# embedding table the drafter shares) alive, as loaded by the build.
+ALIVE_AT_DRAFTER_EXPORT = []
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, sources):
+    import gc
+    import weakref
+
+    import eagle_export.build.build as build_module
+    import eagle_export.export.export as export_module
+
     root = tmp_path_factory.mktemp("build")
     recipe = write_recipe(root / "recipe.yaml", sources, sampling=True)
-    result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(root / "out")])
+    loaded, real_load_pair, real_export_drafter = [], build_module.load_pair, export_module.export_drafter
+
+    def load_and_watch(*args, **kwargs):
+        target, drafter = real_load_pair(*args, **kwargs)
+        loaded.append((weakref.ref(target), weakref.ref(target.layers[0]), weakref.ref(drafter.embed_tokens)))
+        return target, drafter
+
+    def export_and_watch(drafter, *args, **kwargs):
+        gc.collect()
+        ALIVE_AT_DRAFTER_EXPORT.append(tuple(ref() is not None for ref in loaded[0]))
+        return real_export_drafter(drafter, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_module, "load_pair", load_and_watch)
+        patch.setattr(export_module, "export_drafter", export_and_watch)
+        result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(root / "out")])
     assert result.exit_code == 0, result.output
     return root / "out", result.output
 
@@ -89,6 +115,17 @@ def test_build_writes_a_complete_manifest(built):
     assert "onnxruntime" in manifest["backends"] and "tensorrt" not in manifest["backends"]
     assert oct(out.stat().st_mode & 0o777) != oct(0o700)
     assert Manifest.read(out).to_json() == manifest  # one type both ways: what build wrote reads back whole
+
+
+def test_the_build_frees_the_target_before_the_drafter_graphs_and_validates_against_the_sources(built):
+    """The drafter graphs (one proto each in torch's exporter, ~3 x their weights) are exported beside the
+    drafter and the table it shares, not the whole target; validation then loads the pair again from
+    the sources, which it first checks against the hashes the build recorded."""
+    out, _ = built
+    assert ALIVE_AT_DRAFTER_EXPORT == [(False, False, True)] * 2  # greedy and sampling drafters
+    checks = {c["name"]: c for c in json.loads((out / "manifest.json").read_text())["validation"]["checks"]}
+    assert checks["source checkpoints"]["ok"]
+    assert checks["target graph vs torch"]["ok"] and checks["drafter graph vs torch"]["ok"]
 
 
 def test_validate_passes_then_names_a_modified_file(built, tmp_path):
@@ -996,7 +1033,7 @@ def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sou
     """ONNX Runtime has no FP4 kernels: the loop runs on the torch backend over the NVFP4 weights read
     from the build's own graphs, and says so; nothing is skipped."""
     out, log = quantized_build(sources, tmp_path, "nvfp4")
-    assert "validation 7/7 checks passed" in log
+    assert "validation 8/8 checks passed" in log  # the source checkpoints, hashed before the reference is loaded
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backends"] == ["torch"] and manifest["quantization"]["delta"]["backend"] == "torch"
     checks = {c["name"]: c for c in manifest["validation"]["checks"]}

@@ -1,6 +1,7 @@
 """Export memory: the projection from the configs, and the refusal before loading when it exceeds
 what the machine has available."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,21 +36,21 @@ def test_weight_bytes_from_the_configs_match_the_loaded_pair(pair, dtype):
 
 
 def test_the_projection_follows_the_stages(pair, monkeypatch):
-    """export: the larger of the target's stage (pair + the exporter's copies of a one-file target graph)
-    and the drafter's (its graph and the exporter's copies of it; the target freed); a build keeps the target."""
+    """`export` and a build's export stage (the same `export_pair`): the larger of the target's stage (the
+    pair + the exporter's copies of a one-file target graph) and the drafter's (its graph and the
+    exporter's copies of it; the target freed, which the export tests hold)."""
     import eagle_export.export.export as export_module
     from eagle_export.models.config import DrafterConfig, TargetConfig, read_config_json
 
     target_cfg, drafter_cfg = TargetConfig.from_hf(read_config_json(pair[0])), DrafterConfig.from_hf(read_config_json(pair[1]))
     gib, fixed, copies = 2**30, export_module.EXPORT_PEAK_FIXED_BYTES, export_module.EXPORT_PEAK_GRAPH_COPIES
     table = target_cfg.vocab_size * target_cfg.hidden_size * 2  # an external graph's largest tensor, read alone
-    for (w, t, d), export, build in [
-        ((16 * gib, 15 * gib, 2 * gib - gib // 4), 16 * gib + table, 16 * gib + copies * (2 * gib - gib // 4)),  # 8B
-        ((int(1.2 * gib), gib, gib // 2), int(1.2 * gib) + copies * gib, int(1.2 * gib) + copies * gib),  # both one file
-        ((gib, gib // 8, gib), (1 + copies) * gib, (1 + copies) * gib)]:  # a drafter graph larger than the target's
+    for (w, t, d), peak in [
+        ((16 * gib, 15 * gib, 2 * gib - gib // 4), 16 * gib + table),  # 8B: the drafter's 4 x 1.75 GiB is less
+        ((int(1.2 * gib), gib, gib // 2), int(1.2 * gib) + copies * gib),  # both one file
+        ((gib, gib // 8, gib), (1 + copies) * gib)]:  # a drafter graph larger than the target's
         monkeypatch.setattr(export_module, "weight_bytes", lambda *a, sizes=(w, t, d): sizes)
-        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=False) == export + fixed
-        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target=True) == build + fixed
+        assert export_module.projected_peak(target_cfg, drafter_cfg, torch.float16) == peak + fixed
 
 
 def test_a_pair_larger_than_available_memory_is_refused_before_loading(pair, monkeypatch):
@@ -106,6 +107,45 @@ def test_external_weights_stream_through_the_passes_and_the_save(tmp_path, pair,
     before, after = (run_onnx(ort_session(d / "drafter.onnx"), feeds) for d in (tmp_path, tmp_path / "again"))
     for name in before:
         np.testing.assert_array_equal(before[name].numpy(), after[name].numpy())
+
+
+def test_a_constant_the_exporter_wrote_to_its_own_file_is_read_into_the_saved_graph(tmp_path, monkeypatch):
+    """Above 2 GB torch's exporter writes every tensor to a file of its own beside the raw graph, a
+    Constant node's value too; the save writes only initializers to the data file, so the constant is
+    read into the graph: the saved graph runs once the exporter's directory is gone."""
+    import numpy as np
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    import eagle_export.export.export as export_module
+    from eagle_export.export.export import save_model, streamed
+    from eagle_export.runtime.backends import ort_session
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    constant, weight = np.array([1, 2, 3], np.float32), np.array([4, 5, 6], np.float32)
+
+    def external(name, array):
+        (raw / name).write_bytes(array.tobytes())
+        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape)
+        tensor.data_location = TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=name)
+        return tensor
+
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=external("c_attr_value", constant)),
+         helper.make_node("Add", ["x", "c"], ["s"]), helper.make_node("Mul", ["s", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], initializer=[external("w", weight)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), raw / "g.onnx")
+    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 0)  # as a graph over 2 GB is saved
+    (tmp_path / "out").mkdir()
+    save_model(streamed(ir.load(raw / "g.onnx")), tmp_path / "out" / "g.onnx")
+    shutil.rmtree(raw)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["g.onnx", "g.onnx.data"]
+    y = ort_session(tmp_path / "out" / "g.onnx").run(None, {"x": np.ones(3, np.float32)})[0]
+    np.testing.assert_array_equal(y, (1 + constant) * weight)
 
 
 def test_a_single_file_graph_is_written_tensor_by_tensor_with_the_bytes_onnx_ir_writes(tmp_path, pair, monkeypatch):

@@ -24,10 +24,11 @@ from ..environment import buildable_precisions, gpu_info, tensorrt_version
 from ..errors import EagleExportError
 from ..export.export import (
     check_export_fits,
-    export_drafter,
-    export_target,
+    export_pair,
+    keep_large_blocks_in_heap,
     release_freed_memory,
     resolve_export_dtype,
+    return_large_blocks_at_once,
 )
 from ..export.loader import load_pair, passes_skipping, prepare_pair
 from ..models import contract as C
@@ -147,24 +148,19 @@ def quantize_stage(recipe: Recipe, target, drafter, target_dir: Path) -> tuple:
     return qtarget, qdrafter, {**report, **measured}
 
 
-def export_stage(recipe: Recipe, build_dir: Path, target, drafter) -> dict[str, GraphFile]:
-    """target.onnx, drafter.onnx (and drafter_sampling.onnx), quantized models through the Q/DQ rewrites."""
+def export_stage(recipe: Recipe, build_dir: Path, pair: list, echo=print) -> dict[str, GraphFile]:
+    """target.onnx, drafter.onnx (and drafter_sampling.onnx), quantized models through the Q/DQ rewrites.
+    `pair` = [target, drafter], the build's only references to them: `export_pair` frees the target once
+    its graph is written, and this stage the drafter once its graphs are (validation loads the
+    unquantized pair again from the sources)."""
     precision, sampling = recipe["precision"], recipe["sampling"]
-    speculation = recipe.speculation
-    quantized = {role: precision[role] in QUANTIZED for role in ("target", "drafter")}
-
-    def drafter_graph(file: str, sample: bool) -> GraphFile:
-        report = export_drafter(drafter, speculation, sample, build_dir / file, quantized["drafter"])
-        return GraphFile(file, sampling=sample, report=report)
-
+    quantized = tuple(precision[role] in QUANTIZED for role in ("target", "drafter"))
     # A quantized target also returns its logits: its lossless check reads each call's margins.
-    logits = sampling or quantized["target"]
-    target_report = export_target(target, build_dir / "target.onnx", logits, quantized["target"])
-    graphs = {"target": GraphFile("target.onnx", return_logits=logits, report=target_report),
-              "drafter": drafter_graph("drafter.onnx", False)}
-    if sampling:
-        graphs["drafter_sampling"] = drafter_graph("drafter_sampling.onnx", True)
-    return graphs
+    logits = sampling or quantized[0]
+    reports = export_pair(pair, build_dir, recipe.speculation, sampling, logits, quantized,
+                          progress=lambda line: echo(f"  {line}"))
+    return {key: GraphFile(f"{key}.onnx", return_logits=logits if key == "target" else False,
+                           sampling=key == "drafter_sampling", report=report) for key, report in reports.items()}
 
 
 def delta_stage(recipe: Recipe, build_dir: Path, target_dir: Path) -> dict:
@@ -214,10 +210,11 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             source_files = {"target": source_hashes(target_dir), "drafter": source_hashes(drafter_dir)}
             target_dtype = base_dtype(precision["target"], has_trt)
             drafter_dtype = base_dtype(precision["drafter"], has_trt)
-            # before loading; the build keeps the target beside the drafter's export (its validation reads it)
-            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype), keeps_target=True)
+            # before loading: the export stage's peak, as `export`'s (the same stage order)
+            check_export_fits(target_dir, drafter_dir, resolve_export_dtype(target_dtype))
             # the model passes run after the conformance check, which reads the models as loaded
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
+            return_large_blocks_at_once()  # while the build holds these models (to the end of the export stage)
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
                 raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "
@@ -238,7 +235,6 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             pass_records = prepare_pair(target, drafter, passes_skipping(skip))
             release_freed_memory()  # the q/k/v and gate/up weights the passes fused, kept by the C heap otherwise
 
-        unquantized = target, drafter  # validation measures the graphs against them
         with log("quantize"):
             if precision["target"] in QUANTIZED or precision["drafter"] in QUANTIZED:
                 target, drafter, quant_report = quantize_stage(recipe, target, drafter, target_dir)
@@ -246,16 +242,26 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                 quant_report = {"skipped": f"target {precision['target']}, drafter {precision['drafter']}"}
 
         with log("export ONNX (graph passes + TensorRT lint)"):
-            graphs = export_stage(recipe, tmp, target, drafter)
+            models = {"target": built_target(target, str(target_dir), precision["target"], target_dtype),
+                      "drafter": built_drafter(drafter, str(drafter_dir), precision["drafter"], drafter_dtype)}
+            engine_specs = graph_specs(recipe, target, drafter)
             np.save(tmp / "draft_to_target.npy",
                     drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size)).numpy())
+            # From here on the build holds no model: the export frees the target before the drafter's
+            # graph (one proto in torch's exporter, ~3 x its weights, would sit beside the whole target),
+            # and validation loads the unquantized pair again from the sources, hashed first.
+            pair = [target, drafter]
+            del target, drafter
+            graphs = export_stage(recipe, tmp, pair, echo)
+            release_freed_memory()
+            keep_large_blocks_in_heap()
             for name in TOKENIZER_FILES:
                 if (target_dir / name).is_file():
                     shutil.copy(target_dir / name, tmp / name)
 
         with log("TensorRT engines"):
             if has_trt:
-                engines, skipped = build_engines(recipe, tmp, target, drafter), None
+                engines, skipped = build_engines(recipe, tmp, engine_specs), None
             else:
                 engines, skipped = [], f"{no_trt_reason}: stopped after the ONNX stage; this build runs on ONNX Runtime"
                 echo(f"  {skipped}")
@@ -263,8 +269,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
         manifest = Manifest(
             recipe=recipe.data, speculation=recipe.speculation, sampling=sampling,
             max_context=recipe["profiles"]["context"]["max"],
-            target=built_target(target, str(target_dir), precision["target"], target_dtype),
-            drafter=built_drafter(drafter, str(drafter_dir), precision["drafter"], drafter_dtype),
+            target=models["target"], drafter=models["drafter"],
             graphs=graphs, engines=tuple(engines) if has_trt else (), engines_skipped=None if has_trt else skipped,
             backends=(("tensorrt",) if has_trt else ()) + (() if "nvfp4" in model_precisions else ("onnxruntime",))
             + (() if "fp8" in model_precisions else ("torch",)),
@@ -280,7 +285,7 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                      f"{delta['max_logit_difference']:.3g}, {delta['argmax_flips']} argmax flips in {delta['positions']})")
                 manifest = write_manifest(tmp, replace(manifest, quantization={**quant_report, "delta": delta},
                                                        stage_seconds=log.seconds))
-            manifest = replace(manifest, validation=validate_build_dir(tmp, reference=unquantized, quick=True))
+            manifest = replace(manifest, validation=validate_build_dir(tmp, quick=True))
             if not manifest.validation["ok"]:
                 raise EagleExportError("the build failed its own validation: "
                                        + "; ".join(manifest.validation["failures"]),
@@ -308,13 +313,17 @@ def built_drafter(drafter, source: str, precision: str, dtype: str) -> BuiltMode
                       eagle_version=d.eagle_version, draft_vocab_size=d.draft_vocab_size)
 
 
-def build_engines(recipe: Recipe, build_dir: Path, target, drafter) -> list[Engine]:
+def graph_specs(recipe: Recipe, target, drafter) -> dict[str, C.GraphSpec]:
+    """The contract of each graph an engine is built from (the greedy drafter's)."""
+    return {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),
+            "drafter": C.drafter_graph(drafter.config, recipe.speculation, False)}
+
+
+def build_engines(recipe: Recipe, build_dir: Path, specs: dict[str, C.GraphSpec]) -> list[Engine]:
     """Serialize one engine per graph for this GPU (only reached where TensorRT and CUDA exist)."""
     import tensorrt
 
     gpu = gpu_info()
-    specs = {"target": C.target_graph(target.config, len(target.aux_layer_ids), recipe["sampling"]),
-             "drafter": C.drafter_graph(drafter.config, recipe.speculation, False)}
     engines = []
     for graph, spec in specs.items():
         name = engine_file_name(graph, gpu["compute_capability"], tensorrt.__version__)

@@ -17,7 +17,8 @@ quantized or not.
 A model above 2 GB (the protobuf limit) is saved with its weights in one external data file. Weights
 are held once: the exporter writes them, the graph passes run on the in-memory IR with each external
 weight read from its file when a pass needs its values, and the save writes them tensor by tensor (a
-one-file graph too: `save_single_file`). `export` frees the target before it exports the drafter.
+one-file graph too: `save_single_file`). `export` and `build` free the target before they export the
+drafter (`export_pair`).
 """
 
 from __future__ import annotations
@@ -121,12 +122,19 @@ def export_graph(module: torch.nn.Module, args: tuple, spec: C.GraphSpec, path: 
 def streamed(model: ir.Model) -> ir.Model:
     """Each initializer held in an external file becomes a tensor that reads its bytes from the file
     whenever asked and keeps nothing (onnx_ir's ExternalTensor keeps its file mapped once read, so
-    hashing every weight for de-duplication and writing them out would map all of them at once)."""
+    hashing every weight for de-duplication and writing them out would map all of them at once).
+    A Constant node's value the exporter wrote to a file of its own (it does so for every tensor of a
+    graph over 2 GB) is read into the graph: the save writes only initializers to the data file, and
+    that file is gone once the export's temporary directory is (ONNX Runtime refused the graph)."""
     for value in model.graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor):
             value.const_value = ir.LazyTensor(functools.partial(_read_external, tensor), tensor.dtype,
                                               tensor.shape, name=tensor.name)
+    for node in model.graph.all_nodes():
+        for name, attr in list(node.attributes.items()):
+            if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                node.attributes[name] = ir.AttrTensor(name, _read_external(attr.value))
     return model
 
 
@@ -144,10 +152,23 @@ def return_large_blocks_at_once() -> None:
     (glibc's M_MMAP_THRESHOLD, fixed; nothing elsewhere). glibc raises that threshold as large blocks
     are freed (up to 32 MiB), after which the weights a model pass replaces (the q/k/v and gate/up it
     fuses) or a save has written stay in the heap: measured, loading a Qwen3-1.7B-shaped fp16 pair
-    peaked at 5.67 GiB for 3.77 GiB once trimmed. Process-wide, so only `export` sets it (before
-    loading); `build`, whose validation runs many forward passes, only trims (`release_freed_memory`)."""
+    peaked at 5.67 GiB for 3.77 GiB once trimmed, and a build's export of its target graph at 6.36 GiB
+    (5.01 with it). Process-wide: `load_pair` sets it while it loads, `export` and `build` from their
+    load to the end of their export, then `keep_large_blocks_in_heap` (forward passes, e.g. a build's
+    validation, allocate and free many large blocks)."""
+    _set_mmap_threshold(1 << 20)
+
+
+def keep_large_blocks_in_heap() -> None:
+    """Undo `return_large_blocks_at_once` for work that allocates and frees many large blocks (forward
+    passes): the threshold becomes 32 MiB, the ceiling glibc's dynamic threshold reaches once a process
+    has freed blocks that large, as one that has loaded and freed a model has."""
+    _set_mmap_threshold(32 << 20)
+
+
+def _set_mmap_threshold(nbytes: int) -> None:
     try:
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        ctypes.CDLL(None).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
 
@@ -295,11 +316,10 @@ def export_drafter(drafter, speculation, sampling: bool, path: Path, quantized: 
 # graph); a larger graph the exporter writes
 # tensor by tensor to external files, and the passes and the save stream it, one tensor at a time
 # (the largest: the embedding table).
-# `export` frees the target before the drafter's graph: its peak is the larger of W + 3 D_target
-# (target under the limit) and 4 D_drafter (the drafter graph carries its own copy of the embedding
-# table); `build` keeps the target (its validation compares against it): W + 3 D of its larger
-# one-file graph. The rest, EXPORT_PEAK_FIXED_BYTES, is the interpreter, torch and the exporter's
-# working memory, fit to the measurements.
+# `export` and a build's export stage free the target before the drafter's graph (`export_pair`): the
+# peak is the larger of W + 3 D_target (target under the limit) and 4 D_drafter (the drafter graph
+# carries its own copy of the embedding table). The rest, EXPORT_PEAK_FIXED_BYTES, is the interpreter,
+# torch and the exporter's working memory, fit to the measurements.
 EXPORT_PEAK_GRAPH_COPIES = 3
 EXPORT_PEAK_FIXED_BYTES = int(1.25 * 2**30)
 
@@ -326,14 +346,13 @@ def exporter_copies(graph_bytes: int, largest_tensor: int) -> int:
     return EXPORT_PEAK_GRAPH_COPIES * graph_bytes if graph_bytes < EXTERNAL_DATA_THRESHOLD else largest_tensor
 
 
-def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype,
-                   keeps_target: bool) -> int:
-    """Peak resident bytes of exporting the pair at `dtype`: `export` (keeps_target False: the target
-    is freed before the drafter's graph) or a build's export stage (True)."""
+def projected_peak(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: torch.dtype) -> int:
+    """Peak resident bytes of exporting the pair at `dtype` (`export`, a build's export stage): the
+    target's graph beside the pair, then (the target freed) each drafter graph beside the drafter."""
     weights, target_graph, drafter_graph = weight_bytes(target_cfg, drafter_cfg, dtype)
     table = target_cfg.vocab_size * target_cfg.hidden_size * torch.empty(0, dtype=dtype).element_size()
     target_stage = weights + exporter_copies(target_graph, table)
-    drafter_stage = (weights if keeps_target else drafter_graph) + exporter_copies(drafter_graph, table)
+    drafter_stage = drafter_graph + exporter_copies(drafter_graph, table)
     return max(target_stage, drafter_stage) + EXPORT_PEAK_FIXED_BYTES
 
 
@@ -348,10 +367,9 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None,
-                      keeps_target: bool = False) -> int:
-    """Refuse, before loading anything, a pair whose projected peak (`projected_peak`: `export`, or a
-    build's export stage with `keeps_target`) exceeds the memory this machine has available. Returns
+def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: int | None = None) -> int:
+    """Refuse, before loading anything, a pair whose projected export peak (`projected_peak`: `export`,
+    a build's export stage) exceeds the memory this machine has available. Returns
     the projection in bytes. Pairs under 1 GiB of weights are not refused: the fit's fixed part is the
     interpreter and torch, which any machine running this has."""
     target_raw, drafter_raw = read_config_json(target_dir), read_config_json(drafter_dir)
@@ -360,14 +378,14 @@ def check_export_fits(target_dir, drafter_dir, dtype: torch.dtype, available: in
     target_cfg = TargetConfig.from_hf(target_raw, where=str(target_dir))
     drafter_cfg = DrafterConfig.from_hf(drafter_raw, where=str(drafter_dir))
     weights = weight_bytes(target_cfg, drafter_cfg, dtype)[0]
-    projected = projected_peak(target_cfg, drafter_cfg, dtype, keeps_target)
+    projected = projected_peak(target_cfg, drafter_cfg, dtype)
     available = available_memory_bytes() if available is None else available
     if available is not None and projected > available and weights >= 1 << 30:
         gib = lambda n: f"{n / 2**30:.1f} GiB"
         smaller = ("" if dtype != torch.float32 else
-                   f"; in fp16 it needs {gib(projected_peak(target_cfg, drafter_cfg, torch.float16, keeps_target))}")
+                   f"; in fp16 it needs {gib(projected_peak(target_cfg, drafter_cfg, torch.float16))}")
         raise EagleExportError(
-            f"{'building' if keeps_target else 'exporting'} this pair ({target_cfg.architecture}, "
+            f"exporting this pair ({target_cfg.architecture}, "
             f"{target_cfg.num_layers} layers, {gib(weights)} of {DTYPE_NAMES[dtype]} weights) needs about "
             f"{gib(projected)} of memory at its peak (README \"Bring your own model\", Memory), and this machine "
             f"has {gib(available)} available{smaller}",
@@ -392,8 +410,8 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
 
     progress(f"loading target {target_dir} and drafter {drafter_dir} ({DTYPE_NAMES[torch_dtype]}), "
              "through the model passes a build applies")
-    return_large_blocks_at_once()
     target, drafter = load_pair(target_dir, drafter_dir, torch_dtype)
+    return_large_blocks_at_once()  # for the export too: the tensors a save has written
     aux_ids = target.aux_layer_ids  # the states this drafter was trained on
     # The graphs hold every weight (the drafter's once per graph): a disk without room for them is
     # named before, not discovered as a truncated file after.
@@ -414,27 +432,41 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
 
 
 def _export_into(out_dir, pair: list, aux_ids, depth, sampling, torch_dtype, progress) -> dict:
-    """`pair` is [target, drafter], this function's only reference to them: the target is freed once
-    target.onnx is written, so the drafter's export runs beside the drafter and the embedding table it
-    shares, not beside the whole target (the export's peak is then the target's stage, not the drafter's)."""
+    """`pair` is [target, drafter], this function's only reference to them (`export_pair`)."""
     summary = {"dtype": DTYPE_NAMES[torch_dtype], "depth": depth, "sampling": sampling,
                "opset": C.ONNX_OPSET, "ir_version": ONNX_IR_VERSION, "aux_layer_ids": list(aux_ids)}
+    summary.update(export_pair(pair, out_dir, depth, sampling, target_logits=sampling, progress=progress))
+    (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def export_pair(pair: list, out_dir: Path, speculation, sampling: bool, target_logits: bool,
+                quantized: tuple[bool, bool] = (False, False), progress: Callable[[str], None] | None = None) -> dict:
+    """target.onnx, then drafter.onnx and (`sampling`) drafter_sampling.onnx, as `export` and `build` lay
+    them out; returns each graph's report by its key (target, drafter, drafter_sampling).
+
+    `pair` is [target, drafter] and must hold the caller's only references to them: it is emptied and
+    the target freed once target.onnx is written, so each drafter graph, one proto in torch's exporter
+    (about 3 x its weights, `exporter_copies`), is exported beside the drafter and the embedding table
+    it shares, not beside the whole target. `quantized`: (target, drafter) go through the Q/DQ rewrites."""
+    progress = progress or (lambda message: None)
     target, drafter = pair
     pair.clear()
+    reports = {}
     progress("exporting target.onnx")
-    summary["target"] = export_target(target, out_dir / "target.onnx", return_logits=sampling)
+    reports["target"] = export_target(target, out_dir / "target.onnx", return_logits=target_logits,
+                                      quantized=quantized[0])
     del target
     release_freed_memory()
-    progress(f"  target: {summary['target']['nodes_exported']} nodes exported, "
-             f"{summary['target']['nodes_after_passes']} after passes, {summary['target']['export_seconds']:.1f} s")
-    # The greedy drafter is always drafter.onnx (what greedy decoding runs); --sampling adds the
-    # sampling one beside it, as a build lays them out.
+    progress(f"  target: {reports['target']['nodes_exported']} nodes exported, "
+             f"{reports['target']['nodes_after_passes']} after passes, {reports['target']['export_seconds']:.1f} s")
+    # The greedy drafter is always drafter.onnx (what greedy decoding runs); sampling adds the
+    # sampling one beside it.
     for key, file, sample in (("drafter", "drafter.onnx", False), ("drafter_sampling", "drafter_sampling.onnx", True)):
         if sample and not sampling:
             continue
-        progress(f"exporting {file} (depth {depth}, {'sampling' if sample else 'greedy'})")
-        summary[key] = export_drafter(drafter, depth, sample, out_dir / file)
-        progress(f"  {key}: {summary[key]['nodes_exported']} nodes exported, "
-                 f"{summary[key]['nodes_after_passes']} after passes, {summary[key]['export_seconds']:.1f} s")
-    (out_dir / "export_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        progress(f"exporting {file} ({'sampling' if sample else 'greedy'})")
+        reports[key] = export_drafter(drafter, speculation, sample, out_dir / file, quantized=quantized[1])
+        progress(f"  {key}: {reports[key]['nodes_exported']} nodes exported, "
+                 f"{reports[key]['nodes_after_passes']} after passes, {reports[key]['export_seconds']:.1f} s")
+    return reports
