@@ -143,8 +143,9 @@ def run_bound(session, feeds: dict[str, torch.Tensor], output_names: list[str], 
 
 
 def run_graph(path, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run an exported graph file on CPU: in ONNX Runtime (as `ort_session` sets it up), or, for NVFP4 graphs, which ONNX Runtime has no kernels for, in
-    onnx.reference with the TRT_FP4DynamicQuantize reference kernel."""
+    """Run an exported graph file on CPU: in ONNX Runtime (as `ort_session` sets it up), or, for
+    NVFP4 graphs, which ONNX Runtime has no kernels for, in onnx.reference with the
+    TRT_FP4DynamicQuantize reference kernel."""
     model = onnx.load(str(path))
     fp4 = (any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
            or any(n.op_type == "TRT_FP4DynamicQuantize" for n in model.graph.node))
