@@ -115,7 +115,7 @@ def test_fp8_target_graph_is_native_qdq_and_matches_torch_in_onnxruntime(tmp_pat
     spec = C.target_graph(qtarget.config, 3, True)
     args = random_args(spec, 5)
     expected = dict(zip(spec.output_names, TargetGraph(qtarget, True)(*args)))
-    got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
+    got = run_onnx(ort_session(path), spec.feeds(args))
     assert torch.equal(got["greedy_ids"], expected["greedy_ids"])
     for name in ("logits", "aux_hidden", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
@@ -129,7 +129,7 @@ def test_fp8_drafter_graph_matches_torch_in_onnxruntime(tmp_path, fp8):
     spec = C.drafter_graph(qdrafter.config, TreeShape.chain(DEPTH), sampling=False)
     args = random_args(spec, DEPTH + 1)
     expected = dict(zip(spec.output_names, UnrolledDrafter(qdrafter, DEPTH, False)(*args)))
-    got = run_onnx(ort_session(path, optimize=False), spec.feeds(args))
+    got = run_onnx(ort_session(path), spec.feeds(args))
     assert torch.equal(got["draft_ids"], expected["draft_ids"])
     for name in ("draft_token_probs", "new_key", "new_value"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)

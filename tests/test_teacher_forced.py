@@ -32,17 +32,29 @@ def prefer_second_at_near_ties(logits: torch.Tensor) -> torch.Tensor:
     return logits.scatter_(-1, second, torch.where(tie[..., None], raised, logits.gather(-1, second)))
 
 
+def prefer_third_at_near_ties(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits whose third choice is raised over the top where it is within NOISE of it: width
+    noise as large as a near-tie's neighbours (the NVFP4 sample build's)."""
+    logits = logits.clone()
+    top = logits.topk(3, dim=-1)
+    tie = (top.values[..., 0] - top.values[..., 2]) < NOISE
+    third = top.indices[..., 2:3]
+    raised = top.values[..., :1] + 1e-3
+    return logits.scatter_(-1, third, torch.where(tie[..., None], raised, logits.gather(-1, third)))
+
+
 class WidthNoise(TorchBackend):
     """A target whose calls of more than one token prefer the second choice at every near-tie."""
 
     first_noisy_row = 0
+    noise = staticmethod(prefer_second_at_near_ties)
 
     def target(self, feeds, need_logits=False):
         out = dict(super().target(feeds, need_logits=True))
         if feeds[C.INPUT_IDS].shape[1] > 1:
             logits = out[C.LOGITS].clone()
             rows = slice(self.first_noisy_row, None)
-            logits[:, rows] = prefer_second_at_near_ties(logits[:, rows])
+            logits[:, rows] = self.noise(logits[:, rows])
             out[C.LOGITS], out[C.GREEDY_IDS] = logits, logits.argmax(-1)
         return out
 
@@ -52,6 +64,13 @@ class RowNoise(WidthNoise):
     a kernel whose result depends on the row's place in the call."""
 
     first_noisy_row = 1
+
+
+class ThirdChoiceNoise(WidthNoise):
+    """A target whose calls of more than one token prefer the third choice where it is within NOISE
+    of the top."""
+
+    noise = staticmethod(prefer_third_at_near_ties)
 
 
 def noisy_runtime(tmp_path_factory, backend_class):
@@ -114,6 +133,27 @@ def test_t2_recomputes_the_divergence_at_the_row_that_verified_it(tmp_path_facto
                                 [0] * 30, [runtime.backend.verify_width] * 30)
              for p, r, a in zip(PROMPTS, results, plain)]
     assert all(e["argmax_at_verify_width"] is False for e in rows0 if e["d"] is not None)
+
+
+def test_t2_explains_a_third_choice_within_delta_and_fails_a_gap_beyond_it(tmp_path_factory):
+    """(c) asks that the width noise can explain swapping the width-1 top r and the speculative token
+    s: l1[r] - l1[s] <= delta, whatever s's rank. A third choice within delta passes; the same
+    divergence judged against a delta between its top-2 margin and its gap fails (c) alone."""
+    runtime = noisy_runtime(tmp_path_factory, ThirdChoiceNoise)
+    plain = [r.tokens for r in runtime.generate(PROMPTS, GenerationConfig(max_new_tokens=27), speculative=False)]
+    results = runtime.generate(PROMPTS, CONFIG)
+
+    def explain(delta):
+        return [explain_divergence(runtime.backend, shape(runtime), p, r.tokens, a[:24], delta,
+                                   r.stats.accepted, r.stats.widths) for p, r, a in zip(PROMPTS, results, plain)]
+
+    parted = {i: e for i, e in enumerate(explain(NOISE + 2e-3)) if e["d"] is not None}
+    assert parted and all(e["explained"] and e["width1_rank"] == 3 for e in parted.values()), parted
+    assert all(e["margin"] <= e["gap_to_top"] < NOISE for e in parted.values())
+    i = max(parted, key=lambda i: parted[i]["gap_to_top"] - parted[i]["margin"])
+    judged = explain((parted[i]["margin"] + parted[i]["gap_to_top"]) / 2)[i]
+    assert judged["argmax_at_verify_width"] and judged["margin_below_delta"]
+    assert not judged["within_delta_of_top"] and not judged["explained"]
 
 
 def probe(runtime, view=None):

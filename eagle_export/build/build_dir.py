@@ -119,7 +119,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
     sampling = manifest.drafter_sampling_graph
     return OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file,
                               path / sampling.file if sampling else None, threads=threads,
-                              optimize="fp8" not in precisions, speculation=manifest.speculation)
+                              speculation=manifest.speculation)
 
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,

@@ -19,7 +19,8 @@
        "not applicable" (skipped, with the difference found) where the backend gives a row other
        bits at another place in the call, in the runs' layouts (`teacher_forced.position_variance`);
    T2  each prompt's first divergence from width-1 decoding explained (`teacher_forced.py`): a
-       near-tie below the build's delta, the reference's second choice, the verify width's argmax;
+       near-tie below the build's delta, the speculative token within delta of the reference's
+       top (any rank), the verify width's argmax;
    T3  tau of the quantized pair within 5% of the unquantized pair's, and of the quantized drafter
        within 5% of its unquantized self (measured by the build, same prompts, same run).
    It runs in ONNX Runtime, or for NVFP4 (no FP4 kernels there) on torch over the graphs' own
@@ -421,16 +422,26 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
             r["t2"] = e
         ok = all(e["explained"] for e in explained)
         checks.append((t2_name, ok, f"delta {delta:.3g}; " + "; ".join(
-            f"prompt {i}: " + ("identical" if e["d"] is None else
-                              f"d {e['d']}, margin {e['margin'] if e['margin'] is None else format(e['margin'], '.3g')}"
-                              + "".join(f", NOT {k.replace('_', ' ')}" for k in
-                                        ("argmax_at_verify_width", "margin_below_delta", "second_choice")
-                                        if e.get(k) is False) + (f", {e['why']}" if "why" in e else ""))
-            + f", identical prefix {e['identical_prefix']:.2f}" for i, e in enumerate(explained))))
+            f"prompt {i}: {_divergence_line(e)}" for i, e in enumerate(explained))))
         record["t2"] = {"ok": ok, "delta": delta}
     *t3, record["t3"] = _tau_tier(manifest, runtime)
     checks.append(tuple(t3))
     return checks, record
+
+
+def _divergence_line(e: dict) -> str:
+    """One prompt's T2 record in words: where it parts from width-1 decoding, the figures there and
+    the conditions that do not hold."""
+    if e["d"] is None:
+        line = "identical"
+    else:
+        line = f"d {e['d']}, margin " + ("-" if e["margin"] is None else f"{e['margin']:.3g}")
+        if "gap_to_top" in e:
+            line += f", width-1 rank {e['width1_rank']} at gap {e['gap_to_top']:.3g} from its top"
+        line += "".join(f", NOT {k.replace('_', ' ')}" for k in
+                        ("argmax_at_verify_width", "margin_below_delta", "within_delta_of_top") if e.get(k) is False)
+        line += f", {e['why']}" if "why" in e else ""
+    return line + f", identical prefix {e['identical_prefix']:.2f}"
 
 
 def _tau_tier(manifest: Manifest, runtime) -> tuple:

@@ -181,8 +181,7 @@ def onnxruntime_cuda(state) -> tuple:
         return None, "ONNX Runtime has no CUDA provider here (pip install onnxruntime-gpu, see doctor)"
     manifest, path = state["opened"].manifest, state["build_dir"]
     fp8 = "fp8" in {m.precision for m in manifest.models.values()}
-    backend = OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file,
-                                 optimize=not fp8)
+    backend = OnnxRuntimeBackend(path / manifest.target_graph.file, path / manifest.drafter_graph.file)
     spec = _sessions(state)["target"][2]
     out = backend.target(_feeds(spec, backend.model_dtype, 5, 16))
     return backend.device == "cuda" and out[C.NEW_KEY].is_cuda, \
