@@ -22,14 +22,8 @@ from ..data.prompts import ChatTemplate, chat_prompts
 from ..engine.engine import Engine, build_engine, engine_file_name, engine_profiles
 from ..environment import buildable_precisions, gpu_info, tensorrt_version
 from ..errors import EagleExportError
-from ..export.export import (
-    check_export_fits,
-    export_pair,
-    keep_large_blocks_in_heap,
-    release_freed_memory,
-    resolve_export_dtype,
-    return_large_blocks_at_once,
-)
+from ..export.export import check_export_fits, export_pair, resolve_export_dtype
+from ..export.heap import keep_large_blocks_in_heap, release_freed_memory, return_large_blocks_at_once
 from ..export.loader import load_pair, passes_skipping, prepare_pair
 from ..models import contract as C
 from ..output_dir import atomic_output_dir

@@ -19,6 +19,7 @@ from ..models.drafter import Drafter
 from ..models.target import Target
 from ..passes.base import PassBase, PassManager, PassRecord
 from ..passes.model_pipeline import EagleModels, model_passes
+from .heap import keep_large_blocks_in_heap, release_freed_memory, return_large_blocks_at_once
 
 
 def passes_skipping(skip: Iterable[str]) -> list[PassBase]:
@@ -49,9 +50,6 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype: str
     the passes that apply to it. Loaded with every block of 1 MiB or more its own mapping and trimmed
     after (`return_large_blocks_at_once`, `release_freed_memory`): measured on a Qwen3-1.7B-shaped fp16
     pair, the passes' peak 4.27 GiB instead of 5.63, and 3.77 GiB resident after, not 5.63."""
-    # Here, not at the top: export.py imports this module.
-    from .export import keep_large_blocks_in_heap, release_freed_memory, return_large_blocks_at_once
-
     return_large_blocks_at_once()  # the weights the passes fuse go back to the system as they are freed
     target = load_target(target_dir, dtype=dtype)
     drafter = None
