@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hostile import share, snapshot, unprivileged, world_dir
+from lifetime import watch_drafter_exports
 from random_policy import RandomDepth
 from safetensors.torch import load_file, save_file
 from test_validate import stale_aux_row
@@ -64,30 +65,14 @@ ALIVE_AT_DRAFTER_EXPORT = []
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, sources):
-    import gc
-    import weakref
-
     import eagle_export.build.build as build_module
-    import eagle_export.export.export as export_module
 
     root = tmp_path_factory.mktemp("build")
     recipe = write_recipe(root / "recipe.yaml", sources, sampling=True)
-    loaded, real_load_pair, real_export_drafter = [], build_module.load_pair, export_module.export_drafter
-
-    def load_and_watch(*args, **kwargs):
-        target, drafter = real_load_pair(*args, **kwargs)
-        loaded.append((weakref.ref(target), weakref.ref(target.layers[0]), weakref.ref(drafter.embed_tokens)))
-        return target, drafter
-
-    def export_and_watch(drafter, *args, **kwargs):
-        gc.collect()
-        ALIVE_AT_DRAFTER_EXPORT.append(tuple(ref() is not None for ref in loaded[0]))
-        return real_export_drafter(drafter, *args, **kwargs)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build_module, "load_pair", load_and_watch)
-        patch.setattr(export_module, "export_drafter", export_and_watch)
+        alive = watch_drafter_exports(patch, build_module)
         result = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "-o", str(root / "out")])
+    ALIVE_AT_DRAFTER_EXPORT[:] = alive
     assert result.exit_code == 0, result.output
     return root / "out", result.output
 

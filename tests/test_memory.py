@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from lifetime import watch_drafter_exports
 from tiny_models import write_tiny_drafter, write_tiny_target
 
 from eagle_export.cli import main
@@ -180,28 +181,11 @@ def test_a_single_file_graph_is_written_tensor_by_tensor_with_the_bytes_onnx_ir_
 
 def test_export_frees_the_target_before_the_drafter_is_exported(tmp_path, pair, monkeypatch):
     """The drafter's export runs beside the drafter and the embedding table it shares, not the whole target."""
-    import gc
-    import weakref
-
     import eagle_export.export.export as export_module
 
-    loaded, seen = [], []
-    real_load_pair, real_export_drafter = export_module.load_pair, export_module.export_drafter
-
-    def load_and_watch(*args, **kwargs):
-        target, drafter = real_load_pair(*args, **kwargs)
-        loaded.append((weakref.ref(target), weakref.ref(target.layers[0]), weakref.ref(drafter.embed_tokens)))
-        return target, drafter
-
-    def export_and_check(drafter, *args, **kwargs):
-        gc.collect()
-        seen.append(tuple(ref() is None for ref in loaded[0]))
-        return real_export_drafter(drafter, *args, **kwargs)
-
-    monkeypatch.setattr(export_module, "load_pair", load_and_watch)
-    monkeypatch.setattr(export_module, "export_drafter", export_and_check)
+    alive = watch_drafter_exports(monkeypatch, export_module)
     summary = export_module.export_models(*pair, 2, "fp32", tmp_path / "out", sampling=True)
-    assert seen == [(True, True, False)] * 2  # target and its layers gone, the shared table alive, for both drafters
+    assert alive == [(False, False, True)] * 2  # target and its layers gone, the shared table alive, for both drafters
     assert {"target", "drafter", "drafter_sampling"} <= set(summary)
 
 
