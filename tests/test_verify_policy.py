@@ -56,11 +56,44 @@ def test_a_drafter_that_never_pays_is_only_probed_at_a_doubling_interval():
     policy.start(1)
     chosen = run_rounds(policy, [0.01] * K, accepted=0, rounds=300)
     probes = [i for i, c in enumerate(chosen) if c is not None]
-    assert all(chosen[i] == 0 for i in probes)  # a probe with hopeless drafts verifies none of them
+    assert all(chosen[i] == 1 for i in probes)  # a probe checks one draft: the drafter is measured again
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps[:3] == [33, 65, 65] and set(gaps) == {33, 65}
     # The probes' cost bound: at most one drafter call per PROBE_MAX plain steps once settled.
     assert len(probes) <= 300 // GoodputDepth.PROBE_MAX + 2
+
+
+def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
+    """The sample drafter's case: its probabilities say 0.9 per draft, it delivers ~0.28, below this
+    machine's break-even. Read at face value it would draft every round (1 + 0.9 + ... promises ~4
+    tokens for a round of ~1.5 steps) and lose; through trust (accepted / promised drafts) it settles
+    to probes. A drafter as good as it says keeps drafting every round."""
+    costs = curves(draft=0.3)
+    generator = torch.Generator().manual_seed(0)
+    live = torch.ones(1, dtype=torch.bool)
+
+    def drive(policy, per_draft, rounds):
+        drafted = 0
+        for _ in range(rounds):
+            if policy.should_draft(live):
+                k = policy.choose(expected(torch.tensor([[0.9] * K])), live, CHAIN)
+                reach = 0  # geometric: each draft right with per_draft given the ones before were
+                while reach < k and torch.rand(1, generator=generator).item() < per_draft:
+                    reach += 1
+                policy.observe(k, torch.tensor([reach]), live, True)
+                drafted += 1
+            else:
+                policy.observe(0, torch.zeros(1, dtype=torch.int64), live, False)
+        return drafted
+
+    policy = GoodputDepth(K, costs)
+    policy.start(1)
+    drive(policy, 0.28, 100)
+    assert policy.trust < 0.3
+    assert drive(policy, 0.28, 256) <= 256 // GoodputDepth.PROBE_EVERY + 1  # probes, not drafting rounds
+    honest = GoodputDepth(K, costs)
+    honest.start(1)
+    assert drive(honest, 0.9, 100) == 100 and 0.8 < honest.trust < 1.2
 
 
 def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
@@ -82,23 +115,26 @@ def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
     good.start(1)
     assert run_rounds(good, [0.95] * K, accepted=K, rounds=3) == [K] * 3
     policy.start(2)
-    assert run_rounds(policy, [0.01] * K, accepted=0, rounds=1, batch=2) == [0]
+    assert run_rounds(policy, [0.01] * K, accepted=0, rounds=1, batch=2) == [1]  # a probe: one draft checked
 
 
 def test_depth_follows_the_drafters_confidence_and_the_costs():
     policy = GoodputDepth(K, curves(draft=0.25, verify_slope=0.05))
     policy.start(1)
+    policy.since_draft = 0  # not a probe (a probe checks one draft at least)
     live = torch.ones(1, dtype=torch.bool)
     assert policy.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 2
     assert policy.choose(expected(torch.tensor([[0.02, 0.9, 0.9, 0.9]])), live, CHAIN) == 0
     steep = GoodputDepth(K, curves(draft=0.25, verify_slope=1.0))  # a GPU at a large batch: T costs
     steep.start(1)
+    steep.since_draft = 0
     assert steep.choose(expected(torch.tensor([[0.9, 0.9, 0.1, 0.1]])), live, CHAIN) == 1
 
 
 def test_one_depth_for_the_batch_counts_live_sequences_only():
     policy = GoodputDepth(K, curves(draft=0.25, batch=2))
     policy.start(2)
+    policy.since_draft = 0  # not a probe
     probs = expected(torch.tensor([[0.99] * K, [0.01] * K]))
     assert policy.choose(probs, torch.tensor([True, False]), CHAIN) == K
     assert policy.choose(probs, torch.tensor([False, True]), CHAIN) == 0

@@ -20,6 +20,17 @@ probes every PROBE_EVERY rounds, doubling the interval (up to PROBE_MAX) while p
 so a drafter that never helps costs at most about c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
 The runtime keeps one policy per batch size, so these estimates carry from one request to the next.
 
+Greedy, the drafter's estimates are read through its measured calibration: over the drafted rounds,
+
+    trust = sum(drafts accepted) / sum(E[tokens | S_j] - 1)     (decayed sums, S_j the entry verified)
+    E'[tokens | S] = 1 + trust * (E[tokens | S] - 1)
+
+for every entry of the menu (capped at its verify width). A drafter's own probabilities run high where
+it has not learned the target (the sample drafter promises ~2x the 0.28 per draft it delivers), and
+uncalibrated they make it draft in rounds that lose. For a calibrated drafter trust stays ~1 whatever
+entry is chosen: its estimate is the expectation given what it saw, and the choice is made from that.
+A probe verifies one draft at least, so trust is measured again after it has fallen.
+
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
 (S_k = the nodes of depth <= k) and E[tokens | S_k] comes from the running per-depth acceptance of
@@ -70,9 +81,13 @@ class GoodputDepth:
     PROBE_MAX = 64       # the probe interval doubles up to this while probes keep failing
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
+    TRUST_DECAY = 0.95   # the drafter's calibration changes slowly: about 20 drafted rounds of memory
 
     def __init__(self, depth: int, costs: CostCurves):
         self.depth, self.costs = depth, costs
+        # Decayed sums of the drafts accepted and of those the drafter promised for the entries verified,
+        # each starting at one draft, so trust starts at 1. A property of the drafter: kept across streams.
+        self._accepted_sum = self._promised_sum = 1.0
 
     def start(self, batch: int) -> None:
         """A stream of `batch` sequences begins. After a stream of the same size the estimates carry
@@ -120,11 +135,22 @@ class GoodputDepth:
         subtree's tokens (None: sampling, a menu by depth), widths[j] the verify call's tokens for it."""
         self.widths = widths
         self._sampling = expected is None
-        if self._sampling:  # a probe checks one draft at least, or the running acceptance could never rise
-            j, self._promised = self._best(self._expected(), live, at_least=int(self._probing()))
+        # A probe checks one draft at least, or an estimate that fell (the running acceptance, trust)
+        # could never rise again.
+        at_least = int(self._probing())
+        if self._sampling:
+            j, self._promised = self._best(self._expected(), live, at_least)
         else:
-            j, self._promised = self._best(expected.float().cpu(), live)
+            claimed = expected.float().cpu()
+            calibrated = torch.minimum(1 + self.trust * (claimed - 1), torch.tensor(widths, dtype=torch.float32))
+            j, self._promised = self._best(calibrated, live, at_least)
+            self._claimed = claimed[:, j]
         return j
+
+    @property
+    def trust(self) -> float:
+        """Drafts accepted per draft the drafter's own probabilities promised (greedy), see the module."""
+        return self._accepted_sum / self._promised_sum
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -150,6 +176,9 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected(), live)  # what drafting promises now
+        elif j > 0:  # a round that verified no draft says nothing of the drafter's calibration
+            self._accepted_sum = self.TRUST_DECAY * self._accepted_sum + float(accepted[live].sum())
+            self._promised_sum = self.TRUST_DECAY * self._promised_sum + float((self._claimed[live] - 1).sum())
         self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:
