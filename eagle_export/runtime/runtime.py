@@ -144,16 +144,15 @@ class Event:
 @dataclass
 class Timings:
     """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest.
-    `plain_rounds` rounds called no drafter (plain decoding's steps, a speculative stream's k = 0 rounds
-    and its last steps near the limit) and took `plain_round` seconds, host work included: what one
+    `plain_round_s` holds the seconds of each round that called no drafter (plain decoding's steps, a
+    speculative stream's k = 0 rounds and its last steps near the limit), host work included: what one
     token costs without speculation, measured the same way in both kinds of stream."""
 
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     total: float = 0.0
-    plain_round: float = 0.0
-    plain_rounds: int = 0
+    plain_round_s: list[float] = field(default_factory=list)
 
     @property
     def host(self) -> float:
@@ -489,8 +488,7 @@ class SpeculativeRuntime:
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
         if not drafted:
-            self.timings.plain_round += time.perf_counter() - start
-            self.timings.plain_rounds += 1
+            self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
 
     # ------------------------------------------------------------ graph calls
