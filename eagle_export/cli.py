@@ -370,6 +370,9 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @click.option("--num-prompts", default=16, show_default=True, type=int, help="How many prompts of the dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int, help="New tokens per prompt.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads.")
+@click.option("--repeat", default=1, show_default=True, type=int,
+              help="Pass over the prompts this many times, the runs still taking turns batch by batch: more batches "
+                   "for the medians on a noisy machine.")
 @click.option("--remeasure/--reuse-costs", default=True, show_default=True,
               help="Measure the cost curves the verify policy uses in this run, at this run's load, replacing those "
                    "cached in each build; --reuse-costs reads the cached ones (refused where two builds' curves of "
@@ -384,7 +387,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(with --acceptance-sweep: speedup against acceptance; needs eagle-export[plot]).")
-def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, remeasure,
+def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, repeat, remeasure,
           acceptance, acceptance_sweep, json_file, plot_file):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
@@ -407,6 +410,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                                "pass whole numbers of 1 or more, comma-separated, e.g. --batch 1,4,16")
     if num_prompts < 1:
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
+    if repeat < 1:
+        raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
     if plot_file:
@@ -438,7 +443,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     results = []
     for size in sizes:
         result = run_bench({name: o.runtime for name, o in opened.items()}, prompts, size, config,
-                           acceptances=acceptances)
+                           acceptances=acceptances, repeat=repeat)
         result["dataset"] = dataset
         results.append(result)
         click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s"
@@ -456,7 +461,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                        f"{max(build['costs']['draft_ms'].values()):.1f} ms")
             for name, p in build["policies"].items():
                 hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
-                click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x, tau "
+                click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x (median "
+                           f"over {p['batches']} batches {p['speedup_median_over_batches']:.2f}x), tau "
                            f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
                            f"round cost {p['round_cost_in_steps']:.2f} steps"
                            + (f", a round without drafts {p['plain_round_vs_step']:.3f}x a plain step"

@@ -317,6 +317,7 @@ def test_bad_recipes_and_overrides_through_the_cli(tmp_path, tiny_target_dir):
 @pytest.mark.parametrize("args, problem", [
     (["--batch", "abc"], "--batch 'abc' is not a list"), (["--batch", "0"], "--batch '0' is not a list"),
     (["--batch", "1,,2"], "is not a list"), (["--num-prompts", "0"], "--num-prompts 0 leaves nothing"),
+    (["--repeat", "0"], "--repeat 0 leaves nothing"),
 ])
 def test_bench_arguments(tmp_path, args, problem):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), *args])

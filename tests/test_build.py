@@ -410,12 +410,14 @@ def test_bench_json_and_plot(built, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w5 w6 w7\nw8 w9\nw10 w11 w12 w13\nw14\n")
     result = CliRunner().invoke(main, ["bench", str(out), "--dataset", str(prompts), "--batch", "1,2",
-                                       "--max-new-tokens", "10", "--json", str(tmp_path / "b.json"),
+                                       "--max-new-tokens", "10", "--repeat", "2", "--json", str(tmp_path / "b.json"),
                                        "--plot", str(tmp_path / "b.png")])
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in results] == [1, 2]
     for r in results:
+        # --repeat 2: every batch of the 4 prompts twice, each a ratio in the median
+        assert r["repeat"] == 2 and all(p["batches"] == 2 * 4 // r["batch"] for p in r["builds"][str(out)]["policies"].values())
         assert {"backend", "device", "batch", "ar_tokens_per_s", "ar_step_ms", "builds"} <= set(r)
         assert r["backend"] == "onnxruntime" and list(r["builds"]) == [str(out)]
         b = r["builds"][str(out)]

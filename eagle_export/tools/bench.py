@@ -82,10 +82,11 @@ def cost_disagreements(runtimes: dict[str, SpeculativeRuntime], batch: int) -> l
 
 
 def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], batch: int, config: GenerationConfig,
-          warmup: int = 1, acceptances: list | None = None) -> dict:
+          warmup: int = 1, acceptances: list | None = None, repeat: int = 1) -> dict:
     """runtimes: the builds to compare, by name, all of one target (plain decoding runs on the first).
     acceptances: None, the real drafters; else synthetic settings (`synthetic.py`), one run of each
-    build and policy per setting, the drafts of each batch replaced after the real drafter call."""
+    build and policy per setting, the drafts of each batch replaced after the real drafter call.
+    repeat: passes over the prompts (the runs' order keeps rotating), for medians over more batches."""
     plain = next(iter(runtimes))
     settings = acceptances or [None]
     runs = [(name, p, a) for name in runtimes for a in range(len(settings)) for p in POLICIES] + [(plain, None, None)]
@@ -104,7 +105,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     plain_round_s = {run: [] for run in runs}
     stats = {run: [] for run in runs[:-1]}
     per_batch = {run: [] for run in runs[:-1]}
-    for i, chunk in enumerate(track(_batches(prompts, batch), f"batch {batch}")):
+    for i, chunk in enumerate(track(_batches(prompts, batch) * repeat, f"batch {batch}")):
         synthetic = [None] * len(settings)
         if acceptances:  # one continuation for every setting (target-only decoding: the same for every build)
             continuations = verify_width_continuations(runtimes[plain], chunk, config)
@@ -146,7 +147,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "backend": first.backend.name, "device": device_name(first), "batch": batch,
         "cuda_graphs": first.backend.cuda_graphs, "static_cache": first.static_cache,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's idle threads spin unless PASSIVE
-        "prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
+        "prompts": len(prompts), "repeat": repeat, "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
         "ar_round_ms": _median_ms(plain_round_s[runs[-1]]),
         "cost_warnings": cost_warnings,
@@ -217,7 +218,7 @@ def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, 
         "rounds": s["rounds"], "draft_calls": s["draft_calls"],
         "identical_to_autoregressive": s["differing"] == 0,
         "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / (ar["tokens"] / ar["seconds"]), 4),
-        "speedup_median_over_batches": round(statistics.median(per_batch), 4),
+        "speedup_median_over_batches": round(statistics.median(per_batch), 4), "batches": len(per_batch),
         "time_split": {"prefill": round(s["prefill"], 4), "draft": round(s["draft"], 4),
                        "verify": round(s["verify"], 4), "host": round(host, 4),
                        "draft_per_round_ms": round(1000 * s["draft"] / s["rounds"], 3),
