@@ -30,11 +30,11 @@ verified (E[tokens | S_j] - 1),
 A drafter's own probabilities run high where it has not learned the target or the text (the sample
 drafter's, replayed at every position of 16 prompts: accepted / promised 0.84-0.95 on humaneval,
 0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value
-they make it draft in rounds that lose. For a calibrated drafter A / P stays ~1 whatever entry is chosen: its estimate is the
-expectation given what it saw, and the choice is made from that. trust is read optimistically (Z
-standard deviations of A, counted as Poisson) because its samples come only from the rounds it let
-draft: a streak of failures would otherwise stop a drafter that pays, and nothing would measure it again
-but probes (a probe verifies one draft at least, so trust can rise again).
+they make it draft in rounds that lose. For a calibrated drafter A / P stays ~1 whatever entry is
+chosen: its estimate is the expectation given what it saw, and the choice is made from that. trust is
+read optimistically (Z standard deviations of A, counted as Poisson) because its samples come only from
+the rounds it let draft: a streak of failures would otherwise stop a drafter that pays, and nothing would
+measure it again but probes (a probe verifies one draft at least, so trust can rise again).
 
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
