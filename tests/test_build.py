@@ -441,6 +441,7 @@ def test_bench_json_and_plot(built, tmp_path):
         assert r["ar_round_ms"] > 0 and b["policies"]["fixed"]["plain_round_ms"] is None
         goodput = b["policies"]["goodput"]
         assert (goodput["plain_round_ms"] is None) == (goodput["draft_calls"] == goodput["rounds"])
+        assert 0 < goodput["trust"] <= 1 and "trust" not in b["policies"]["fixed"]
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine

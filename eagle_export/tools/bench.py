@@ -16,7 +16,9 @@ mean number of tokens per verify call (a chain's k+1, a tree's root plus the nod
 `round_cost_in_steps` a round's graph time (drafter and verify call) in plain decoding steps.
 `plain_round_vs_step` is a round that called no drafter (k = 0, or a last step near the limit) against
 a plain decoding step, both timed whole (graph and host) by the runtime: the ratio of their medians over
-the bench, which a few rounds slowed by other work on a shared machine do not move.
+the bench, which a few rounds slowed by other work on a shared machine do not move. Goodput's `trust` is
+what it learned of the drafter's calibration by the end (drafts accepted / promised, read as an upper
+bound; 1: as good as its probabilities say), see verify_policy.py.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                 wide = [c[:config.max_new_tokens] for c in synthetic[run[2]].continuations]
                 totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
 
+    # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as good as it says).
+    trust = {run: round(getattr(policy, "trust", 1.0), 4) for run, policy in policies.items() if run[1] == "goodput"}
     ar = totals[runs[-1]]
     t_ar_step = ar["verify"] / ar["steps"]
     first = runtimes[plain]
@@ -169,6 +173,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             policies = {p: _policy_record(totals[(name, p, a)], stats[(name, p, a)], per_batch[(name, p, a)], ar,
                                           t_ar_step, runtime.depth, plain_round_s[(name, p, a)],
                                           plain_round_s[runs[-1]]) for p in POLICIES}
+            policies["goodput"]["trust"] = trust[(name, "goodput", a)]
             if setting is not None:
                 acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
                 for p, record in policies.items():
