@@ -101,7 +101,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     cost_warnings = cost_disagreements(runtimes, batch)
     # A policy learns across the streams it serves (goodput's estimates carry over): one per build,
     # setting and policy, so one acceptance setting's runs never start from another's estimates.
-    policies = {run: make_policy(run[1], runtimes[run[0]].depth, runtimes[run[0]].costs) for run in runs[:-1]}
+    learners = {run: make_policy(run[1], runtimes[run[0]].depth, runtimes[run[0]].costs) for run in runs[:-1]}
 
     totals = {run: Counter() for run in runs}
     plain_round_s = {run: [] for run in runs}
@@ -119,7 +119,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             drafts = None if run[2] is None else synthetic[run[2]]  # None: the real drafter's own drafts
             start = time.perf_counter()
             results = runtime.generate(chunk, config, speculative=policy is not None,
-                                       verify_policy=policies.get(run), synthetic=drafts)
+                                       verify_policy=learners.get(run), synthetic=drafts)
             seconds, t = time.perf_counter() - start, runtime.timings
             if policy is not None:
                 totals[run]["rounds"] += max(r.stats.rounds for r in results)  # a batch advances in lock step
@@ -142,9 +142,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                 wide = [c[:config.max_new_tokens] for c in synthetic[run[2]].continuations]
                 totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
 
-    # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as good as it says).
-    trust = {run: round(getattr(policy, "trust", 1.0), 4) for run, policy in policies.items() if run[1] == "goodput"}
     ar = totals[runs[-1]]
+    ar_round_s = statistics.median(plain_round_s[runs[-1]]) if plain_round_s[runs[-1]] else None
     t_ar_step = ar["verify"] / ar["steps"]
     first = runtimes[plain]
     result = {
@@ -153,7 +152,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's idle threads spin unless PASSIVE
         "prompts": len(prompts), "repeat": repeat, "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
-        "ar_round_ms": _median_ms(plain_round_s[runs[-1]]),
+        "ar_round_ms": None if ar_round_s is None else round(1000 * ar_round_s, 3),
         "cost_warnings": cost_warnings,
         "builds": {},
     }
@@ -171,9 +170,10 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         records = []
         for a, setting in enumerate(settings):
             policies = {p: _policy_record(totals[(name, p, a)], stats[(name, p, a)], per_batch[(name, p, a)], ar,
-                                          t_ar_step, runtime.depth, plain_round_s[(name, p, a)],
-                                          plain_round_s[runs[-1]]) for p in POLICIES}
-            policies["goodput"]["trust"] = trust[(name, "goodput", a)]
+                                          t_ar_step, runtime.depth, plain_round_s[(name, p, a)], ar_round_s)
+                        for p in POLICIES}
+            # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as it says).
+            policies["goodput"]["trust"] = round(learners[(name, "goodput", a)].trust, 4)
             if setting is not None:
                 acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
                 for p, record in policies.items():
@@ -192,14 +192,12 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     return result
 
 
-def _median_ms(seconds: list[float]) -> float | None:
-    """The median round that called no drafter in milliseconds, host work included (None: there was none)."""
-    return round(1000 * statistics.median(seconds), 3) if seconds else None
-
-
 def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, t_ar_step: float, depth: int,
-                   plain_round_s: list[float], ar_round_s: list[float]) -> dict:
-    """One policy's figures over the bench: tau, depths, widths, speedups, efficiency, time split."""
+                   plain_round_s: list[float], ar_round_s: float | None) -> dict:
+    """One policy's figures over the bench: tau, depths, widths, speedups, efficiency, time split.
+    plain_round_s: the seconds of each of its rounds without a drafter call; ar_round_s: plain
+    decoding's median step (None: there was none)."""
+    round_s = statistics.median(plain_round_s) if plain_round_s else None
     accepted = [a for q in seqs for a in q.accepted]
     depths = [k for q in seqs for k in q.depths]
     widths = [w for q in seqs for w in q.widths]
@@ -217,9 +215,8 @@ def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, 
         "round_cost_in_steps": round(round_graph_s / t_ar_step, 3),
         # A round without a drafter call should cost what a plain decoding step does: the runtime's
         # speculative bookkeeping is the difference (pending drafter rows, the policy, the stats).
-        "plain_round_ms": _median_ms(plain_round_s),
-        "plain_round_vs_step": (round(statistics.median(plain_round_s) / statistics.median(ar_round_s), 4)
-                                if plain_round_s and ar_round_s else None),
+        "plain_round_ms": None if round_s is None else round(1000 * round_s, 3),
+        "plain_round_vs_step": round(round_s / ar_round_s, 4) if round_s and ar_round_s else None,
         "rounds": s["rounds"], "draft_calls": s["draft_calls"],
         "identical_to_autoregressive": s["differing"] == 0,
         "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / (ar["tokens"] / ar["seconds"]), 4),
