@@ -16,10 +16,15 @@ class RandomDepth:
         pass
 
     def should_draft(self, live):
+        self.live = live.clone()
         return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
 
     def choose(self, expected, live, widths):
         return int(torch.randint(0, len(widths), (1,), generator=self.rng))
 
     def observe(self, depth, accepted, live, drafted):
+        # The round's sequences as it began, though some finish in it (the runtime once passed its own
+        # mask, which finishing sequences cleared, and a batch whose last sequences finished in a probe
+        # reached the goodput policy with none live).
+        assert torch.equal(live, self.live)
         self.chosen.append(depth if drafted else None)

@@ -442,6 +442,8 @@ def test_bench_json_and_plot(built, tmp_path):
         goodput = b["policies"]["goodput"]
         assert (goodput["plain_round_ms"] is None) == (goodput["draft_calls"] == goodput["rounds"])
         assert 0 < goodput["trust"] <= 1 and "trust" not in b["policies"]["fixed"]
+        (rows, ms), = b["costs"]["catch_up_ms"].items()  # the drafter catching up, which prices the probes
+        assert int(rows) > max(map(int, b["costs"]["draft_ms"])) and ms > 0
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine

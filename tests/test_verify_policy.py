@@ -59,8 +59,54 @@ def test_a_drafter_that_never_pays_is_only_probed_at_a_doubling_interval():
     assert all(chosen[i] == 1 for i in probes)  # a probe checks one draft: the drafter is measured again
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps[:3] == [33, 65, 65] and set(gaps) == {33, 65}
-    # The probes' cost bound: at most one drafter call per PROBE_MAX plain steps once settled.
-    assert len(probes) <= 300 // GoodputDepth.PROBE_MAX + 2
+    # The longest interval is the first whose failed probe costs at most PROBE_BUDGET of the plain
+    # steps before it: 0.3 + 0.05 <= 0.01 * I from 35 rounds on (this drafter's catch-up is unmeasured,
+    # so priced as its widest call).
+    assert policy.longest == 64
+
+
+def failed_probe_overhead(policy, costs, rounds):
+    """Drive a drafter that never pays; -> (the probes' extra cost over plain steps, per plain step)
+    once settled (the first quarter of the rounds left out), each probe priced at its true catch-up."""
+    chosen = run_rounds(policy, [0.01] * K, accepted=0, rounds=rounds)
+    probes = [i for i, c in enumerate(chosen) if c is not None and i >= rounds // 4]
+    step = costs.verify(1, 1)
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    extra = sum(costs.catch_up(1, gap + 1) + costs.verify(1, 2) - step for gap in gaps)
+    return extra / (sum(gaps) * step), set(gaps)
+
+
+def test_probes_are_spaced_by_what_catching_up_costs():
+    """A probe after I plain steps first runs the drafter over the I rows it missed: where that costs
+    0.005 steps a row beside a 0.6-step call, 64 rounds apart costs 1.5% of plain decoding and 128
+    apart 1.0%, so the policy settles at 128. Planted: the interval capped at 64 as before pricing."""
+    costs = curves(draft=0.6)
+    costs.catch_up_s[1] = {64: 0.6 + 0.005 * (64 - (K + 1))}
+    assert costs.catch_up(1, 129) == pytest.approx(0.6 + 0.005 * (129 - (K + 1)))
+    policy = GoodputDepth(K, costs)
+    policy.start(1)
+    overhead, gaps = failed_probe_overhead(policy, costs, 2000)
+    assert policy.longest == 128 and gaps == {128} and overhead <= GoodputDepth.PROBE_BUDGET
+    capped = GoodputDepth(K, costs)
+    capped.start(1)
+    capped.longest = 64
+    overhead, gaps = failed_probe_overhead(capped, costs, 2000)
+    assert gaps == {64} and overhead > 1.4 * GoodputDepth.PROBE_BUDGET
+    # Where catching up alone costs more than the budget per row, probes are PROBE_CEILING apart.
+    costs.catch_up_s[1] = {64: 0.6 + 0.02 * (64 - (K + 1))}
+    steep = GoodputDepth(K, costs)
+    steep.start(1)
+    assert steep.longest == GoodputDepth.PROBE_CEILING
+
+
+def test_a_probe_that_finds_drafting_paying_halves_the_interval():
+    """Not back to the shortest: a drafter that pays now and then would otherwise draft in runs
+    after every lucky probe (see the module)."""
+    policy = GoodputDepth(K, curves(draft=0.2))
+    policy.start(1)
+    policy.interval = policy.since_draft = 64
+    assert run_rounds(policy, [0.95] * K, accepted=K, rounds=1) == [K]
+    assert policy.interval == 32
 
 
 def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
@@ -112,7 +158,7 @@ def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
     policy.start(1)
     again = run_rounds(policy, [0.01] * K, accepted=0, rounds=300)
     probes = [i for i, c in enumerate(again) if c is not None]
-    assert probes[0] > 0 and {b - a for a, b in zip(probes, probes[1:])} == {GoodputDepth.PROBE_MAX + 1}
+    assert probes[0] > 0 and {b - a for a, b in zip(probes, probes[1:])} == {policy.longest + 1}
     good = GoodputDepth(K, curves(draft=0.2))
     good.start(1)
     run_rounds(good, [0.95] * K, accepted=K, rounds=5)
@@ -120,6 +166,30 @@ def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
     assert run_rounds(good, [0.95] * K, accepted=K, rounds=3) == [K] * 3
     policy.start(2)
     assert run_rounds(policy, [0.01] * K, accepted=0, rounds=1, batch=2) == [1]  # a probe: one draft checked
+
+
+def test_a_batch_is_worth_what_it_advances_not_the_sum_of_its_sequences_tokens():
+    """Batch 2, one sequence's drafts all but certain and the other's hopeless: the sum of their tokens
+    says a 4-draft round pays (5.5 tokens for 2 steps' cost); a static batch ends with its slowest
+    sequence, and the policy's batch value (halfway between the sum and twice the least, see the
+    module) says a plain step. Planted: the sum alone drafts."""
+    costs = curves(draft=0.8, batch=2)
+    live = torch.ones(2, dtype=torch.bool)
+    claims = expected(torch.tensor([[0.95] * K, [0.01] * K]))
+
+    class Summing(GoodputDepth):
+        @staticmethod
+        def _batch_tokens(expected, live):
+            return expected[live].sum(0)
+
+    for policy, drafts in ((GoodputDepth(K, costs), False), (Summing(K, costs), True)):
+        policy.start(2)
+        policy.since_draft = 0  # not a probe
+        policy.expected = claims[:, K]  # what the last drafted round promised, all four drafts verified
+        assert policy.should_draft(live) == drafts
+    # alike sequences are valued at their sum, as at batch 1
+    alike = expected(torch.tensor([[0.95] * K, [0.95] * K]))
+    assert torch.allclose(GoodputDepth._batch_tokens(alike, live), alike.sum(0))
 
 
 def test_depth_follows_the_drafters_confidence_and_the_costs():

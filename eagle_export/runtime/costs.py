@@ -6,6 +6,9 @@ way), on a GPU at batch 16 it may cost 3x. The curves are measured on the backen
 by batch as batch sizes come into use:
     verify[B][T]   the target graph over T = 1..K+1 new tokens (T = 1 is a plain decoding step)
     draft[B][W]    the unrolled drafter over W = 1..K+1 input rows (it always proposes K)
+    catch_up[B]    the drafter over CATCH_UP_ROWS rows: after plain steps it catches up on every row it
+                   has not seen in one call, which costs more than a K+1-row call (0.28 ms more per row
+                   at batch 4 on the sample build, 6.8 ms fixed), and the policy prices its probes by it
 each the median of REPS calls taken in turn (T = 1, 2, ..., K+1, then again), after a warm-up, with
 a cache of PAST valid slots. They are cached per backend and machine in the build directory
 (`costs.json`; in the user cache when the build directory is read-only), so a build pays for the
@@ -32,9 +35,10 @@ from ..models import contract as C
 torch = lazy("torch")  # the manifest (read by `inspect BUILD`) names COSTS_FILE; measuring needs torch
 
 COSTS_FILE = "costs.json"
-COSTS_FORMAT = 1
+COSTS_FORMAT = 2  # 2: catch_up_s
 REPS = 5
 PAST = 256  # valid cache slots during the measurement (the verify cost grows slowly with it)
+CATCH_UP_ROWS = 64  # a drafter call after this many plain steps (the policy's probes are 16 to 1024 apart)
 
 
 @dataclass
@@ -43,6 +47,7 @@ class CostCurves:
 
     verify_s: dict[int, dict[int, float]] = field(default_factory=dict)   # batch -> tokens -> s
     draft_s: dict[int, dict[int, float]] = field(default_factory=dict)    # batch -> rows -> s
+    catch_up_s: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> {CATCH_UP_ROWS: s}
 
     def has(self, batch: int) -> bool:
         return batch in self.verify_s and batch in self.draft_s
@@ -54,15 +59,36 @@ class CostCurves:
         curve = self.draft_s[batch]
         return curve[rows if rows is not None else max(curve)]
 
+    def catch_up(self, batch: int, rows: int) -> float:
+        """A drafter call over `rows` input rows, any number: the curve within it; beyond it, the line
+        through its widest call and the catch-up call, extended past that (a call's cost is affine in
+        its rows once they fill the machine). Without a catch-up measurement, the widest call's cost."""
+        curve, point = self.draft_s[batch], self.catch_up_s.get(batch)
+        if rows in curve:
+            return curve[rows]
+        widest = max(curve)
+        if not point or rows < widest:
+            return curve[widest] if rows > widest else curve[min(curve)]
+        (far, far_s), = point.items()
+        slope = max(0.0, (far_s - curve[widest]) / (far - widest)) if far > widest else 0.0
+        return curve[widest] + slope * (rows - widest)
+
+    def in_ms(self, batch: int) -> dict:
+        """One batch size's curves in milliseconds, as bench and the GPU kit report them."""
+        return {"verify_ms": {t: round(1000 * s, 3) for t, s in self.verify_s[batch].items()},
+                "draft_ms": {w: round(1000 * s, 3) for w, s in self.draft_s[batch].items()},
+                "catch_up_ms": {w: round(1000 * s, 3) for w, s in self.catch_up_s.get(batch, {}).items()}}
+
     def to_json(self) -> dict:
         return {"verify_s": {str(b): {str(t): s for t, s in c.items()} for b, c in self.verify_s.items()},
-                "draft_s": {str(b): {str(w): s for w, s in c.items()} for b, c in self.draft_s.items()}}
+                "draft_s": {str(b): {str(w): s for w, s in c.items()} for b, c in self.draft_s.items()},
+                "catch_up_s": {str(b): {str(w): s for w, s in c.items()} for b, c in self.catch_up_s.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurves:
         def curves(d):  # caches written before curves were made monotone are read as they are now
             return {int(b): monotone({int(t): float(s) for t, s in c.items()}) for b, c in d.items()}
-        return cls(curves(data.get("verify_s", {})), curves(data.get("draft_s", {})))
+        return cls(curves(data.get("verify_s", {})), curves(data.get("draft_s", {})), curves(data.get("catch_up_s", {})))
 
 
 def monotone(curve: dict[int, float]) -> dict[int, float]:
@@ -158,13 +184,16 @@ def cache_path(build_dir: Path, manifest) -> Path:
     return cache_root() / "costs" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
-def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[dict[int, float], dict[int, float]]:
-    """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain) and drafter
-    (W = 1..K+1) at `batch`."""
+def measure(runtime, batch: int, reps: int = REPS, past: int = PAST
+            ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per-call seconds of the runtime's target (T = 1..the verify width, K+1 for a chain), drafter
+    (W = 1..K+1) and drafter catching up ({CATCH_UP_ROWS: s}, empty where the context cannot hold
+    that many rows past the cache) at `batch`."""
     from ..models.layers import causal_mask
 
     k = runtime.depth
     past = max(1, min(past, runtime.max_context - 2 * (k + 1)))
+    catch_up = min(CATCH_UP_ROWS, runtime.max_context - past)
     capacity = past + 2 * (k + 1)
     device = runtime.device
     # The runtime's own caches: in static mode those its calls (and CUDA graphs) will use.
@@ -196,6 +225,7 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
 
     # A tree's verify calls are wider than its drafter's input rows (the root and its nodes).
     verify, draft = {t: [] for t in range(1, runtime.backend.verify_width + 1)}, {w: [] for w in range(1, k + 2)}
+    wide = {catch_up: []} if catch_up > k + 1 else {}
     for rep in range(reps + 1):  # the first pass is a warm-up
         for n in range(1, max(len(verify), len(draft)) + 1):  # in turn, as the loop calls them: drafter, verify
             if n in draft:
@@ -204,5 +234,9 @@ def measure(runtime, batch: int, reps: int = REPS, past: int = PAST) -> tuple[di
             if n in verify:
                 v = timed(runtime.backend.target, target_feeds(n))
                 verify[n] += [v] if rep else []
+        for w in wide:
+            d = timed(runtime.backend.drafter, draft_feeds(w))
+            wide[w] += [d] if rep else []
     return (monotone({t: statistics.median(s) for t, s in verify.items()}),
-            monotone({w: statistics.median(s) for w, s in draft.items()}))
+            monotone({w: statistics.median(s) for w, s in draft.items()}),
+            {w: statistics.median(s) for w, s in wide.items()})

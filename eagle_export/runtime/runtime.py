@@ -238,7 +238,7 @@ class SpeculativeRuntime:
     def cost_curves(self, batch: int) -> CostCurves:
         """The measured costs, measuring (and caching) this batch size on its first use."""
         if not self.costs.has(batch):
-            self.costs.verify_s[batch], self.costs.draft_s[batch] = measure(self, batch)
+            self.costs.verify_s[batch], self.costs.draft_s[batch], self.costs.catch_up_s[batch] = measure(self, batch)
             if self.cost_cache is not None:
                 self.cost_cache.save(self.costs)
         return self.costs
@@ -656,9 +656,11 @@ class _State:
                 reason = "stop" if stopped else reason
             self.generated[b].extend(tokens)
             self.stats[b].new_tokens += len(tokens)
-            if reason is not None:
-                self.active[b] = False
             events.append(Event(b, tokens, reason, self.stats[b] if reason is not None else None))
+        finished = [e.index for e in events if e.finish_reason is not None]
+        if finished:  # a new tensor: the round's `live` may be this one, and must stay what the round began with
+            self.active = self.active.clone()
+            self.active[finished] = False
         return events
 
     def _cut_at_stop(self, b, tokens):

@@ -16,8 +16,36 @@ With the measured costs (`costs.CostCurves`):
 So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
 decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
-probes every PROBE_EVERY rounds, doubling the interval (up to PROBE_MAX) while probes keep failing,
-so a drafter that never helps costs at most about c_draft / (PROBE_MAX * c_verify(1)) of plain decoding.
+probes: a drafter call after `interval` plain rounds, which first catches up on every row those rounds
+added (c_catch_up(rows), measured) and verifies one draft at least. A failed probe doubles the interval,
+a probe that finds drafting paying again halves it (down to PROBE_EVERY); the interval stops doubling
+at the shortest I (from PROBE_EVERY, doubling, at most PROBE_CEILING) whose failed probe costs at most
+PROBE_BUDGET of the plain steps it follows:
+
+    c_catch_up(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1)
+
+so a drafter that never helps costs about PROBE_BUDGET of plain decoding. Catching up is the larger
+part where the batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms
+step, so probes 256 rounds apart; at batch 1, 64). Halving on success, not starting over at the
+shortest interval, is what keeps a batch whose drafter pays only now and then (the sample drafter at
+batch 4, below break-even) from drafting in runs that lose: a static batch finishes with its slowest
+sequence, so one sequence's accepted drafts in a sporadic round rarely shorten it (replayed at batch 4
+over recorded drafter claims, with catch-up priced: 0.957x -> 0.985x humaneval, 0.967x -> 0.979x
+MT-bench; batch 1 and calibrated drafters from 0.4 up unchanged or better).
+
+A batch of B sequences: one verify call serves them all, so a round is worth what it advances the
+batch, and a static batch finishes with its slowest sequence. Where the slowest stays slowest (its text
+is harder throughout), the batch advances at its rate: B times the least of the sequences' expected
+tokens; where they differ by chance from round to round, the lead changes hands and the batch advances
+at about their mean: the sum. The policy takes the middle of the two,
+
+    batch tokens(S_j) = (sum over live b of E_b[tokens | S_j] + B_live * min over live b of E_b[tokens | S_j]) / 2
+
+(the sum alone drafted at batch 4 in rounds where one sequence's drafts would be accepted and the
+others' not, shortening nothing: replayed over the recorded claims of the sample drafter, with probes
+priced, 0.985x -> 0.990x humaneval, 0.979x -> 0.988x MT-bench; calibrated simulated drafters at 0.4 /
+0.5 / 0.6: 0.973x -> 0.985x, 1.054x -> 1.041x, 1.241x -> 1.232x; the least alone fell to 0.99x at 0.5,
+where drafting pays 1.05x). At batch 1 both are the sequence's own.
 The runtime keeps one policy per batch size, so these estimates carry from one request to the next.
 
 Greedy, the drafter's estimates are read through its measured calibration: with A and P the decayed
@@ -41,9 +69,9 @@ exact only if the decision to check a draft is made before it is seen), so the m
 (S_k = the nodes of depth <= k) and E[tokens | S_k] comes from the running per-depth acceptance of
 earlier rounds instead.
 
-A batch shares one choice and one drafter decision per round: every sequence's verify call has the
-same T (the target graph's [B, T] input), and a sequence that could stop earlier loses nothing from
-being verified further, since the call's cost is paid for the batch anyway.
+A batch shares one choice and one drafter decision per round (valued as above): every sequence's verify
+call has the same T (the target graph's [B, T] input), and a sequence that could stop earlier loses
+nothing from being verified further, since the call's cost is paid for the batch anyway.
 """
 
 from __future__ import annotations
@@ -82,8 +110,9 @@ class GoodputDepth:
     name = "goodput"
     verifies_whole_tree = False
     DECAY = 0.7          # weight of the past in the running estimates (about 3 rounds of memory)
-    PROBE_EVERY = 16     # plain rounds before the drafter is tried again
-    PROBE_MAX = 64       # the probe interval doubles up to this while probes keep failing
+    PROBE_EVERY = 16     # plain rounds before the drafter is tried again, at the shortest
+    PROBE_BUDGET = 0.01  # what a failed probe may cost, as a share of the plain steps before it (see the module)
+    PROBE_CEILING = 1024  # the longest interval: where catching up alone costs more than the budget per row
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
@@ -100,7 +129,7 @@ class GoodputDepth:
         """A stream of `batch` sequences begins. After a stream of the same size the estimates carry
         over (same drafter, same machine, same costs): the sequences start from the last stream's mean,
         and the probe interval and the rounds since the last drafter call continue, so a drafter that
-        does not pay costs one call per PROBE_MAX rounds across requests, not a probe in each request's
+        does not pay costs one call per probe interval across requests, not a probe in each request's
         first round; one that pays drafts from the first round, which then counts as a probe. A new size
         starts afresh."""
         # A stream's first drafted round replaces the estimates, as a probe does: this request's drafts
@@ -116,14 +145,36 @@ class GoodputDepth:
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
+        self.longest = self._longest_interval()
+
+    def _longest_interval(self) -> int:
+        """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
+        before it (see the module), or PROBE_CEILING."""
+        step = self.costs.verify(self.batch, 1)
+        probe_extra = self.costs.verify(self.batch, 2) - step  # a probe verifies one draft at least
+        interval = self.PROBE_EVERY
+        while (interval < self.PROBE_CEILING and
+               self.costs.catch_up(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step):
+            interval *= 2
+        return min(interval, self.PROBE_CEILING)
 
     def _round_cost(self, j: int) -> float:
         return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
 
+    @staticmethod
+    def _batch_tokens(expected: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """What a drafted round is worth to the batch, in tokens, from each sequence's expected tokens
+        [B,...]: halfway between the live sequences' sum and their count times the least of them (see
+        the module; at batch 1, the sequence's own)."""
+        mine = expected[live]
+        if not len(mine):
+            return mine.sum(0)
+        return 0.5 * (mine.sum(0) + len(mine) * mine.min(0).values)
+
     def _best(self, expected: torch.Tensor, live: torch.Tensor, at_least: int = 0):
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
         expected tokens at j) from expected [B,J+1]."""
-        totals = expected[live].sum(0)
+        totals = self._batch_tokens(expected, live)
         j = max(range(at_least, len(self.widths)), key=lambda j: float(totals[j]) / self._round_cost(j))
         return j, expected[:, j]
 
@@ -133,7 +184,7 @@ class GoodputDepth:
     def should_draft(self, live: torch.Tensor) -> bool:
         if self._probing():
             return True
-        drafted_rate = float(self.expected[live].sum()) / self.round_cost
+        drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
         plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
         return drafted_rate > self.MARGIN * plain_rate
 
@@ -190,8 +241,9 @@ class GoodputDepth:
             self._promised_sum = self.TRUST_DECAY * self._promised_sum + float((self._claimed[live] - 1).sum())
         self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
-        if probe:
-            self.interval = self.PROBE_EVERY if self.should_draft(live) else min(self.PROBE_MAX, 2 * self.interval)
+        if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
+            self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
+                             else min(self.longest, 2 * self.interval))
 
 
 def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, int]:

@@ -164,8 +164,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         build = result["builds"][name] = {
             "speculation": describe(backend.speculation), "depth": runtime.depth, "nodes": backend.num_nodes,
             "verify_width": backend.verify_width,
-            "costs": {"verify_ms": {t: round(1000 * s, 3) for t, s in curves.verify_s[batch].items()},
-                      "draft_ms": {w: round(1000 * s, 3) for w, s in curves.draft_s[batch].items()}},
+            "costs": curves.in_ms(batch),
         }
         records = []
         for a, setting in enumerate(settings):

@@ -187,8 +187,7 @@ def costs(runtime, batches=(1, 4, 16)) -> dict:
     out = {}
     for b in batches:
         curves = runtime.cost_curves(b)
-        out[b] = {"verify_ms": {t: round(1000 * s, 3) for t, s in curves.verify_s[b].items()},
-                  "draft_ms": {w: round(1000 * s, 3) for w, s in curves.draft_s[b].items()}}
+        out[b] = curves.in_ms(b)
     return out
 
 
