@@ -67,8 +67,10 @@ class CostCurves:
         if rows in curve:
             return curve[rows]
         widest = max(curve)
-        if not point or rows < widest:
-            return curve[widest] if rows > widest else curve[min(curve)]
+        if rows < widest:  # fewer rows than any measured
+            return curve[min(curve)]
+        if not point:
+            return curve[widest]
         (far, far_s), = point.items()
         slope = max(0.0, (far_s - curve[widest]) / (far - widest)) if far > widest else 0.0
         return curve[widest] + slope * (rows - widest)

@@ -26,7 +26,7 @@ PROBE_BUDGET of the plain steps it follows:
 
 so a drafter that never helps costs about PROBE_BUDGET of plain decoding. Catching up is the larger
 part where the batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms
-step, so probes 256 rounds apart; at batch 1, 64). Halving on success, not starting over at the
+step, so probes 128-256 rounds apart; at batch 1, 64). Halving on success, not starting over at the
 shortest interval, is what keeps a batch whose drafter pays only now and then (the sample drafter at
 batch 4, below break-even) from drafting in runs that lose: a static batch finishes with its slowest
 sequence, so one sequence's accepted drafts in a sporadic round rarely shorten it (replayed at batch 4
