@@ -72,7 +72,7 @@ def failed_probe_overhead(policy, costs, rounds):
     probes = [i for i, c in enumerate(chosen) if c is not None and i >= rounds // 4]
     step = costs.verify(1, 1)
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
-    extra = sum(costs.catch_up(1, gap + 1) + costs.verify(1, 2) - step for gap in gaps)
+    extra = sum(costs.draft(1, gap + 1) + costs.verify(1, 2) - step for gap in gaps)
     return extra / (sum(gaps) * step), set(gaps)
 
 
@@ -82,7 +82,7 @@ def test_probes_are_spaced_by_what_catching_up_costs():
     apart 1.0%, so the policy settles at 128. Planted: the interval capped at 64 as before pricing."""
     costs = curves(draft=0.6)
     costs.catch_up_s[1] = {64: 0.6 + 0.005 * (64 - (K + 1))}
-    assert costs.catch_up(1, 129) == pytest.approx(0.6 + 0.005 * (129 - (K + 1)))
+    assert costs.draft(1, 129) == pytest.approx(0.6 + 0.005 * (129 - (K + 1)))
     policy = GoodputDepth(K, costs)
     policy.start(1)
     overhead, gaps = failed_probe_overhead(policy, costs, 2000)

@@ -56,17 +56,16 @@ class CostCurves:
         return self.verify_s[batch][tokens]
 
     def draft(self, batch: int, rows: int | None = None) -> float:
-        curve = self.draft_s[batch]
-        return curve[rows if rows is not None else max(curve)]
-
-    def catch_up(self, batch: int, rows: int) -> float:
-        """A drafter call over `rows` input rows, any number: the curve within it; beyond it, the line
-        through its widest call and the catch-up call, extended past that (a call's cost is affine in
-        its rows once they fill the machine). Without a catch-up measurement, the widest call's cost."""
+        """A drafter call over `rows` input rows (None: K+1, the widest of the curve), any number: the
+        curve within it; beyond it, the line through its widest call and the catch-up call, extended past
+        that (a call's cost is affine in its rows once they fill the machine). Without a catch-up
+        measurement, the widest call's cost."""
         curve, point = self.draft_s[batch], self.catch_up_s.get(batch)
+        widest = max(curve)
+        if rows is None:
+            return curve[widest]
         if rows in curve:
             return curve[rows]
-        widest = max(curve)
         if rows < widest:  # fewer rows than any measured
             return curve[min(curve)]
         if not point:

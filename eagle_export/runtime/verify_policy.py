@@ -16,13 +16,13 @@ With the measured costs (`costs.CostCurves`):
 So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
 decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
-probes: a drafter call after `interval` plain rounds, which first catches up on every row those rounds
-added (c_catch_up(rows), measured) and verifies one draft at least. A failed probe doubles the interval,
-a probe that finds drafting paying again halves it (down to PROBE_EVERY); the interval stops doubling
-at the shortest I (from PROBE_EVERY, doubling, at most PROBE_CEILING) whose failed probe costs at most
-PROBE_BUDGET of the plain steps it follows:
+probes: a drafter call after `interval` plain rounds, which first catches up on every row those
+rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. A failed
+probe doubles the interval, a probe that finds drafting paying again halves it (down to PROBE_EVERY);
+the interval stops doubling at the shortest I (from PROBE_EVERY, doubling, at most PROBE_CEILING)
+whose failed probe costs at most PROBE_BUDGET of the plain steps it follows:
 
-    c_catch_up(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1)
+    c_draft(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1)
 
 so a drafter that never helps costs about PROBE_BUDGET of plain decoding. Catching up is the larger
 part where the batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms
@@ -154,7 +154,7 @@ class GoodputDepth:
         probe_extra = self.costs.verify(self.batch, 2) - step  # a probe verifies one draft at least
         interval = self.PROBE_EVERY
         while (interval < self.PROBE_CEILING and
-               self.costs.catch_up(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step):
+               self.costs.draft(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step):
             interval *= 2
         return min(interval, self.PROBE_CEILING)
 

@@ -152,7 +152,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # torch's idle threads spin unless PASSIVE
         "prompts": len(prompts), "repeat": repeat, "max_new_tokens": config.max_new_tokens,
         "ar_tokens_per_s": round(ar["tokens"] / ar["seconds"], 2), "ar_step_ms": round(1000 * t_ar_step, 3),
-        "ar_round_ms": None if ar_round_s is None else round(1000 * ar_round_s, 3),
+        "ar_round_ms": _ms(ar_round_s),
         "cost_warnings": cost_warnings,
         "builds": {},
     }
@@ -191,6 +191,11 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     return result
 
 
+def _ms(seconds: float | None) -> float | None:
+    """Seconds as the JSON's milliseconds (None: nothing was timed)."""
+    return None if seconds is None else round(1000 * seconds, 3)
+
+
 def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, t_ar_step: float, depth: int,
                    plain_round_s: list[float], ar_round_s: float | None) -> dict:
     """One policy's figures over the bench: tau, depths, widths, speedups, efficiency, time split.
@@ -214,7 +219,7 @@ def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, 
         "round_cost_in_steps": round(round_graph_s / t_ar_step, 3),
         # A round without a drafter call should cost what a plain decoding step does: the runtime's
         # speculative bookkeeping is the difference (pending drafter rows, the policy, the stats).
-        "plain_round_ms": None if round_s is None else round(1000 * round_s, 3),
+        "plain_round_ms": _ms(round_s),
         "plain_round_vs_step": round(round_s / ar_round_s, 4) if round_s and ar_round_s else None,
         "rounds": s["rounds"], "draft_calls": s["draft_calls"],
         "identical_to_autoregressive": s["differing"] == 0,
