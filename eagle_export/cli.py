@@ -97,7 +97,7 @@ def main(quiet):
 def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_json):
     """Say what a checkpoint directory holds (target or drafter) and what does not fit, or what a build
     directory holds (its pair, how it speculates, its graphs and engines)."""
-    from .build.manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
+    from .builder.manifest import MANIFEST, inspect_build  # a build is read from its manifest: no torch imported
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
@@ -111,7 +111,7 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
 
         report = inspect_checkpoint(path, target)
     if check:
-        from .build.conformance import check_checkpoint, check_prompts
+        from .builder.conformance import check_checkpoint, check_prompts
         from .data.prompts import prompt_set_name
 
         prompts = check_prompts(target, prompt_set_name(prompts), num_prompts)
@@ -208,7 +208,7 @@ def doctor(as_json):
 def build(recipe, out_dir, force, target, drafter, depth, sets):
     """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
     validation, from a recipe."""
-    from .build.recipe import load_recipe, parse_override, resolve_sources
+    from .builder.recipe import load_recipe, parse_override, resolve_sources
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
@@ -216,7 +216,7 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
             overrides[key] = value
     loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
     resolve_sources(loaded)
-    from .build.build import build as run_build
+    from .builder.build import build as run_build
 
     manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
     checks = manifest.validation["checks"]
@@ -231,7 +231,7 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
-    from .build.validate import validate as run_validate
+    from .builder.validate import validate as run_validate
 
     label = {True: "ok  ", False: "FAIL", None: "SKIP"}
 
@@ -274,7 +274,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
                                else "pass --prompt or --chat, not both")
-    from .build.build_dir import open_build
+    from .builder.build_dir import open_build
     from .runtime.runtime import GenerationConfig, request_record
     from .runtime.verify_policy import explain
 
@@ -395,7 +395,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
     turns on the same prompts."""
 
-    from .build.build_dir import open_build
+    from .builder.build_dir import open_build
     from .data.prompts import chat_prompts, prompt_set_name
     from .runtime.costs import CostCurves
     from .runtime.runtime import GenerationConfig

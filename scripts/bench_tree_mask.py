@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_export.build.manifest import Manifest
+from eagle_export.builder.manifest import Manifest
 from eagle_export.models import contract as C
 from eagle_export.models.layers import causal_mask
 from eagle_export.runtime.backends import ort_session, run_bound

@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from eagle_export.build.build_dir import open_build
+from eagle_export.builder.build_dir import open_build
 from eagle_export.data.prompts import chat_prompts
 from eagle_export.runtime.runtime import GenerationConfig
 from eagle_export.runtime.verify_policy import GoodputDepth

@@ -25,8 +25,8 @@ import argparse
 
 import torch
 
-from eagle_export.build.build_dir import open_build
-from eagle_export.build.validate import CHECK_PROMPTS
+from eagle_export.builder.build_dir import open_build
+from eagle_export.builder.validate import CHECK_PROMPTS
 from eagle_export.models import contract as C
 from eagle_export.models.layers import causal_mask
 

@@ -36,7 +36,7 @@ def private_conformance_cache(tmp_path_factory):
     """Builds remember conformance results in the user cache; the suite's in-process builds keep their
     own, so such a test never reuses a result another run left (builds in a subprocess, test_wheel's
     and the interrupted build's, use the user cache as a user's command would)."""
-    from eagle_export.build import conformance
+    from eagle_export.builder import conformance
 
     patch = pytest.MonkeyPatch()
     folder = tmp_path_factory.mktemp("conformance-cache")

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from test_validate import stale_aux_row
 from tiny_models import write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
-from eagle_export.build.build import conformance_prompts
-from eagle_export.build.build_dir import OpenBuild, open_build
-from eagle_export.build.manifest import Manifest, write_manifest_hash
-from eagle_export.build.recipe import load_recipe
+from eagle_export.builder.build import conformance_prompts
+from eagle_export.builder.build_dir import OpenBuild, open_build
+from eagle_export.builder.manifest import Manifest, write_manifest_hash
+from eagle_export.builder.recipe import load_recipe
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.runtime.runtime import GenerationConfig
@@ -65,7 +65,7 @@ ALIVE_AT_DRAFTER_EXPORT = []
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, sources):
-    import eagle_export.build.build as build_module
+    import eagle_export.builder.build as build_module
 
     root = tmp_path_factory.mktemp("build")
     recipe = write_recipe(root / "recipe.yaml", sources, sampling=True)
@@ -337,7 +337,7 @@ def test_an_object_array_vocab_map_in_a_build_is_refused_by_name(built, tmp_path
     """Repro: draft_to_target.npy replaced by a pickled object array (hashes updated) made `run` exit 3."""
     import numpy as np
 
-    from eagle_export.build.manifest import artifact_hashes
+    from eagle_export.builder.manifest import artifact_hashes
 
     copy = _copy_build(built[0], tmp_path)
     np.save(copy / "draft_to_target.npy", np.array([object()] * 96), allow_pickle=True)
@@ -712,8 +712,8 @@ def with_engines_that_do_not_load(built, tmp_path, monkeypatch):
     cannot deserialize (as after a TensorRT patch upgrade); the manifest re-signed."""
     import fake_tensorrt
 
-    import eagle_export.build.build_dir as build_dir
-    from eagle_export.build.manifest import sha256_file
+    import eagle_export.builder.build_dir as build_dir
+    from eagle_export.builder.manifest import sha256_file
 
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(built[0]), str(copy)], check=True)
@@ -747,7 +747,7 @@ def test_auto_falls_back_to_onnxruntime_with_one_line_when_an_engine_does_not_lo
 def test_validate_runs_the_lossless_loop_on_the_engines_too(built, tmp_path, monkeypatch):
     """A build with engines runs the lossless loop on TensorRT as well; here they cannot load, so that
     check is skipped with the reason, never passed (on a GPU it runs: `eagle-export selftest --gpu`)."""
-    import eagle_export.build.validate as validate
+    import eagle_export.builder.validate as validate
 
     copy = with_engines_that_do_not_load(built, tmp_path, monkeypatch)
     backends = []
@@ -898,7 +898,7 @@ def _failed(report):
 def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, tiers):
     """The mutation test: the quantized build's tiers must catch a broken loop (T0 or T1 each; a
     cache bug T2 too), while its graphs stay sound."""
-    from eagle_export.build.validate import validate_build_dir
+    from eagle_export.builder.validate import validate_build_dir
 
     out, _ = fp8_built
     _plant(monkeypatch, mutation)
@@ -911,7 +911,7 @@ def test_planted_runtime_bugs_fail_the_tiers(fp8_built, monkeypatch, mutation, t
 def test_t1_is_not_applicable_where_the_probe_finds_a_row_with_other_bits(fp8_built, monkeypatch):
     """A backend that gives a row other bits at another place in the call cannot make T1 exact: it is
     skipped with the probe's figures, never failed (the loop is not at fault) nor passed."""
-    import eagle_export.build.validate as validate
+    import eagle_export.builder.validate as validate
 
     out, _ = fp8_built
     probe = validate.position_variance
@@ -935,7 +935,7 @@ def test_t1_is_not_applicable_where_the_probe_finds_a_row_with_other_bits(fp8_bu
 
 @pytest.mark.slow
 def test_a_rejected_row_left_in_the_cache_fails_t0_t1_and_t2_on_a_tree(sources, tmp_path, monkeypatch):
-    from eagle_export.build.validate import validate_build_dir
+    from eagle_export.builder.validate import validate_build_dir
 
     recipe = write_recipe(tmp_path / "r.yaml", sources).read_text().replace(
         "depth: 3\n", "speculation: {kind: static_tree, branching: [2, 2, 1]}\n")
@@ -980,7 +980,7 @@ def scale_first_fp8_weight(path, factor: float) -> None:
 
 
 def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_path):
-    from eagle_export.build.manifest import artifact_hashes
+    from eagle_export.builder.manifest import artifact_hashes
 
     out, _ = fp8_built
     copy = tmp_path / "copy"
@@ -999,7 +999,7 @@ def test_fp8_validation_fails_a_graph_with_a_bad_weight_scale(fp8_built, tmp_pat
 
 
 def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_built, tmp_path):
-    from eagle_export.build.validate import validate_build_dir
+    from eagle_export.builder.validate import validate_build_dir
 
     out, _ = fp8_built
     copy = tmp_path / "copy"
@@ -1039,8 +1039,8 @@ def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sou
 
 
 def test_evaluation_prompts_are_held_out_from_calibration(sources, tmp_path):
-    from eagle_export.build.build import calibration_prompts, evaluation_prompts
-    from eagle_export.build.recipe import load_recipe
+    from eagle_export.builder.build import calibration_prompts, evaluation_prompts
+    from eagle_export.builder.recipe import load_recipe
     from eagle_export.data.prompts import ChatTemplate
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", sources),
@@ -1107,7 +1107,7 @@ def test_run_has_no_synthetic_acceptance(built):
 def test_validate_hands_over_each_check_as_it_finishes(built, monkeypatch):
     """`eagle-export validate` prints a check when it finishes: the graph checks are out before the
     lossless loop (the slowest) starts, and what was streamed is the report, in its order."""
-    from eagle_export.build import validate
+    from eagle_export.builder import validate
 
     seen, seen_before_loop = [], []
     loop = validate._lossless

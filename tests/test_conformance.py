@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import token_sequences, write_tiny_drafter, write_tiny_target, write_trained_tiny_drafter
 
-from eagle_export.build.conformance import conformance_check
+from eagle_export.builder.conformance import conformance_check
 from eagle_export.errors import CheckpointError, EagleExportError
 from eagle_export.models.checkpoint import load_drafter, load_target, save_drafter
 
@@ -212,7 +212,7 @@ def test_cli_check_passes_the_drafter_and_fails_a_misstated_one_with_strict(pair
 def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monkeypatch):
     """The check (the longest build stage on 2 cores) runs once per pair of checkpoint files and
     prompts; a changed file or prompt runs it again, and a refused drafter is never remembered."""
-    from eagle_export.build import build
+    from eagle_export.builder import build
 
     calls = []
     passed = {"matched": True, "ok": True, "findings": [], "readings": [{"acc@1": [0.58, 0.57]}], "positions": 9,

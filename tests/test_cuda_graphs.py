@@ -199,7 +199,7 @@ def test_cuda_graphs_on_a_gpu_are_lossless(target, drafter):
 def test_cuda_graphs_asked_for_where_they_cannot_run_are_refused_before_loading(monkeypatch, backend, problem):
     from types import SimpleNamespace as NS
 
-    from eagle_export.build import build_dir
+    from eagle_export.builder import build_dir
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(build_dir, "torch_models", lambda *a, **k: pytest.fail("loaded the models first"))

@@ -3,7 +3,7 @@
 import pytest
 from tiny_models import tiny_drafter_config, tiny_target_config
 
-from eagle_export.build.recipe import parse_recipe
+from eagle_export.builder.recipe import parse_recipe
 from eagle_export.engine.engine import (
     MIN_PAST,
     Engine,
@@ -172,7 +172,7 @@ def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_and_the_fix(monkeypatch
                      "capability 10.0+, this GPU has 9.0)"),
     ("9.0", "fp8", None), ("10.0", "nvfp4", None)])
 def test_build_refuses_engine_precisions_the_gpu_lacks_before_loading(monkeypatch, tmp_path, cc, precision, refused):
-    import eagle_export.build.build as build
+    import eagle_export.builder.build as build
 
     recipe = parse_recipe(f"target: t\ndrafter: d\nprecision: {{target: {precision}}}\n")
     monkeypatch.setattr(build, "tensorrt_available", lambda: (True, ""))

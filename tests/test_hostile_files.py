@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from hostile import STATES, share, snapshot, unprivileged, world_dir
 from tiny_models import write_tiny_target, write_trained_tiny_drafter
 
-from eagle_export.build.build import conformance_prompts
-from eagle_export.build.recipe import load_recipe
+from eagle_export.builder.build import conformance_prompts
+from eagle_export.builder.recipe import load_recipe
 from eagle_export.cli import main
 
 RECIPE = """\

@@ -121,7 +121,7 @@ def build_time_imports(graph: dict[str, set[str]], start: str = "eagle_export.ru
 # folders, never a later one. Data (the prompt sets, the sample target, the shipped recipes) comes
 # first: the quantizer calibrates on prompts and a recipe names the sample target. The sample
 # drafters' training scripts use everything; the CLI comes last.
-FOLDERS = ("data", "recipes", "models", "speculation", "passes", "export", "quantize", "engine", "runtime", "build",
+FOLDERS = ("data", "recipes", "models", "speculation", "passes", "export", "quantize", "engine", "runtime", "builder",
            "tools", "samples")
 
 
@@ -148,7 +148,7 @@ def test_the_walk_sees_relative_absolute_and_function_level_imports():
     assert {"eagle_export.models.contract", "eagle_export.errors"} <= graph["eagle_export.runtime.backends"]
     assert "eagle_export.models.drafter" in graph["eagle_export.passes.eagle_models"]  # absolute import
     assert {"eagle_export.passes", "eagle_export.passes.base"} <= graph["eagle_export.export.loader"]  # a package's __init__ too
-    assert "eagle_export.build.build" in graph["eagle_export.cli"]  # imported inside a command function
+    assert "eagle_export.builder.build" in graph["eagle_export.cli"]  # imported inside a command function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -199,11 +199,27 @@ def test_the_folder_order_check_fails_on_the_flat_layouts_edges():
     """The edges the flat layout had that no folder order allows (seen failing before the move):
     the environment probes in doctor (a tool) read by the manifest and the cost model, the quantizer
     running the backends, the engine module reading the manifest."""
-    graph = {"eagle_export.build.manifest": {"eagle_export.tools.doctor"},
+    graph = {"eagle_export.builder.manifest": {"eagle_export.tools.doctor"},
              "eagle_export.quantize.quantize": {"eagle_export.runtime.backends"},
-             "eagle_export.engine.engine": {"eagle_export.build.manifest"}, "eagle_export.tools.doctor": set(),
+             "eagle_export.engine.engine": {"eagle_export.builder.manifest"}, "eagle_export.tools.doctor": set(),
              "eagle_export.runtime.backends": set()}
     assert later_stage_imports(graph, stage_numbers(graph)) == [
-        "eagle_export.build.manifest -> eagle_export.tools.doctor",
-        "eagle_export.engine.engine -> eagle_export.build.manifest",
+        "eagle_export.builder.manifest -> eagle_export.tools.doctor",
+        "eagle_export.engine.engine -> eagle_export.builder.manifest",
         "eagle_export.quantize.quantize -> eagle_export.runtime.backends"]
+
+
+def test_the_old_build_path_still_imports_for_one_release():
+    """`eagle_export.build.X` (the folder's name until 0.1.x) is the very module `eagle_export.builder.X`,
+    with a DeprecationWarning naming the new path; the folder itself is gone (a `build/` line in a
+    .gitignore would drop it)."""
+    import importlib
+    import warnings
+
+    assert not (ROOT / "eagle_export" / "build").is_dir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("eagle_export.build.build_dir")
+    new = importlib.import_module("eagle_export.builder.build_dir")
+    assert old is new and old.open_build is new.open_build
+    assert any("eagle_export.builder.build_dir" in str(w.message) for w in caught)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_export.build.manifest import (
+from eagle_export.builder.manifest import (
     BUILD_OUTPUT,
     BuiltModel,
     GraphFile,
@@ -105,7 +105,7 @@ def test_interrupt_mid_build_leaves_no_partial_output(tmp_path, sig):
         import time, pathlib
         import signal  # a shell's background job inherits SIGINT ignored; Ctrl-C must reach Python
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from eagle_export.build.manifest import BUILD_OUTPUT
+        from eagle_export.builder.manifest import BUILD_OUTPUT
         from eagle_export.output_dir import atomic_output_dir
         with atomic_output_dir(pathlib.Path({str(tmp_path)!r}) / "build", BUILD_OUTPUT) as tmp:
             (tmp / "target.onnx").write_bytes(b"partial")
@@ -162,7 +162,7 @@ def test_an_edited_manifest_is_caught_by_its_hash(tmp_path):
                                                "after the build, or the hash file removed)"]
     (build / "manifest.sha256").unlink()
     assert len(verify_artifacts(build, edited)) == 1
-    from eagle_export.build.validate import validate_build_dir
+    from eagle_export.builder.validate import validate_build_dir
 
     report = validate_build_dir(build)  # no traceback: one failed check, nothing else trusted
     assert not report["ok"] and [c["name"] for c in report["checks"]] == ["artifact hashes"]

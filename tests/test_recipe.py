@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_export.build.recipe import RECIPES_DIR, RecipeError, load_recipe, parse_override, parse_recipe
+from eagle_export.builder.recipe import RECIPES_DIR, RecipeError, load_recipe, parse_override, parse_recipe
 from eagle_export.errors import EagleExportError
 
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))

@@ -7,7 +7,7 @@ from random_tree import RandomTrees
 from scipy.stats import chisquare
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export.build.recipe import parse_recipe
+from eagle_export.builder.recipe import parse_recipe
 from eagle_export.engine.engine import engine_profiles
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import write_tiny_drafter, write_tiny_target
 
-from eagle_export.build.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
+from eagle_export.builder.teacher_forced import explain_divergence, margin_shift, measure_delta, position_variance
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from eagle_export.build.manifest import Agreement
-from eagle_export.build.validate import AGREEMENT_MARGIN, _agreement_check, _summary, _synthetic_tier
+from eagle_export.builder.manifest import Agreement
+from eagle_export.builder.validate import AGREEMENT_MARGIN, _agreement_check, _summary, _synthetic_tier
 
 
 def test_a_skipped_check_is_neither_passed_nor_failed():

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_target, write_trained_tiny_drafter
 
-from eagle_export.build.build import conformance_prompts
-from eagle_export.build.recipe import load_recipe
+from eagle_export.builder.build import conformance_prompts
+from eagle_export.builder.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "eagle_export")
@@ -77,7 +77,7 @@ def test_installed_command_runs_from_an_empty_directory(installed, tmp_path):
     cli, python = venv / "bin" / "eagle-export", venv / "bin" / "python"
     empty = tmp_path / "empty"
     empty.mkdir()
-    where = run([python, "-c", "import eagle_export.build.recipe as r; print(r.__file__); print(r.SAMPLES_DIR)"], cwd=empty)
+    where = run([python, "-c", "import eagle_export.builder.recipe as r; print(r.__file__); print(r.SAMPLES_DIR)"], cwd=empty)
     module, samples = where.split()
     assert module.startswith(str(venv)) and samples.startswith(str(venv)), where
 

@@ -130,7 +130,7 @@ def write_trained_tiny_drafter(path: Path, target_dir: Path, version: str, seque
     tokens of the sequences (d2t/t2d stored)."""
     import torch.nn.functional as F
 
-    from eagle_export.build.conformance import capture
+    from eagle_export.builder.conformance import capture
     from eagle_export.models.checkpoint import load_target, save_drafter
     from eagle_export.models.config import DrafterConfig
     from eagle_export.models.drafter import Drafter

@@ -1,5 +1,5 @@
 """The draft-verify loop over a build's graphs: `SpeculativeRuntime` on a `Backend` (ONNX Runtime,
-TensorRT, torch), `GenerationConfig` per request. `eagle_export.build.build_dir.open_build` makes
+TensorRT, torch), `GenerationConfig` per request. `eagle_export.builder.build_dir.open_build` makes
 one from a build directory.
 
 The three names are read from `runtime.runtime` on first use, not at import: commands that read a

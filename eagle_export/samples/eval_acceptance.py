@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_export.build.build_dir import open_build
+from eagle_export.builder.build_dir import open_build
 from eagle_export.data.prompts import (
     LONG_CONTEXT_SKIP,
     PROMPT_SET_ALIASES,

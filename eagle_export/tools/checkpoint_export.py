@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..build.manifest import MANIFEST, Manifest
-from ..build.recipe import QUANTIZED
+from ..builder.manifest import MANIFEST, Manifest
+from ..builder.recipe import QUANTIZED
 from ..data.prompts import ChatTemplate, chat_prompts
 from ..errors import EagleExportError
 from ..export.loader import load_pair

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..build.conformance import capture
+from ..builder.conformance import capture
 from ..data.prompts import ChatTemplate, chat_prompts
 from ..errors import EagleExportError
 from ..export.loader import prepare_pair

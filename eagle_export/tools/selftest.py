@@ -18,12 +18,12 @@ import onnxruntime
 import torch
 import yaml
 
-from ..build.build import build as run_build
-from ..build.build import check_engine_precisions
-from ..build.build_dir import open_build
-from ..build.manifest import MANIFEST, Manifest
-from ..build.recipe import load_recipe, parse_recipe
-from ..build.validate import TOLERANCE
+from ..builder.build import build as run_build
+from ..builder.build import check_engine_precisions
+from ..builder.build_dir import open_build
+from ..builder.manifest import MANIFEST, Manifest
+from ..builder.recipe import load_recipe, parse_recipe
+from ..builder.validate import TOLERANCE
 from ..data.prompts import chat_prompts
 from ..engine.engine import axis_ranges, profile_shapes
 from ..environment import cuda_available, gpu_info, package_version, tensorrt_version
