@@ -68,6 +68,12 @@ def utf8(ctx, param, value):
     return value
 
 
+ALLOW_CHANGED_SOURCES = click.option(
+    "--allow-changed-sources", is_flag=True,
+    help="Read a build's source checkpoints even where they changed since the build (said in one line); without "
+         "it, a checkpoint whose files differ from the hashes the build recorded is refused.")
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="eagle-export")
 @click.option("-q", "--quiet", is_flag=True,
@@ -266,7 +272,9 @@ def validate(build_dir, as_json):
                    "(--depth-policy: its former name.)")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
-def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, verify_policy, as_json):
+@ALLOW_CHANGED_SOURCES
+def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, verify_policy, as_json,
+        allow_changed_sources):
     """Generate from a build, streaming the text, then per request one summary line (tau, tokens/s) and
     one saying why it did or did not speculate (acceptance seen against this machine's break-even).
 
@@ -278,7 +286,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     from .runtime.runtime import GenerationConfig, request_record
     from .runtime.verify_policy import explain
 
-    opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs)
+    opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs,
+                        allow_changed_sources=allow_changed_sources)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
@@ -387,8 +396,9 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(with --acceptance-sweep: speedup against acceptance; needs eagle-export[plot]).")
+@ALLOW_CHANGED_SOURCES
 def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, repeat, remeasure,
-          acceptance, acceptance_sweep, json_file, plot_file):
+          acceptance, acceptance_sweep, json_file, plot_file, allow_changed_sources):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
 
@@ -419,7 +429,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     opened = {}
     for build_dir in build_dirs:
         name = build_dir if build_dir not in opened else f"{build_dir} ({len(opened) + 1})"
-        opened[name] = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs)
+        opened[name] = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
+                                  allow_changed_sources=allow_changed_sources)
     if remeasure:  # what is measured next replaces the cache's entry
         for o in opened.values():
             o.runtime.costs = CostCurves()
@@ -507,8 +518,9 @@ def _echo_sweep(result: dict) -> None:
 @click.option("--json", "json_file", type=click.Path(), help="Write the figures as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(),
               help="Write hidden-state RMS, sink mass and acceptance against depth as a PNG (needs eagle-export[plot]).")
+@ALLOW_CHANGED_SOURCES
 def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quantize, calib_prompts, json_file,
-             plot_file):
+             plot_file, allow_changed_sources):
     """Why acceptance falls with depth: per draft depth, teacher-forced and live acceptance, the RMS of the
     fed-back state, attention mass on the sink, the prefix and the chain's own keys, entropy and calibration.
 
@@ -523,7 +535,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
         pyplot()  # a missing matplotlib fails now, not after the run
     datasets = tuple(prompt_set_name(d) for d in dataset) or ("mt-bench",)
     report = diagnose_sources(sources, target, datasets, num_prompts, depth, max_new_tokens,
-                              quantize, calib_prompts, echo=click.echo)
+                              quantize, calib_prompts, echo=click.echo, allow_changed_sources=allow_changed_sources)
     click.echo(table(report))
     if json_file:
         Path(json_file).write_text(json.dumps(report, indent=2) + "\n")
@@ -546,6 +558,10 @@ def selftest(gpu, build_dir, report_path):
     from .environment import cuda_available
     from .tools.doctor import NO_GPU_SELFTEST
 
+    if build_dir is not None:  # a build given is checked as every reader checks it, GPU or not
+        from .builder.manifest import check_build
+
+        check_build(build_dir)
     if not cuda_available():  # answered before the suite's imports (torch, onnx: seconds)
         click.echo(NO_GPU_SELFTEST)
         return
@@ -646,17 +662,15 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
 @click.option("--verifier", help="The target's name to record for speculators (e.g. a Hub id; default: its path).")
 @click.option("--calib-prompts", type=int, help="FP8/NVFP4: ShareGPT conversations to calibrate on (default: the build's).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
-def export_checkpoint_command(source, out_dir, fmt, target, precision, embeddings, verifier, calib_prompts, force):
+@ALLOW_CHANGED_SOURCES
+def export_checkpoint_command(source, out_dir, fmt, target, precision, embeddings, verifier, calib_prompts, force,
+                              allow_changed_sources):
     """Write the drafter of a build (or of --target + drafter) as a checkpoint vLLM, SGLang or speculators loads."""
-    from .tools.checkpoint_export import export_checkpoint, resolve_source
+    from .tools.checkpoint_export import export_checkpoint
 
-    prompts = None
-    if calib_prompts is not None:
-        from .data.prompts import ChatTemplate, chat_prompts
-
-        prompts = list(chat_prompts(ChatTemplate(resolve_source(source, target)["target_dir"]), "sharegpt", calib_prompts))
     summary = export_checkpoint(source, out_dir, fmt, target=target, precision=precision, embeddings=embeddings,
-                                verifier=verifier, calib_prompts=prompts, force=force, progress=click.echo)
+                                verifier=verifier, calib_prompts=calib_prompts, force=force, progress=click.echo,
+                                allow_changed_sources=allow_changed_sources)
     trip = summary["round_trip"]
     click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids_vllm']} in vLLM "
                f"numbering, embeddings {summary['embeddings']}d); loaded back: max abs logit diff "
@@ -665,3 +679,7 @@ def export_checkpoint_command(source, out_dir, fmt, target, precision, embedding
     click.echo(f"readers measured to serve it exactly: {'; '.join(readers['exact']) or 'none'}")
     for line in readers["mis_serve"]:
         click.echo(f"warning: known to mis-serve it: {line}")
+
+
+if __name__ == "__main__":  # `python -m eagle_export.cli`, as the installed script
+    main()

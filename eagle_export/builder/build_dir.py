@@ -22,7 +22,7 @@ from ..models.nvfp4 import use_graph_weights
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
-from .manifest import MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts, verify_sources
+from .manifest import MANIFEST, Manifest, check_build, check_sources, contradictions, read_manifest
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
@@ -49,17 +49,14 @@ class OpenBuild:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
+def torch_models(manifest: Manifest, nvfp4_from: Path | None = None, allow_changed_sources: bool = False):
     """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
     even for a quantized build (validation compares its graphs with them), unless `nvfp4_from` names
     the build directory: then its NVFP4 models run the NVFP4 weights of its own graphs. Refused
-    unless every source file still has the sha256 the build recorded: other weights would run silently."""
-    changed, unavailable = verify_sources(manifest)
-    if changed or unavailable:
-        raise EagleExportError("the torch backend rebuilds the models from the checkpoints the build was made "
-                               "from, and cannot trust them: " + "; ".join(changed + unavailable),
-                               "use the onnxruntime backend (it runs the build's own graphs), restore the "
-                               "checkpoints, or rebuild with `eagle-export build --force`")
+    unless every source file still has the sha256 the build recorded (`check_sources`: other weights
+    would run silently), or `allow_changed_sources`."""
+    check_sources(manifest, allow_changed_sources, "the torch backend",
+                  "use the onnxruntime backend (it runs the build's own graphs), ")
     target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
                                 passes=passes_skipping(manifest.skipped_passes),
                                 drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
@@ -71,7 +68,7 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
 
 
 def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, allow_changed_sources: bool = False):
     """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists."""
     if backend not in BACKENDS:
         raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
@@ -104,7 +101,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         if cuda_graphs and device != "cuda":
             raise EagleExportError("--cuda-graphs needs a CUDA GPU, and torch sees none here",
                                    "run without --cuda-graphs (the torch backend runs eagerly on the CPU)")
-        target, drafter = torch_models(manifest, nvfp4_from=path)  # NVFP4: the graphs' own weights
+        target, drafter = torch_models(manifest, path, allow_changed_sources)  # NVFP4: the graphs' own weights
         target, drafter = target.to(device), drafter.to(device)
         speculation = manifest.speculation
         sampling_graph = UnrolledDrafter(drafter, speculation, True) if speculation.can_sample else None
@@ -124,26 +121,23 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
                verify: bool = True, verify_policy: str = "goodput", cuda_graphs: bool | None = None,
-               static_cache: bool | None = None) -> OpenBuild:
-    """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named).
+               static_cache: bool | None = None, allow_changed_sources: bool = False) -> OpenBuild:
+    """Open a build for generation; `verify` passes it through the integrity gate first (`check_build`:
+    a corrupt file or an edited manifest is named; only the build's own writer skips it).
     `verify_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
     the build directory per backend and machine) or "fixed" (always all K).
     `cuda_graphs`: the torch backend's CUDA graphs (None: on whenever it runs on CUDA); `static_cache`:
-    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs)."""
+    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs).
+    `allow_changed_sources`: the torch backend rebuilds the models from checkpoints that changed since
+    the build (said on stderr) instead of refusing."""
     path = Path(path)
-    data = read_manifest(path)
-    if verify:  # before any field is read: an edited manifest is not trusted
-        problems = verify_artifacts(path, data)
-        if problems:
-            raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
-                                   "rebuild it with `eagle-export build --force`")
-    manifest = Manifest.from_json(data, path / MANIFEST)
+    manifest = check_build(path) if verify else Manifest.from_json(read_manifest(path), path / MANIFEST)
     draft_to_target = load_int_array(path / "draft_to_target.npy", "rebuild with `eagle-export build --force`")
     problems = contradictions(manifest) + vocab_map_problems(manifest, draft_to_target)
     if problems:
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
                                "rebuild it with `eagle-export build --force`")
-    chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
+    chosen = make_backend(path, manifest, backend, threads, cuda_graphs, allow_changed_sources)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
     tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None

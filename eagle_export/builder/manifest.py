@@ -1,10 +1,10 @@
 """The build manifest: what was built, from what, with which proof.
 
 One type both ways: `build` constructs a `Manifest` and `write_manifest` writes its `to_json()`;
-readers (opening a build, validating it, inspect, export-checkpoint) get it from `Manifest.read`,
-so a field is named in one place and an incomplete manifest fails with a clear error. Only this
-module reads manifest.json as raw JSON: the artifact check (`verify_artifacts`) runs on the raw
-dict before any field is trusted.
+every reader of a build (run, validate, bench, inspect, diagnose, export-checkpoint, selftest,
+`open_build`) gets it from `check_build`, the one integrity gate: the manifest's own hash and every
+artifact's are checked on the raw dict before any field is trusted, and the source checkpoints'
+hashes where the reader loads them. An incomplete manifest fails with a clear error.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -280,6 +281,7 @@ class Manifest:
 
     @classmethod
     def read(cls, build_dir: str | Path) -> Manifest:
+        """The fields as written, unchecked: commands read a build through `check_build`."""
         return cls.from_json(read_manifest(build_dir), Path(build_dir) / MANIFEST)
 
     @classmethod
@@ -431,6 +433,53 @@ def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
     return changed, unavailable
 
 
+class BuildMismatch(EagleExportError):
+    """A build whose files or manifest differ from what was built; `problems` lists each difference."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        super().__init__(f"{path} does not match its manifest: " + "; ".join(problems),
+                         "rebuild it with `eagle-export build --force`")
+        self.problems = problems
+
+
+ALLOW_CHANGED_SOURCES = "--allow-changed-sources"
+
+
+def check_sources(manifest: Manifest, allow_changed: bool = False, reader: str = "this command",
+                  instead: str = "") -> None:
+    """Refuse to read a build's source checkpoints unless each file has the sha256 the build recorded
+    (other weights would pass silently for the build's); with `allow_changed`, read them as they are
+    and say so in one line on stderr. `instead`: another way out, put first in the fix."""
+    changed, unavailable = verify_sources(manifest)
+    if not (changed or unavailable):
+        return
+    found = "; ".join(changed + unavailable)
+    if not allow_changed:
+        raise EagleExportError(f"{reader} reads the checkpoints the build was made from, and they are not the "
+                               f"build's: {found}",
+                               f"{instead}restore those checkpoints, rebuild with `eagle-export build --force`, "
+                               f"or pass {ALLOW_CHANGED_SOURCES} to read them as they are now")
+    print(f"note: {ALLOW_CHANGED_SOURCES}: reading the checkpoints as they are now, not as built ({found})",
+          file=sys.stderr)
+
+
+def check_build(path: str | Path, sources: bool = False, allow_changed_sources: bool = False,
+                reader: str = "this command") -> Manifest:
+    """The integrity gate every reader of a build passes: the manifest's own sha256 and every
+    artifact's (`verify_artifacts`, on the raw dict before any field is read: an edited manifest
+    could point anywhere), then, with `sources`, the source checkpoints' (`check_sources`).
+    Raises BuildMismatch naming each difference."""
+    path = Path(path)
+    data = read_manifest(path)
+    problems = verify_artifacts(path, data)
+    if problems:
+        raise BuildMismatch(path, problems)
+    manifest = Manifest.from_json(data, path / MANIFEST)
+    if sources:
+        check_sources(manifest, allow_changed_sources, reader)
+    return manifest
+
+
 def inspect_build(path: str | Path) -> dict:
     """`eagle-export inspect BUILD`: what a build holds, from its manifest (nothing is loaded): the
     pair and precisions, how it speculates (the verify width its target calls take), its graphs and
@@ -438,7 +487,7 @@ def inspect_build(path: str | Path) -> dict:
     from ..speculation.tree import describe
 
     path = Path(path)
-    manifest = Manifest.read(path)
+    manifest = check_build(path)
     speculation = manifest.speculation
     validation = manifest.validation or {}
     report = {

@@ -53,13 +53,12 @@ from ..speculation.synthetic import MODES, SyntheticDrafts
 from ..speculation.tree import random_verify_mask
 from .build_dir import open_build, torch_models
 from .manifest import (
-    MANIFEST,
     Agreement,
+    BuildMismatch,
     Manifest,
+    check_build,
     contradictions,
     old_format_note,
-    read_manifest,
-    verify_artifacts,
     verify_sources,
 )
 from .teacher_forced import agreement, explain_divergence, position_variance
@@ -497,13 +496,12 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
     made from, when the caller has them (else they are rebuilt from the recorded sources); `on_check`
     sees each check as it finishes."""
     build_dir = Path(build_dir)
-    data = read_manifest(build_dir)
     checks = _Checks(on_check)
-    problems = verify_artifacts(build_dir, data)  # before any field is read: an edited manifest is not trusted
-    if problems:  # nothing else is trustworthy
-        checks.append(("artifact hashes", False, "; ".join(problems)))
+    try:
+        manifest = check_build(build_dir)  # the gate every reader passes, reported here as a check
+    except BuildMismatch as e:  # nothing else is trustworthy
+        checks.append(("artifact hashes", False, "; ".join(e.problems)))
         return _summary(checks)
-    manifest = Manifest.from_json(data, build_dir / MANIFEST)
     old = old_format_note(manifest)
     checks.append(("artifact hashes", True,
                    f"{len(manifest.artifacts)} files and the manifest match" + (f"; {old}" if old else "")))

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..builder.manifest import MANIFEST, Manifest
+from ..builder.manifest import MANIFEST, check_build
 from ..builder.recipe import QUANTIZED
 from ..data.prompts import ChatTemplate, chat_prompts
 from ..errors import EagleExportError
@@ -76,12 +76,14 @@ def is_checkpoint_export(path: Path) -> bool:
 EXPORT_OUTPUT = ("a checkpoint written by eagle-export export-checkpoint", is_checkpoint_export)
 
 
-def resolve_source(source, target=None) -> dict:
+def resolve_source(source, target=None, allow_changed_sources: bool = False, reader: str = "this command") -> dict:
     """{target_dir, drafter_dir, precision, calibration, depth, conformance} from a build directory
-    (its manifest) or from a drafter directory and `target`."""
+    (its manifest) or from a drafter directory and `target`. A build passes the integrity gate with
+    its sources (they are what is read): an edited build, or a checkpoint changed since it was built,
+    is refused unless `allow_changed_sources` (then said on stderr)."""
     source = Path(source)
-    if os.path.lexists(source / MANIFEST):  # (one that cannot be read is named by Manifest.read)
-        manifest = Manifest.read(source)
+    if os.path.lexists(source / MANIFEST):  # (one that cannot be read is named by check_build)
+        manifest = check_build(source, sources=True, allow_changed_sources=allow_changed_sources, reader=reader)
         recipe = manifest.recipe
         return {"target_dir": Path(manifest.target.source), "drafter_dir": Path(manifest.drafter.source),
                 "precision": manifest.drafter.precision, "keep": recipe["precision"]["keep_high_precision"],
@@ -212,18 +214,20 @@ def round_trip(reference: Drafter, path: Path, target, batches) -> float:
 
 def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision: str | None = None,
                       dtype: str | None = None, embeddings: str | None = None, verifier: str | None = None,
-                      calib_prompts: list[list[int]] | None = None, check_prompts: list[list[int]] | None = None,
-                      force: bool = False, progress=print) -> dict:
+                      calib_prompts: list[list[int]] | int | None = None, check_prompts: list[list[int]] | None = None,
+                      force: bool = False, progress=print, allow_changed_sources: bool = False) -> dict:
     """Write the drafter of `source` (a build directory, or a drafter directory with `target`) to `out_dir`
     as a `fmt` checkpoint; returns the export summary (also written as export_summary.json).
 
     precision: None (the build's drafter precision, else unquantized), a float dtype name, fp8 or nvfp4.
     embeddings: "store" or "share" (default: store for speculators, share otherwise).
-    calib_prompts: token ids to calibrate FP8/NVFP4 on (default: the source's calibration set).
+    calib_prompts: token ids to calibrate FP8/NVFP4 on, or how many ShareGPT conversations (default:
+    the source's calibration set).
+    allow_changed_sources: export a build's drafter from checkpoints changed since the build.
     check_prompts: prompts for the round trip's logits (default: a few of the calibration prompts)."""
     if fmt not in FORMATS:
         raise EagleExportError(f"unknown checkpoint format {fmt!r}", f"use one of {', '.join(FORMATS)}")
-    src = resolve_source(source, target)
+    src = resolve_source(source, target, allow_changed_sources, "export-checkpoint")
     inputs = (src["target_dir"], src["drafter_dir"]) + ((src["build"],) if src.get("build") else ())
     check_output(output_place(out_dir), EXPORT_OUTPUT, inputs, force)  # before any work; again at the rename
     # A build's fp16/bf16/fp32 is its engines' precision; a checkpoint keeps the drafter's own dtype.
@@ -257,6 +261,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
     if not own_table:
         drafter.share_embeddings(target_model.embed_tokens)
 
+    if isinstance(calib_prompts, int):
+        calib_prompts = list(chat_prompts(ChatTemplate(src["target_dir"]), "sharegpt", calib_prompts))
     if calib_prompts is None:
         cal = src["calibration"]
         calib_prompts = list(chat_prompts(ChatTemplate(src["target_dir"]), cal["dataset"], cal["num_samples"],

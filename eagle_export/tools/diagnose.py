@@ -212,16 +212,18 @@ def quantized_copies(target: Target, drafters: dict[str, Drafter], precisions, t
 
 
 def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_prompts: int = 8, depth: int = 6,
-                     max_new_tokens: int = 64, quantize=(), calib_prompts: int = 16, echo=None) -> dict:
+                     max_new_tokens: int = 64, quantize=(), calib_prompts: int = 16, echo=None,
+                     allow_changed_sources: bool = False) -> dict:
     """`diagnose` on builds or drafter directories (with `target_dir`), in fp32 from their checkpoints
-    (a build's sources), and on each drafter quantized to each of `quantize` (`quantized_copies`);
-    drafters of the same target share its answers."""
+    (a build's sources: refused where they changed since the build, unless `allow_changed_sources`),
+    and on each drafter quantized to each of `quantize` (`quantized_copies`); drafters of the same
+    target share its answers."""
     if depth < 1 or num_prompts < 1 or max_new_tokens < 1 or calib_prompts < 1:
         raise EagleExportError(f"--depth {depth}, --num-prompts {num_prompts}, --max-new-tokens {max_new_tokens} and "
                                f"--calib-prompts {calib_prompts} must all be 1 or more", "pass positive whole numbers")
     by_target: dict[Path, list[tuple[str, Path]]] = {}
     for source in sources:
-        resolved = resolve_source(source, target_dir)
+        resolved = resolve_source(source, target_dir, allow_changed_sources, "diagnose")
         by_target.setdefault(Path(resolved["target_dir"]).resolve(), []).append(
             (Path(source).name, Path(resolved["drafter_dir"])))
     report = {"depth": depth, "max_new_tokens": max_new_tokens, "drafters": {}}

@@ -21,7 +21,7 @@ import yaml
 from ..builder.build import build as run_build
 from ..builder.build import check_engine_precisions
 from ..builder.build_dir import open_build
-from ..builder.manifest import MANIFEST, Manifest
+from ..builder.manifest import MANIFEST, check_build
 from ..builder.recipe import load_recipe, parse_recipe
 from ..builder.validate import TOLERANCE
 from ..data.prompts import chat_prompts
@@ -243,7 +243,7 @@ def tree_vs_chain(state) -> tuple:
     and benched side by side on the backend `open_build` picks (TensorRT when the builds have engines):
     tau, verify width and speedup per build and batch; every output must equal plain decoding. Where a
     wide verify call costs about what a narrow one does, the tree's higher tau is speed."""
-    manifest = Manifest.read(state["build_dir"])
+    manifest = check_build(state["build_dir"])
     recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation")}
     recipe.update(target=manifest.target.source, drafter=manifest.drafter.source)
     tree_dir = state["scratch"] / "tree"
