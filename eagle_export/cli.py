@@ -68,6 +68,27 @@ def utf8(ctx, param, value):
     return value
 
 
+def output_file(ctx, param, value):
+    """A file the command writes (--json, --report, --plot): checked as the command line is read, so
+    before any model loads (`output_dir.output_file`); an empty value writes none."""
+    utf8(ctx, param, value)
+    if value:
+        from .output_dir import output_file as check
+
+        check(value)
+    return value
+
+
+def output_directory(ctx, param, value):
+    """A directory the command creates (-o): checked as the command line is read (`output_dir.output_directory`)."""
+    utf8(ctx, param, value)
+    if value is not None:
+        from .output_dir import output_directory as check
+
+        check(value)
+    return value
+
+
 ALLOW_CHANGED_SOURCES = click.option(
     "--allow-changed-sources", is_flag=True,
     help="Read a build's source checkpoints even where they changed since the build (said in one line); without "
@@ -203,7 +224,8 @@ def doctor(as_json):
 
 @main.command()
 @click.option("--recipe", type=click.Path(), callback=utf8, help="Recipe YAML (default: the sample, SmolLM2-135M + EAGLE-3.1).")
-@click.option("-o", "--out", "out_dir", default="builds/sample", show_default=True, type=click.Path(), callback=utf8,
+@click.option("-o", "--out", "out_dir", default="builds/sample", show_default=True, type=click.Path(),
+              callback=output_directory,
               help="Build directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing build directory (only once the new one is complete).")
 @click.option("--target", help="Override the recipe's target directory ('sample' for the sample target).", callback=utf8)
@@ -335,8 +357,9 @@ def _measure_costs(runtime) -> None:
 @main.command("gpu-kit")
 @click.option("--shapes", default="llama-3.2-1b,llama-3.1-8b,qwen3-8b", show_default=True,
               help="Real configs to make with random weights (llama-3.2-1b, llama-3.1-8b, qwen3-8b), or tiny (a CPU run).")
-@click.option("--report", default="gpu-kit.json", show_default=True, type=click.Path(), help="The JSON report.")
-@click.option("--plot", "plot_file", default="gpu-kit.png", show_default=True, type=click.Path(),
+@click.option("--report", default="gpu-kit.json", show_default=True, type=click.Path(), callback=output_file,
+              help="The JSON report.")
+@click.option("--plot", "plot_file", default="gpu-kit.png", show_default=True, type=click.Path(), callback=output_file,
               help="Speedup against synthetic acceptance per shape and batch (needs eagle-export[plot]).")
 @click.option("--budget-s", default=480.0, show_default=True, type=float,
               help="Stop starting steps after this many seconds; the report keeps what was measured.")
@@ -392,8 +415,8 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 @click.option("--acceptance-sweep", is_flag=True,
               help="Synthetic acceptance 0, 0.1, ..., 0.9, 0.95: speedup per policy beside the cost model's, and the "
                    "break-even acceptance of this machine.")
-@click.option("--json", "json_file", type=click.Path(), help="Write the results as JSON.")
-@click.option("--plot", "plot_file", type=click.Path(),
+@click.option("--json", "json_file", type=click.Path(), callback=output_file, help="Write the results as JSON.")
+@click.option("--plot", "plot_file", type=click.Path(), callback=output_file,
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(with --acceptance-sweep: speedup against acceptance; needs eagle-export[plot]).")
 @ALLOW_CHANGED_SOURCES
@@ -407,6 +430,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
 
     from .builder.build_dir import open_build
     from .data.prompts import chat_prompts, prompt_set_name
+    from .output_dir import write_output
     from .runtime.costs import CostCurves
     from .runtime.runtime import GenerationConfig
     from .speculation.synthetic import parse_acceptance
@@ -482,7 +506,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                            f"(drafter called in {p['draft_calls']} of {p['rounds']} rounds); outputs identical to "
                            f"plain decoding: {'yes' if p['identical_to_autoregressive'] else 'NO, OUTPUT DIFFERS'}")
     if json_file:
-        Path(json_file).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
+        write_output(json_file, json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     if plot_file:
         (plot_sweep if acceptance_sweep else plot)(results, plot_file)
 
@@ -515,8 +539,8 @@ def _echo_sweep(result: dict) -> None:
               help="Also diagnose each drafter quantized with ModelOpt to this precision, beside itself (repeatable).")
 @click.option("--calib-prompts", default=16, show_default=True, type=int,
               help="With --quantize: ShareGPT conversations to calibrate on.")
-@click.option("--json", "json_file", type=click.Path(), help="Write the figures as JSON.")
-@click.option("--plot", "plot_file", type=click.Path(),
+@click.option("--json", "json_file", type=click.Path(), callback=output_file, help="Write the figures as JSON.")
+@click.option("--plot", "plot_file", type=click.Path(), callback=output_file,
               help="Write hidden-state RMS, sink mass and acceptance against depth as a PNG (needs eagle-export[plot]).")
 @ALLOW_CHANGED_SOURCES
 def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quantize, calib_prompts, json_file,
@@ -528,6 +552,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
     greedy answers to the same prompts."""
 
     from .data.prompts import prompt_set_name
+    from .output_dir import write_output
     from .tools.bench import pyplot
     from .tools.diagnose import diagnose_sources, plot, table
 
@@ -538,7 +563,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
                               quantize, calib_prompts, echo=click.echo, allow_changed_sources=allow_changed_sources)
     click.echo(table(report))
     if json_file:
-        Path(json_file).write_text(json.dumps(report, indent=2) + "\n")
+        write_output(json_file, json.dumps(report, indent=2) + "\n")
     if plot_file:
         plot(report, plot_file)
 
@@ -549,7 +574,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
 @click.option("--build", "build_dir", type=click.Path(), callback=utf8,
               help="A build made on this machine, with engines (default: build the sample here first).")
 @click.option("--report", "report_path", default="selftest-gpu.json", show_default=True, type=click.Path(),
-              callback=utf8, help="Where to write the JSON report.")
+              callback=output_file, help="Where to write the JSON report.")
 def selftest(gpu, build_dir, report_path):
     """The first command to run on a GPU machine: environment, engines built and bound as computed,
     TensorRT against ONNX Runtime CPU, the lossless loop 50x, clean errors, FP8/NVFP4 gating, ONNX
@@ -582,7 +607,8 @@ def selftest(gpu, build_dir, report_path):
               help=f"Speculation depth K (1..{MAX_DEPTH}) of the unrolled drafter.")
 @click.option("--dtype", default="fp16", show_default=True, help="Export precision: fp32, fp16 or bf16.")
 @click.option("--sampling", is_flag=True, help="Export the sampling drafter and a target that also returns logits.")
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Output directory.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=output_directory,
+              help="Output directory.")
 @click.option("--force", is_flag=True, help="Overwrite files in a non-empty output directory.")
 def export(target_dir, drafter_dir, depth, dtype, sampling, out_dir, force):
     """Export target.onnx and the depth-K unrolled drafter.onnx, cleaned and linted.
@@ -622,8 +648,10 @@ def list_passes():
               help="MT-bench prompts whose greedy continuations (--max-new-tokens) the quantized target must follow.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Continuation length for tau and agreement.")
 @click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K for tau and the drafter graph.")
-@click.option("-o", "--out", "out_dir", default=None, type=click.Path(), help="Export and check the quantized graphs here.")
-@click.option("--json", "json_file", default=None, type=click.Path(), help="Write the metrics to this file.")
+@click.option("-o", "--out", "out_dir", default=None, type=click.Path(), callback=output_directory,
+              help="Export and check the quantized graphs here.")
+@click.option("--json", "json_file", default=None, type=click.Path(), callback=output_file,
+              help="Write the metrics to this file.")
 def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, eval_prompts, tau_prompts,
                      continuation_prompts, max_new_tokens, depth, out_dir, json_file):
     """Quantize with ModelOpt (FP8 / NVFP4), measure against the unquantized models, export the graphs.
@@ -633,6 +661,7 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     Without --draft, the passes that need the drafter (sharing embeddings, moving EAGLE-3.1's fc
     norm into the target) have nothing to act on and are skipped."""
 
+    from .output_dir import write_output
     from .quantize.quantize import quantize_models
     from .tools.quantized_graphs import export_and_check
 
@@ -646,12 +675,13 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
     text = json.dumps(report, indent=2)
     click.echo(text)
     if json_file:
-        Path(json_file).write_text(text + "\n")
+        write_output(json_file, text + "\n")
 
 
 @main.command("export-checkpoint")
 @click.argument("source", type=click.Path())
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), help="Checkpoint directory to create.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=output_directory,
+              help="Checkpoint directory to create.")
 @click.option("--format", "fmt", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang", "speculators"]),
               help="vllm / sglang: LlamaForCausalLMEagle3 layout, aux ids in that engine's numbering; speculators.")
 @click.option("--target", type=click.Path(), help="The target directory, when SOURCE is a drafter directory.")

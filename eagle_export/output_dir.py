@@ -16,21 +16,64 @@ import threading
 from pathlib import Path
 
 from .errors import EagleExportError
-from .files import is_dir, resolved
+from .files import is_dir, reading, resolved
 
 
 def output_place(out_dir) -> Path:
     """`out_dir` resolved, once its nearest existing parent is known to be a directory this user may
-    write in (a file, a link loop or a locked directory there is named before any work)."""
+    write in (a file, a link loop, a locked directory or a read-only file system there is named
+    before any work: a file is created there and removed, which no permission bit can fake)."""
     out_dir = resolved(out_dir)
     above = next(d for d in (out_dir.parent, *out_dir.parents) if os.path.lexists(d))
     if not is_dir(above):
         raise EagleExportError(f"{above} is a file, not a directory: the output {out_dir} cannot go inside it",
-                               "choose an -o whose parent is a directory")
-    if not os.access(above, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-        raise EagleExportError(f"cannot write the output in {above} (permission denied)",
-                               "choose an output directory you can write to (-o)")
+                               "choose an output whose parent is a directory")
+    try:
+        with tempfile.TemporaryFile(dir=above):
+            pass
+    except OSError as e:
+        raise EagleExportError(f"cannot write the output {out_dir} in {above} ({e.strerror or type(e).__name__})",
+                               "choose an output place you can write to") from None
     return out_dir
+
+
+def output_file(path) -> Path:
+    """A file a command will write (--json, --report, --plot), checked before any work: its place as
+    `output_place` checks it, and neither a directory in the file's place nor a file this user cannot
+    write; returned resolved. A missing parent is no error: `write_output` makes it."""
+    path = output_place(path)
+    if is_dir(path):
+        raise EagleExportError(f"{path} is a directory: the output file cannot replace it",
+                               f"pass a file name, e.g. {path / 'out.json'}")
+    if os.path.lexists(path):
+        with reading(path, "choose another output file"):
+            open(path, "ab").close()  # opened for writing, nothing written: permission and read-only named now
+    return path
+
+
+def output_directory(path) -> Path:
+    """A directory a command will create (-o), checked before any work: its place as `output_place`
+    checks it, and no file in its place."""
+    out_dir = output_place(path)
+    if os.path.lexists(out_dir) and not is_dir(out_dir):
+        raise EagleExportError(f"{out_dir} is a file: the output directory cannot go in its place",
+                               "choose another -o, or move that file away yourself")
+    return out_dir
+
+
+def made_parents(path) -> Path:
+    """Path(path), its missing parent directories made (an output checked by `output_file`)."""
+    path = Path(path)
+    with reading(path.parent, "choose an output place you can write to"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_output(path, text: str) -> None:
+    """Write an output file (a report, figures as JSON), making its missing parents."""
+    path = made_parents(path)
+    with reading(path, "choose an output place you can write to"):
+        path.write_text(text)
 
 
 def check_output(out_dir: Path, replaceable, inputs=(), force: bool = False) -> list[str]:

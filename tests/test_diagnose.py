@@ -159,7 +159,7 @@ def test_diagnose_command_on_a_tiny_pair(models, tmp_path):
     _, _, target_dir, drafter_dirs = models
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w5 w17 w3 w9\nw11 w7 w7 w19 w4\n")
-    out, png = tmp_path / "d.json", tmp_path / "d.png"
+    out, png = tmp_path / "new" / "d.json", tmp_path / "d.png"  # a missing folder is made when written
     result = CliRunner().invoke(main, ["diagnose", str(drafter_dirs["3"]), str(drafter_dirs["3.1"]), "--target",
                                        str(target_dir), "--dataset", str(prompts), "--depth", "3",
                                        "--max-new-tokens", "8", "--json", str(out), "--plot", str(png)])

@@ -92,7 +92,7 @@ def test_unwritable_output_directory(tmp_path):
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         target = str(locked / "build")
-    with pytest.raises(EagleExportError, match="cannot write the build"):
+    with pytest.raises(EagleExportError, match="cannot write"):
         with atomic_output_dir(target, BUILD_OUTPUT):
             pass
 

@@ -32,6 +32,7 @@ from collections import Counter
 import torch
 
 from ..errors import EagleExportError
+from ..output_dir import made_parents
 from ..progress import track
 from ..runtime.costs import disagreement
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
@@ -303,7 +304,7 @@ def plot(results: list[dict], path) -> None:
         fig.suptitle(f"SYNTHETIC acceptance {', '.join(first['synthetic']['acceptance'])}: the real drafter call "
                      "runs, its drafts are replaced", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(made_parents(path), dpi=120)
     plt.close(fig)
 
 
@@ -335,5 +336,5 @@ def plot_sweep(results: list[dict], path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("synthetic acceptance: the real drafter call runs, its drafts are replaced", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(made_parents(path), dpi=120)
     plt.close(fig)

@@ -33,6 +33,7 @@ from ..export.loader import prepare_pair
 from ..models.checkpoint import load_drafter, load_target
 from ..models.drafter import Drafter
 from ..models.target import Target
+from ..output_dir import made_parents
 from ..progress import track
 from ..speculation.eager import replay_greedy
 from ..speculation.stats import acceptance_by_depth, mean_accepted_length
@@ -299,5 +300,5 @@ def plot(report: dict, path) -> None:
         ax.set_ylim(*(ylim or (0, None)))
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(made_parents(path), dpi=90)
     plt.close(fig)

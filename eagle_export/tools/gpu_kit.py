@@ -39,6 +39,7 @@ from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..models.config import DrafterConfig, TargetConfig
 from ..models.drafter import Drafter
 from ..models.target import Target
+from ..output_dir import write_output
 from ..runtime.backends import TorchBackend
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
 from ..speculation.synthetic import SyntheticDrafts, verify_width_continuations
@@ -254,7 +255,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
             record[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
             echo(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
         record.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        report.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_output(report, json.dumps(result, indent=1, default=str) + "\n")
         return value
 
     tiny = shapes == ["tiny"]
@@ -310,7 +311,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 step(f"export ({shape}, {EXPORT_LAYERS} layers, fp32, CPU)", result,
                      lambda: export_check(shape, Path(tmp)))
     result["seconds"] = round(time.perf_counter() - start, 1)
-    report.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_output(report, json.dumps(result, indent=1, default=str) + "\n")
     if plot is not None:
         sweeps = [(s, r) for s, rec in result["shapes"].items() if isinstance(rec.get("sweep"), list)
                   for r in rec["sweep"]]

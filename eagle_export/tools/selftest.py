@@ -30,6 +30,7 @@ from ..environment import cuda_available, gpu_info, package_version, tensorrt_ve
 from ..errors import EagleExportError
 from ..models import contract as C
 from ..models.checkpoint import resolve_dtype
+from ..output_dir import write_output
 from ..runtime.backends import OnnxRuntimeBackend, ort_session, run_onnx
 from ..runtime.runtime import GenerationConfig
 from ..speculation.tree import random_verify_mask
@@ -298,6 +299,6 @@ def selftest(build_dir, report_path, echo=print) -> dict | None:
                 engines = False  # built without engines: the steps that need none still run
     report = {"ok": all(s["ok"] is not False for s in steps), "steps": steps, "bench": state.get("bench"),
               "tree_vs_chain": state.get("tree_vs_chain")}
-    Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_output(report_path, json.dumps(report, indent=2) + "\n")
     echo(f"report: {report_path}")
     return report
