@@ -15,6 +15,7 @@ from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target
 from eagle_export.runtime.backends import TensorRTBackend, TorchBackend
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.speculation.eager import speculative_generate
 from eagle_export.speculation.tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -61,6 +62,38 @@ class PlantedDrafts(TorchBackend):
                     drafts[b, i] = full[pos]
         out[C.DRAFT_IDS] = drafts
         return out
+
+
+class RecordedDrafts(TorchBackend):
+    """The drafter graph as it is, each call's drafts [B,K] (target ids) recorded."""
+
+    def __init__(self, *graphs, **kw):
+        super().__init__(*graphs, **kw)
+        self.calls = []
+
+    def drafter(self, feeds, sampling=False):
+        out = super().drafter(feeds, sampling)
+        self.calls.append(out[C.DRAFT_IDS].cpu().clone())
+        return out
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_each_rounds_drafts_and_accepted_count_are_the_eager_loops(target, drafter, batch):
+    """Greedy output cannot see a wrong drafter cache (a row written at the wrong slot, a length not
+    advanced or rolled back right): drafts only get worse. The eager loop (speculation/eager.py)
+    keeps the drafter's cache its own plain way, so every round's drafts and accepted count must be
+    its own, sequence by sequence, at batch 1 and in a ragged batch."""
+    depth, new = 3, 20
+    runtime = make_runtime(target, drafter, depth, backend_cls=RecordedDrafts, verify_policy="fixed")
+    prompts = PROMPTS[:batch]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=new))
+    calls = runtime.backend.calls
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        eager = speculative_generate(target, drafter, prompt, new, depth)
+        assert result.tokens == eager.tokens[:new]
+        assert result.stats.accepted == eager.accepted, i
+        assert [calls[r][i].tolist() for r in range(eager.rounds)] == eager.drafts, i  # sequence i is in every call
+        assert len(set(map(tuple, eager.drafts))) > 1  # the drafts change with what is cached: not vacuous
 
 
 @pytest.mark.parametrize("depth", [1, 4])
