@@ -242,6 +242,33 @@ def test_sliding_window_and_qwen3_layer_drafters_export(sources, tmp_path):
         export_checkpoint(qwen3, tmp_path / "x", "vllm", target=target, progress=lambda m: None)
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_rope_scaled_pair_exports_its_scaling_exactly(tmp_path, fmt):
+    """A Llama-3.x pair (llama3 rope scaling, short original context so the scaled frequencies turn
+    within the prompts): the checkpoint carries the drafter's rope_scaling key for key, and loads back
+    with its logits; the same checkpoint with the scaling dropped does not (the case is not vacuous)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    target = write_tiny_target(tmp_path / "target", "llama3", rope_scaling=dict(scaling))
+    drafter = write_tiny_drafter(tmp_path / "drafter", "3", rope_scaling=dict(scaling))
+    out = tmp_path / fmt
+    summary = export_checkpoint(drafter, out, fmt, target=target, calib_prompts=PROMPTS, progress=lambda m: None)
+    assert summary["round_trip"]["max_abs_logit_diff"] == 0.0
+    config = json.loads((out / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    assert layer["rope_scaling"] == scaling and layer["rope_theta"] == 10000.0
+    target_model = load_target(target, dtype="float32")
+    original = load_drafter(drafter, target=target_model, dtype="float32")
+    loaded = load_drafter(out, target=target_model, dtype="float32")
+    assert loaded.config.rope == original.config.rope and original.config.rope.rope_type == "llama3"
+    target_model.aux_layer_ids = original.config.resolved_aux_layer_ids(target_model.config)
+    batches = drafter_calibration_batches(target_model, PROMPTS)
+    assert round_trip(original, out, target_model, batches) == 0.0
+    del layer["rope_scaling"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert round_trip(original, out, target_model, batches) > 100 * ROUND_TRIP_TOLERANCE
+
+
 def test_reader_notes_follow_the_measured_table():
     from eagle_export.tools.checkpoint_export import reader_notes
 

@@ -13,6 +13,7 @@ from tiny_models import write_tiny_drafter, write_tiny_target
 
 from eagle_export.builder.manifest import (
     BUILD_OUTPUT,
+    BuildMismatch,
     Manifest,
     check_build,
     read_manifest,
@@ -145,3 +146,25 @@ def test_the_gate_is_the_only_reader_of_a_builds_manifest():
     # build_dir: only the build's own writer opens it unverified (verify=False), right after writing it.
     assert readers == {"builder/manifest.py", "builder/build_dir.py"}
     assert read_manifest  # (imported: the raw part named above)
+
+
+def test_every_artifact_rewritten_in_place_is_named(tmp_path):
+    """Each artifact in turn (the graphs, the vocabulary map, the tokenizer, one in a folder) gets one
+    byte changed, its size kept: the hash alone must tell, whichever file it is."""
+    with atomic_output_dir(tmp_path / "build", BUILD_OUTPUT) as tmp:
+        for name, size in (("target.onnx", 1000), ("drafter.onnx", 500), ("draft_to_target.npy", 64),
+                           ("tokenizer.json", 30), ("engines/target.plan", 40)):
+            (tmp / name).parent.mkdir(exist_ok=True)
+            (tmp / name).write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+        write_manifest(tmp, Manifest.from_json(json.loads(SAMPLE_0_1_0.read_text())))
+    build = tmp_path / "build"
+    names = sorted(read_manifest(build)["artifacts"])
+    assert len(names) == 5
+    for name in names:
+        original = (build / name).read_bytes()
+        (build / name).write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(BuildMismatch) as err:
+            check_build(build)
+        assert err.value.problems == [f"{name}: sha256 differs from the manifest (modified)"]
+        (build / name).write_bytes(original)
+    assert check_build(build).artifacts.keys() == set(names)

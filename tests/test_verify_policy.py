@@ -146,6 +146,45 @@ def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
     assert drafted == 200 and speed > 2 and honest.trust == 1.0
 
 
+def test_calibration_below_full_trust_matches_the_formula_worked_by_hand():
+    """trust < 1, worked out here in plain floats from the module's formulas (not the policy's code):
+    A, P the decayed sums (decay 0.99, both starting at 1) of the drafts accepted and of those promised
+    for the entry verified; trust = min(1, (A + 2 sqrt(A + 1)) / P); each entry read as
+    min(1 + trust (E - 1), width); the entry with the most tokens per unit of round cost chosen (the
+    first round a probe: one draft at least); the policy's running estimate blended 0.7 / 0.3 after
+    the first round. Every round's choice, trust and estimate must be these."""
+    draft, slope = 0.3, 0.1
+    policy = GoodputDepth(K, curves(draft=draft, verify_slope=slope))
+    policy.start(1)
+    live = torch.ones(1, dtype=torch.bool)
+    probs = [0.9, 0.6, 0.4, 0.2]  # the drafter's claim each round: its returns diminish with depth
+    reach = [1.0]
+    for p in probs:
+        reach.append(reach[-1] * p)
+    claimed = [1.0 + sum(reach[1:j + 1]) for j in range(K + 1)]  # 1, 1.9, 2.44, 2.656, 2.6992
+    accepted_sum = promised_sum = 1.0
+    estimate, trust_seen = None, []
+    for r, accepted in enumerate([0, 1, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0]):
+        trust = min(1.0, (accepted_sum + 2 * (accepted_sum + 1) ** 0.5) / promised_sum)
+        read = [min(1 + trust * (e - 1), j + 1) for j, e in enumerate(claimed)]
+        first = 1 if r == 0 else 0
+        j = max(range(first, K + 1), key=lambda j: read[j] / (draft + 1 + slope * j))
+        assert policy.trust == pytest.approx(trust, rel=1e-6), r
+        chosen = policy.choose(expected(torch.tensor([probs])), live, CHAIN)
+        assert chosen == j, (r, trust)
+        got = min(accepted, j)
+        policy.observe(j, torch.tensor([got]), live, True)
+        if j > 0:
+            accepted_sum = 0.99 * accepted_sum + got
+            promised_sum = 0.99 * promised_sum + (claimed[j] - 1)
+        estimate = read[j] if estimate is None else 0.7 * estimate + 0.3 * read[j]
+        assert float(policy.expected[0]) == pytest.approx(estimate, rel=1e-5), r
+        trust_seen.append(trust)
+    assert min(trust_seen) < 0.6  # the case is the one at trust < 1 ...
+    full = [e / (draft + 1 + slope * j) for j, e in enumerate(claimed)]
+    assert max(range(K + 1), key=full.__getitem__) != j  # ... where reading the claim as is would choose otherwise
+
+
 def test_what_a_stream_learned_carries_to_the_next_stream_of_its_size():
     """A drafter that does not pay is not probed again in the first round of every request: the next
     stream continues the probe interval; one that pays drafts from its first round; a stream of
