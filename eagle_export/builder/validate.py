@@ -504,7 +504,7 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
         checks.append(("artifact hashes", False, "; ".join(problems)))
         return _summary(checks)
     manifest = Manifest.from_json(data, build_dir / MANIFEST)
-    old = old_format_note(manifest)
+    old = old_format_note(manifest, build_dir)
     checks.append(("artifact hashes", True,
                    f"{len(manifest.artifacts)} files and the manifest match" + (f"; {old}" if old else "")))
     contradicting = contradictions(manifest)
