@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -175,7 +176,10 @@ def read_cache(path: Path, schema, again: str = "measured again", report: bool =
     if not os.path.lexists(path):
         return None
     try:
-        with open(path, "rb") as f:  # (a directory fails here; a FIFO would block: caches are files)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read
+            raise Invalid("a directory is in its place" if stat.S_ISDIR(mode) else "not a regular file")
+        with open(path, "rb") as f:
             data = f.read(MAX_CACHE_BYTES + 1)
         if len(data) > MAX_CACHE_BYTES:
             raise Invalid(f"larger than {MAX_CACHE_BYTES >> 20} MiB")
@@ -198,6 +202,18 @@ def read_cache(path: Path, schema, again: str = "measured again", report: bool =
 def write_cache(path: Path, data, again: str = "measured again") -> bool:
     """Write `data` as JSON to `path` by rename (readers see the old file or the new one, never half);
     False (one line on stderr, no temporary file left) when it cannot be written."""
+    try:
+        write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
+        return True
+    except OSError as e:
+        fix = f" (remove {path} to keep it)" if e.errno == errno.EISDIR else ""
+        say(f"{path}: not saved ({_why(e)}): it will be {again} next time{fix}")
+        return False
+
+
+def write_bytes_atomic(path: Path, content: bytes) -> None:
+    """`content` into `path` by rename, in the user's umask; on any failure the temporary file is
+    removed and the OSError raised."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,17 +221,14 @@ def write_cache(path: Path, data, again: str = "measured again") -> bool:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=1) + "\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
         os.replace(tmp, path)
-        return True
-    except OSError as e:
+    except BaseException:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        fix = f" (remove {path} to keep it)" if e.errno == errno.EISDIR else ""
-        say(f"{path}: not saved ({_why(e)}): it will be {again} next time{fix}")
-        return False
+        raise
 
 
 def is_temporary(name: str, cache_name: str) -> bool:

@@ -36,6 +36,11 @@ def directory(path: Path, data):
     path.mkdir()  # empty: a file inside it would be a file added to the build, refused as such
 
 
+def named_pipe(path: Path, data):
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)  # a read would wait for a writer that never comes
+
+
 def unreadable(path: Path, data):
     path.chmod(0)  # (the commands run as a user that mode 000 stops)
 
@@ -48,6 +53,7 @@ STATES = {
     "nested deep": lambda data: b"[" * 100_000 + b"]" * 100_000,
     "a list": lambda data: b"[1, 2, 3]",
     "a directory in its place": directory,
+    "a named pipe": named_pipe,
     "unreadable": unreadable,
 }
 
@@ -192,7 +198,9 @@ def test_a_hostile_conformance_cache_is_checked_again_never_refusing_the_build(m
     failures = []
     with world_dir() as folder:
         monkeypatch.setattr(conformance, "cache_dir", lambda: folder)
-        cached = conformance.cache_file(sources, build.conformance_prompts(recipe, target_dir))
+        prompts = build.conformance_prompts(recipe, target_dir)  # (read here: the prompt set is in root's cache)
+        monkeypatch.setattr(build, "conformance_prompts", lambda recipe, target: prompts)
+        cached = conformance.cache_file(sources, prompts)
 
         def stage():
             lines = []
@@ -323,3 +331,46 @@ def test_a_save_that_fails_on_a_full_disk_leaves_nothing_and_the_next_run_accept
         assert read_cache(case / "costs.json", COSTS_SCHEMA) is not None and files(case) == before | {"costs.json"}
     finally:
         shutil.rmtree(case)
+
+
+def test_a_hostile_extracted_prompt_set_is_extracted_again(monkeypatch, capsys):
+    """A prompt set's data file extracted into the user cache (where its package is not installed) in
+    each hostile state: said in one line, extracted again from its downloaded archive, read as before,
+    nothing else left. (Checked by its archive member's size: a cut-short file is the realistic fault.)"""
+    import importlib.metadata
+    import zipfile
+
+    from eagle_export.data import prompts
+
+    def not_installed(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(prompts.importlib.metadata, "files", not_installed)
+    dist, version, member = prompts.DATA_FILES["mt-bench"]
+    questions = [{"question_id": i, "category": "writing", "turns": [f"question {i}", "and then?"]} for i in range(3)]
+    failures = []
+    with world_dir_cache(monkeypatch) as folder:
+        (folder / "downloads").mkdir()
+        with zipfile.ZipFile(folder / "downloads" / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl", "w") as whl:
+            whl.writestr(member, "".join(json.dumps(q) + "\n" for q in questions))
+        expected = prompts.mtbench_prompts()
+        assert expected == [q["turns"][0] for q in questions]
+        extracted = folder / "data" / dist / member
+        for name, state in STATES.items():
+            share(folder)
+            put(extracted, state, questions)
+            capsys.readouterr()
+            try:
+                with unprivileged():
+                    read = prompts.mtbench_prompts()
+            except Exception as e:  # noqa: BLE001 (any error is the failure reported)
+                read = f"{type(e).__name__}: {e}"
+            finally:
+                share(folder)
+            said = [line for line in capsys.readouterr().err.splitlines() if "ignored and extracted again" in line]
+            problems = [f"read {str(read)[:200]!r}" if read != expected else "",
+                        f"said {len(said)} times" if len(said) != 1 or str(extracted) not in said[0] else "",
+                        f"left {sorted(files(extracted.parent))}" if files(extracted.parent) != {extracted.name} else ""]
+            if any(problems):
+                failures.append(f"{name}: {', '.join(p for p in problems if p)}")
+    assert not failures, "\n".join(failures)
