@@ -1,6 +1,7 @@
 """The user cache, and the one reader and writer of every cache this tool keeps: the measured costs
 (`costs.json` in a build, or `costs/` here for a read-only build), the conformance results
-(`conformance/`) and the sample target's conversion marker.
+(`conformance/`) and the sample target's conversion marker. (The prompt sets extracted into `data/`
+are checked against their archive by data.prompts; `downloads/` holds archives pip wrote.)
 
 The user cache is `EAGLE_EXPORT_CACHE` when set, else `$XDG_CACHE_HOME/eagle-export`, else
 `~/.cache/eagle-export`.

