@@ -149,7 +149,7 @@ class Map:
     def __call__(self, value, where: str):
         if not isinstance(value, dict) or len(value) > self.max_items:
             raise Invalid(f"{where or 'the file'} is {_shown(value)}, expected an object of at most "
-                          f"{self.max_items} entries")
+                          f"{self.max_items} {'entry' if self.max_items == 1 else 'entries'}")
         for key, item in value.items():
             if isinstance(self.key, Number):
                 if not re.fullmatch(r"-?[0-9]{1,9}", key):

@@ -2,11 +2,13 @@
 reads it.
 
 A cache is what an earlier run measured (costs.json in a build, the conformance result of a pair, the
-sample target's conversion marker). Whatever state one is found in (not JSON, cut short, nested past
-any writer, a list for an object, text for a number, a time of zero, below zero or NaN, a width
-missing, a verdict no writer records, a directory in its place, unreadable), each command that reads
-it must say so in one line naming the file, measure again where it can and replace the cache, end
-cleanly (never exit 3, no traceback), leave no file behind, and leave the build accepted.
+sample target's conversion marker, a prompt set extracted from its archive). Whatever state one is
+found in (not JSON, cut short, nested past any writer, a list for an object, text for a number, a
+time of zero, below zero or NaN, a width missing, a verdict no writer records, a directory or a named
+pipe in its place, unreadable), each command that reads it must say so in one line naming the file,
+measure again where it can and replace the cache, end cleanly (never exit 3, no traceback), leave no
+file behind, and leave the build accepted. Each state is tried on each cache; the commands run as a
+user that mode 000 stops.
 """
 
 import copy
