@@ -305,11 +305,15 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
                                else "pass --prompt or --chat, not both")
     from .builder.build_dir import open_build
+    from .builder.manifest import old_format_note
     from .runtime.runtime import GenerationConfig, request_record
     from .runtime.verify_policy import explain
 
     opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs,
                         allow_changed_sources=allow_changed_sources)
+    old = old_format_note(opened.manifest, build_dir)
+    if old:
+        click.echo(f"note: {old}", err=True)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)

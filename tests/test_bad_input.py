@@ -4,17 +4,19 @@ import ast
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from tiny_models import write_tiny_drafter, write_tiny_target
+from tiny_models import tiny_drafter_config, write_tiny_drafter, write_tiny_target
 
 from eagle_export.cli import main
 from eagle_export.errors import CheckpointError
 from eagle_export.models.checkpoint import load_drafter, load_state_dict, load_target
+from eagle_export.models.config import DrafterConfig
 
 
 @pytest.fixture(scope="module")
@@ -249,12 +251,27 @@ def test_qwen_sliding_windows_follow_max_window_layers():
 def test_config_json_of_the_wrong_shape_or_type(tmp_path, tiny_target_dir):
     cfg = json.loads((tiny_target_dir / "config.json").read_text())
     for name, text, problem in (("list", "[1, 2]", "holds a JSON list"),
-                                ("typed", json.dumps({**cfg, "hidden_size": "big"}), "value of the wrong type"),
-                                ("nested", json.dumps({**cfg, "rope_scaling": [1]}), "value of the wrong type")):
+                                ("typed", json.dumps({**cfg, "hidden_size": "big"}),
+                                 'sets hidden_size to "big", which must be a whole number'),
+                                ("nested", json.dumps({**cfg, "rope_scaling": [1]}),
+                                 "sets rope_scaling to [1], which must be an object"),
+                                ("flag", json.dumps({**cfg, "tie_word_embeddings": "false"}),  # bool("false") is True
+                                 'sets tie_word_embeddings to "false", which must be true or false'),
+                                ("inner", json.dumps({**cfg, "rope_scaling": {"rope_type": "llama3", "factor": "8"}}),
+                                 'sets rope_scaling.factor to "8", which must be a number'),
+                                ("fraction", json.dumps({**cfg, "num_hidden_layers": 2.5}),
+                                 "sets num_hidden_layers to 2.5, which must be a whole number")):
         path = copy_with(tiny_target_dir, tmp_path / name)
         (path / "config.json").write_text(text)
         result = CliRunner().invoke(main, ["inspect", str(path)])
         assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, name
+    drafter = tiny_drafter_config()
+    for key, value, problem in (("eagle_config", {**drafter["eagle_config"], "norm_output": "no"},
+                                 'eagle_config.norm_output to "no", which must be true or false'),
+                                ("eagle_aux_hidden_state_layer_ids", [1, "3", 4],
+                                 'eagle_aux_hidden_state_layer_ids[1] to "3", which must be a whole number')):
+        with pytest.raises(CheckpointError, match=re.escape(problem)):
+            DrafterConfig.from_hf({**drafter, key: value})
     path = copy_with(tiny_target_dir, tmp_path / "bytes")
     (path / "config.json").write_bytes(b'{"architectures": ["\xff\xfe"]}')
     with pytest.raises(CheckpointError, match="not valid JSON"):

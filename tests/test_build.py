@@ -325,8 +325,12 @@ def test_a_stripped_manifest_hash_is_refused_and_contradicting_values_are_named(
     write(format=1, models={**manifest["models"], "target": {**target, "eos_token_id": [5, 320]}})
     with pytest.raises(EagleExportError, match=r"eos_token_id \[320\] lies outside the target's vocabulary"):
         open_build(copy, backend="onnxruntime")
-    write(format=1)  # an honest older build: opens, and validate and inspect say it is old
+    write(format=1)  # an honest older build: opens, and run, validate and inspect say it is old
     open_build(copy, backend="onnxruntime")
+    ran = CliRunner().invoke(main, ["run", str(copy), "--prompt", "w5 w6", "--prompt", "w7", "--max-new-tokens", "2",
+                                    "--backend", "onnxruntime"])
+    assert ran.exit_code == 0 and ran.stderr.count("predates self-hashing") == 1, ran.output  # once, not per request
+    assert f"`eagle-export build --recipe RECIPE -o {copy} --force`" in ran.stderr
     report = json.loads(CliRunner().invoke(main, ["inspect", str(copy), "--json"]).output)
     assert any(w.startswith("manifest format 1 (an older eagle-export") for w in report["warnings"])
     result = CliRunner().invoke(main, ["validate", str(copy), "--json"])

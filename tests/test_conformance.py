@@ -215,8 +215,10 @@ def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monk
     from eagle_export.builder import build
 
     calls = []
-    passed = {"matched": True, "ok": True, "findings": [], "readings": [{"acc@1": [0.58, 0.57]}], "positions": 9,
-              "min_acc": 0.05}
+    passed = {"prompts": 1, "positions": 9, "new_tokens": 0, "aux_layer_ids": [1, 2, 3], "findings": [],
+              "readings": [{"reading": "as configured", "field": None, "value": None, "acc@1": [0.58, 0.57],
+                            "positions": 9, "gain": [0.0, 0.0], "interval": [[0.0, 0.0], [0.0, 0.0]]}],
+              "matched": True, "ok": True, "min_gain": 0.01, "level": 0.95, "min_acc": 0.05}
     verdict = {"result": passed}
     monkeypatch.setattr(build, "conformance_prompts", lambda recipe, target: prompts["now"])
     monkeypatch.setattr(build, "conformance_check", lambda t, d, p, n, eos: calls.append(p) or verdict["result"])

@@ -55,6 +55,22 @@ def test_truncated_and_modified_files_are_named(tmp_path):
     assert "drafter.onnx: missing" in verify_artifacts(build, manifest)
 
 
+def test_a_killed_cache_write_leaves_a_file_no_check_counts_and_nothing_else_passes(tmp_path):
+    """A process killed while writing costs.json leaves write_cache's temporary file: read by nothing,
+    it is not an added artifact; any other unlisted name still is (no hole for a user's own file)."""
+    build = make_build(tmp_path)
+    manifest = read_manifest(build)
+    (build / "costs.json").write_text("{}")
+    (build / ".costs.json.k3_x9q0a.tmp").write_text('{"format"')
+    assert verify_artifacts(build, manifest) == []
+    for name in (".costs.json.k3_x9q0a.tmp.onnx", ".costs.json.toolongname.tmp", ".target.onnx.k3_x9q0a.tmp",
+                 "costs.json.k3_x9q0a.tmp", "sub/.costs.json.k3_x9q0a.tmp"):
+        (build / name).parent.mkdir(exist_ok=True)
+        (build / name).write_text("x")
+        assert verify_artifacts(build, manifest) == [f"{name}: not listed in the manifest (added after the build)"]
+        (build / name).unlink()
+
+
 def test_not_a_build_and_corrupt_manifest(tmp_path):
     with pytest.raises(EagleExportError, match="not a build directory"):
         read_manifest(tmp_path)

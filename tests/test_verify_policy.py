@@ -296,6 +296,37 @@ def test_cost_cache_that_cannot_be_written_stays_in_memory(tmp_path):
     assert not cache.load().has(1)
 
 
+def test_a_cost_cache_outside_its_schema_is_said_and_measured_again(tmp_path, capsys):
+    """One line names the file and the first value outside the schema; the curves are empty (measured
+    again) and the next save replaces the file; a batch whose widths are not the runtime's is dropped."""
+    path = tmp_path / "costs.json"
+    cache = CostCache(path, "k")
+    cache.save(curves(draft=0.3))
+    good = json.loads(path.read_text())
+    for value, why in ((0, "entries.k.verify_s.1.2 is 0, expected a number above 0 to 3600"),
+                       (float("nan"), "entries.k.verify_s.1.2 is NaN, expected a number above 0 to 3600"),
+                       ("fast", 'entries.k.verify_s.1.2 is "fast", expected a number above 0 to 3600'),
+                       ({"1": 2}, "entries.k.verify_s.1.2 is an object, expected a number above 0 to 3600")):
+        bad = json.loads(json.dumps(good))
+        bad["entries"]["k"]["verify_s"]["1"]["2"] = value
+        path.write_text(json.dumps(bad))
+        assert not cache.load().has(1)
+        assert capsys.readouterr().err == f"note: {path}: ignored and measured again: {why}\n"
+    cache.save(curves(draft=0.4))
+    assert json.loads(path.read_text())["entries"]["k"]["draft_s"]["1"]["1"] == 0.4  # replaced
+    assert cache.load(K + 1, K + 1).has(1) and not cache.load(K + 2, K + 1).has(1)
+    assert "batch 1 ignored and measured again: its verify curve has widths [1, 2, 3, 4, 5], this build calls " \
+           "1..6" in capsys.readouterr().err
+
+
+def test_a_cost_cache_save_that_fails_says_so_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "costs.json").mkdir()  # a directory in its place: the rename onto it fails
+    CostCache(tmp_path / "costs.json", "k").save(curves(draft=0.3))
+    assert capsys.readouterr().err == (f"note: {tmp_path / 'costs.json'}: not saved (a directory is in its place): it "
+                                       f"will be measured again next time (remove {tmp_path / 'costs.json'} to keep it)\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"] and not any((tmp_path / "costs.json").iterdir())
+
+
 def test_a_trees_verify_width_prices_its_depths():
     """Sampling verifies a tree by depth: to depth k costs a call over its root and nodes up to k,
     not k+1 tokens; with the same acceptance, a wide tree is verified less deep than a chain."""

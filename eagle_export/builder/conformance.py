@@ -46,13 +46,12 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..cache import cache_root
+from ..cache import FLAG, NULL, Const, Either, List, Number, Record, Text, cache_root, read_cache, write_cache
 from ..data.prompts import ChatTemplate, chat_prompts
 from ..errors import EagleExportError
 from ..export.loader import load_pair
@@ -294,23 +293,27 @@ def cache_file(source_files: dict, prompts: list[list[int]], new_tokens: int = 0
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
+# A cached result, as conformance_check returns it; only a drafter that matched is remembered, so a
+# cache that says otherwise is not one this tool wrote (it must never refuse a build).
+FRACTION, FINITE, COUNT = Number(0, 1), Number(), Number(0, whole=True)
+PER_STEP, INTERVAL = List(FINITE, STEPS, STEPS), List(FINITE, 2, 2)
+VALUE = Either((NULL, FLAG, Text(), List(COUNT)))  # a reading's value: as configured, a flag, a vocab map, aux ids
+CACHED_RESULT = Record({
+    "prompts": COUNT, "positions": COUNT, "new_tokens": COUNT, "aux_layer_ids": List(COUNT),
+    "readings": List(Record({"reading": Text(), "field": Either((NULL, Text())), "value": VALUE,
+                             "acc@1": List(FRACTION, STEPS, STEPS), "positions": COUNT, "gain": PER_STEP,
+                             "interval": List(INTERVAL, STEPS, STEPS)}), 1),
+    "findings": List(Record({"field": Text(), "value": VALUE, "reading": Text(), "step": Number(0, STEPS - 1, whole=True),
+                             "gain": FINITE, "interval": INTERVAL, "acc@1": FRACTION, "configured_acc@1": FRACTION,
+                             "message": Text()})),
+    "matched": Const(True), "ok": FLAG, "min_gain": FINITE, "level": FRACTION, "min_acc": FRACTION})
+
+
 def read_cached(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # a cache, not an artifact: missing or bad is a miss
+    """The remembered result for a pair, or None (a miss; a bad file is said and checked again)."""
+    return read_cache(path, CACHED_RESULT, "checked again")
 
 
 def write_cached(path: Path, result: dict) -> None:
     """Atomically; an unwritable cache only costs the next build the check."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_cache(path, result, "checked again")

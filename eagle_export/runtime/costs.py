@@ -12,22 +12,21 @@ by batch as batch sizes come into use:
 each the median of REPS calls taken in turn (T = 1, 2, ..., K+1, then again), after a warm-up, with
 a cache of PAST valid slots. They are cached per backend and machine in the build directory
 (`costs.json`; in the user cache when the build directory is read-only), so a build pays for the
-measurement once per machine.
+measurement once per machine; a cache that is unreadable or outside its schema (COSTS_SCHEMA: a time
+that is zero, negative or NaN, a width missing) is measured again, said in one line, and replaced.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import cache_root
+from ..cache import Const, Map, Number, Record, Text, cache_root, read_cache, say, write_cache
 from ..environment import package_version, tensorrt_version
 from ..lazy import lazy
 from ..models import contract as C
@@ -136,45 +135,45 @@ def cost_key(backend, threads: int | None, static_cache: bool | None = None) -> 
     return f"{backend.name} {version}{mode} on {machine_id(backend.device)}, threads {threads or 'default'}"
 
 
+# costs.json: {"format": 2, "entries": {key: {"verify_s"|"draft_s"|"catch_up_s": {batch: {width: seconds}}}}}.
+# A time is above 0 and at most an hour (a call that took longer was not measured: it was stopped).
+SECONDS = Number(0, 3600, above=True)
+WIDTH = Number(1, 1 << 20, whole=True)
+CURVES = Map(WIDTH, Map(WIDTH, SECONDS, max_items=4096))  # batch -> width -> seconds
+COSTS_SCHEMA = Record({"format": Const(COSTS_FORMAT),
+                       "entries": Map(Text(), Record({"verify_s": CURVES, "draft_s": CURVES,
+                                                      "catch_up_s": Map(WIDTH, Map(WIDTH, SECONDS, max_items=1))}))})
+
+
 class CostCache:
-    """costs.json: one CostCurves per key (backend, its settings, machine). Written atomically."""
+    """costs.json: one CostCurves per key (backend, its settings, machine), read and written through
+    the cache module (a bad file is measured again, a failed write says so and leaves nothing)."""
 
     def __init__(self, path: Path | None, key: str):
         self.path, self.key = path, key
 
-    def load(self) -> CostCurves:
-        if self.path is None or not self.path.is_file():
-            return CostCurves()
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return CostCurves()  # a cache, not an artifact: a bad one is measured again
-        if data.get("format") != COSTS_FORMAT:
-            return CostCurves()
-        return CostCurves.from_json(data.get("entries", {}).get(self.key, {}))
+    def load(self, verify_width: int | None = None, draft_rows: int | None = None) -> CostCurves:
+        """The cached curves; a batch size whose curves do not cover the calls this runtime makes
+        (verify T = 1..verify_width, drafter W = 1..draft_rows) is dropped, to be measured again."""
+        data = read_cache(self.path, COSTS_SCHEMA) if self.path is not None else None
+        curves = CostCurves.from_json(data["entries"].get(self.key, {}) if data else {})
+        for batch in sorted(set(curves.verify_s) | set(curves.draft_s)):
+            for name, curve, widest in (("verify", curves.verify_s, verify_width), ("drafter", curves.draft_s, draft_rows)):
+                if widest is not None and batch in curve and sorted(curve[batch]) != list(range(1, widest + 1)):
+                    say(f"{self.path}: batch {batch} ignored and measured again: its {name} curve has widths "
+                        f"{sorted(curve[batch])[:12]}, this build calls 1..{widest}")
+                    for c in (curves.verify_s, curves.draft_s, curves.catch_up_s):
+                        c.pop(batch, None)
+                    break
+        return curves
 
     def save(self, curves: CostCurves) -> None:
         if self.path is None:
             return
-        entries = {}
-        if self.path.is_file():
-            try:
-                entries = json.loads(self.path.read_text()).get("entries", {})
-            except (OSError, json.JSONDecodeError):
-                entries = {}
+        data = read_cache(self.path, COSTS_SCHEMA, report=False)  # another process's entries are kept
+        entries = data["entries"] if data else {}
         entries[self.key] = curves.to_json()
-        text = json.dumps({"format": COSTS_FORMAT, "entries": entries}, indent=1) + "\n"
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # unwritable: the curves stay in memory for this process
+        write_cache(self.path, {"format": COSTS_FORMAT, "entries": entries})
 
 
 def cache_path(build_dir: Path, manifest) -> Path:

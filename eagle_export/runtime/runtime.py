@@ -218,7 +218,8 @@ class SpeculativeRuntime:
         check_policy(verify_policy)  # an unknown name fails here, not mid-generation
         self._policies = {}  # (policy name, batch) -> the policy its streams share (see _policy)
         self.cost_cache = cost_cache
-        self.costs = costs or (cost_cache.load() if cost_cache else CostCurves())
+        self.costs = costs or (cost_cache.load(backend.verify_width, backend.depth + 1) if cost_cache
+                               else CostCurves())
         self.depth = backend.depth
         self.target_cache_shape = (shapes.target_layers, shapes.target_kv_heads, shapes.target_head_dim)
         self.drafter_cache_shape = (1, shapes.drafter_kv_heads, shapes.drafter_head_dim)
