@@ -245,7 +245,7 @@ def test_sliding_window_and_qwen3_layer_drafters_export(sources, tmp_path):
 def test_reader_notes_follow_the_measured_table():
     from eagle_export.tools.checkpoint_export import reader_notes
 
-    assert reader_notes("speculators", "3.1", False)["mis_serve"] == []
-    assert any("without their scales" in line for line in reader_notes("vllm", "3.1", True)["mis_serve"])
-    assert reader_notes("sglang", "3", False) == reader_notes("vllm", "3", False)
-    assert not reader_notes("vllm", "3", False)["mis_serve"] and reader_notes("vllm", "3", False)["exact"]
+    assert reader_notes("speculators", "3.1", None)["mis_serve"] == []
+    assert any("without their scales" in line for line in reader_notes("vllm", "3.1", "fp8")["mis_serve"])
+    assert reader_notes("sglang", "3", None) == reader_notes("vllm", "3", "bf16")
+    assert not reader_notes("vllm", "3", None)["mis_serve"] and reader_notes("vllm", "3", None)["exact"]

@@ -22,7 +22,7 @@ from ..models.nvfp4 import use_graph_weights
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
-from .manifest import MANIFEST, Manifest, contradictions, read_manifest, verify_artifacts, verify_sources
+from .manifest import MANIFEST, Manifest, contradictions, read_manifest, rebuild_hint, verify_artifacts, verify_sources
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
@@ -49,7 +49,7 @@ class OpenBuild:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
+def torch_models(manifest: Manifest, nvfp4_from: Path | None = None, build_dir: Path | None = None):
     """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
     even for a quantized build (validation compares its graphs with them), unless `nvfp4_from` names
     the build directory: then its NVFP4 models run the NVFP4 weights of its own graphs. Refused
@@ -59,7 +59,8 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
         raise EagleExportError("the torch backend rebuilds the models from the checkpoints the build was made "
                                "from, and cannot trust them: " + "; ".join(changed + unavailable),
                                "use the onnxruntime backend (it runs the build's own graphs), restore the "
-                               "checkpoints, or rebuild with `eagle-export build --force`")
+                               "checkpoints, or " + rebuild_hint(build_dir or nvfp4_from or "DIR", manifest.recipe,
+                                                                 {r: m.source for r, m in manifest.models.items()}))
     target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
                                 passes=passes_skipping(manifest.skipped_passes),
                                 drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
@@ -136,13 +137,14 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
         problems = verify_artifacts(path, data)
         if problems:
             raise EagleExportError(f"{path} does not match its manifest: " + "; ".join(problems),
-                                   "rebuild it with `eagle-export build --force`")
+                                   rebuild_hint(path, data.get("recipe"), data.get("sources")))
     manifest = Manifest.from_json(data, path / MANIFEST)
-    draft_to_target = load_int_array(path / "draft_to_target.npy", "rebuild with `eagle-export build --force`")
+    rebuild = rebuild_hint(path, manifest.recipe, {r: m.source for r, m in manifest.models.items()})
+    draft_to_target = load_int_array(path / "draft_to_target.npy", rebuild)
     problems = contradictions(manifest) + vocab_map_problems(manifest, draft_to_target)
     if problems:
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
-                               "rebuild it with `eagle-export build --force`")
+                               rebuild)
     chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
@@ -154,7 +156,18 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
                                  cost_cache=CostCache(cache_path(path, manifest),
                                                       cost_key(chosen, threads, static_cache)),
                                  static_cache=static_cache)
+    runtime.cannot_sample_fix = sampling_fix(manifest, chosen.name, rebuild)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
+
+
+def sampling_fix(manifest: Manifest, backend: str, rebuild: str) -> str:
+    """What to do when this build's `backend` cannot sample: the torch backend samples from the build's
+    models rebuilt from their checkpoints (a chain or static tree, not FP8); or rebuild with sampling."""
+    torch_samples = (backend != "torch" and manifest.speculation.can_sample
+                     and "fp8" not in {m.precision for m in manifest.models.values()})
+    with_sampling = rebuild.replace(" -o ", " --set sampling=true -o ", 1) if "`eagle-export build" in rebuild else rebuild
+    return ("pass --backend torch (it samples today: it runs this build's models from their checkpoints), "
+            if torch_samples else "") + f"use --temperature 0, or {with_sampling}"
 
 
 def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[str]:

@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ..errors import EagleExportError
 from ..files import is_dir, list_dir, read_json, read_text, reading
 from ..runtime.costs import COSTS_FILE
 from ..speculation.tree import Speculation
-from .recipe import QUANTIZED
+from .recipe import QUANTIZED, RECIPES_DIR, SAMPLE_RECIPE, load_recipe, shipped_recipes
 
 MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its fields are covered too
@@ -88,6 +89,52 @@ def write_manifest_hash(build_dir: Path) -> None:
     (build_dir / MANIFEST_HASH).write_text(sha256_file(build_dir / MANIFEST) + "\n")
 
 
+def rebuild_hint(build_dir: str | Path, recipe: dict | None = None, sources: dict | None = None) -> str:
+    """The fix for a build that cannot be used: the `eagle-export build` that remakes this directory,
+    with the recipe (a shipped one by name), --target, --drafter, --depth and each --set it was made
+    from, read from its manifest's `recipe` (the recipe as built, overrides applied) and `sources`;
+    the shipped recipe's own values are left out. Without them (a manifest that cannot be read, which
+    --force would not replace either) it says to move the directory away and build again. A tree given
+    by --set on a shipped recipe is not spelled out (its normalized form is no recipe key)."""
+    out = shlex.quote(str(build_dir))
+    if not isinstance(recipe, dict) or not isinstance(sources, dict):
+        return (f"move {build_dir} away (its manifest cannot be read, so --force would not replace it), then build "
+                f"it again: `eagle-export build --recipe RECIPE --target DIR --drafter DIR -o {out}` with the "
+                "recipe and checkpoints it was made from")
+    name, args = str(recipe.get("name")), ["eagle-export build"]
+    try:
+        shipped = load_recipe(name).data if name in shipped_recipes() else None
+    except EagleExportError:  # a shipped recipe this version cannot read: every value is spelled out
+        shipped = None
+    if shipped is None:
+        args.append("--recipe RECIPE")
+    elif (RECIPES_DIR / f"{name}.yaml") != SAMPLE_RECIPE:
+        args.append(f"--recipe {name}")
+    base = shipped or {}
+    for role in ("target", "drafter"):
+        if recipe.get(role) != base.get(role):
+            args.append(f"--{role} {shlex.quote(str(recipe[role] if recipe.get(role) == 'sample' else sources.get(role)))}")
+    if recipe.get("depth") != base.get("depth") and (recipe.get("speculation") or {}).get("kind", "chain") == "chain":
+        args.append(f"--depth {recipe.get('depth')}")
+    for key, value in _leaves(recipe).items():
+        if key.split(".")[0] not in ("name", "target", "drafter", "depth", "speculation") and \
+                value != _leaves(base).get(key):
+            args.append(f"--set {shlex.quote(f'{key}={json.dumps(value) if not isinstance(value, str) else value}')}")
+    command = " ".join(args) + f" -o {out} --force"
+    return f"rebuild it: `{command}`" + (f" (RECIPE: the file of recipe {name!r})" if shipped is None else "")
+
+
+def _leaves(data: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested recipe dict; a list is one value."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def read_manifest(build_dir: str | Path) -> dict:
     build_dir = Path(build_dir)
     path = build_dir / MANIFEST
@@ -97,12 +144,12 @@ def read_manifest(build_dir: str | Path) -> dict:
         raise EagleExportError(f"{build_dir} has no {MANIFEST}: it is not a build directory",
                                "pass a directory made by `eagle-export build`")
     try:
-        manifest = read_json(path, "rebuild with `eagle-export build --force`")
+        manifest = read_json(path, rebuild_hint(build_dir))
     except EagleExportError as e:
         raise EagleExportError(e.problem.replace("is not valid JSON", "is corrupt"), e.fix) from None
     if not isinstance(manifest, dict):
         raise EagleExportError(f"{path} holds a JSON {type(manifest).__name__}, not a manifest",
-                               "rebuild with `eagle-export build --force`")
+                               rebuild_hint(build_dir))
     if manifest.get("format") not in (MANIFEST_FORMAT, *OLD_FORMATS):
         raise EagleExportError(f"{path} has manifest format {str(manifest.get('format'))[:40]}, this tool reads "
                                f"{', '.join(map(str, (MANIFEST_FORMAT, *OLD_FORMATS)))}",
@@ -300,7 +347,9 @@ class Manifest:
                 data.get("format"), data.get("version"), data.get("created"), data.get("libraries"))
         except (KeyError, TypeError, ValueError, AttributeError, EagleExportError) as e:
             raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
-                                   "rebuild with `eagle-export build --force`") from None
+                                   rebuild_hint(Path(where).parent, data.get("recipe"), data.get("sources"))
+                                   if isinstance(data, dict) and data.get("tool") == "eagle-export"
+                                   else rebuild_hint(Path(where).parent)) from None
 
     def to_json(self) -> dict:
         data = {"format": self.format, "tool": "eagle-export", "version": self.version, "created": self.created,
