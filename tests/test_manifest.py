@@ -310,7 +310,7 @@ def test_a_rebuild_hint_without_a_shipped_recipe_or_a_readable_manifest(tmp_path
 
     hint = rebuild_hint(tmp_path, {"name": "mine", "target": "/t", "drafter": "/d", "depth": 2},
                         {"target": "/t", "drafter": "/d"})
-    assert f"--recipe RECIPE --target /t --drafter /d --depth 2 -o {tmp_path} --force`" in hint
+    assert f"--recipe RECIPE --target /t --drafter /d -o {tmp_path} --force`" in hint
     assert "(RECIPE: the file of recipe 'mine')" in hint
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(EagleExportError) as e:

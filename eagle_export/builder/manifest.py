@@ -93,9 +93,11 @@ def rebuild_hint(build_dir: str | Path, recipe: dict | None = None, sources: dic
     """The fix for a build that cannot be used: the `eagle-export build` that remakes this directory,
     with the recipe (a shipped one by name), --target, --drafter, --depth and each --set it was made
     from, read from its manifest's `recipe` (the recipe as built, overrides applied) and `sources`;
-    the shipped recipe's own values are left out. Without them (a manifest that cannot be read, which
-    --force would not replace either) it says to move the directory away and build again. A tree given
-    by --set on a shipped recipe is not spelled out (its normalized form is no recipe key)."""
+    the shipped recipe's own values are left out. A recipe file of the user's is not recorded by path:
+    the command says RECIPE, with the checkpoints (its other values are the file's). Without a manifest
+    (one that cannot be read, which --force would not replace either) it says to move the directory
+    away and build again. A tree given by --set on a shipped recipe is not spelled out (its normalized
+    form is no recipe key)."""
     out = shlex.quote(str(build_dir))
     if not isinstance(recipe, dict) or not isinstance(sources, dict):
         return (f"move {build_dir} away (its manifest cannot be read, so --force would not replace it), then build "
@@ -114,11 +116,12 @@ def rebuild_hint(build_dir: str | Path, recipe: dict | None = None, sources: dic
     for role in ("target", "drafter"):
         if recipe.get(role) != base.get(role):
             args.append(f"--{role} {shlex.quote(str(recipe[role] if recipe.get(role) == 'sample' else sources.get(role)))}")
-    if recipe.get("depth") != base.get("depth") and (recipe.get("speculation") or {}).get("kind", "chain") == "chain":
+    changed = {} if shipped is None else {key: value for key, value in _leaves(recipe).items()
+                                           if value != _leaves(base).get(key)}  # (a recipe file holds its own)
+    if "depth" in changed and (recipe.get("speculation") or {}).get("kind", "chain") == "chain":
         args.append(f"--depth {recipe.get('depth')}")
-    for key, value in _leaves(recipe).items():
-        if key.split(".")[0] not in ("name", "target", "drafter", "depth", "speculation") and \
-                value != _leaves(base).get(key):
+    for key, value in changed.items():
+        if key.split(".")[0] not in ("name", "target", "drafter", "depth", "speculation"):
             args.append(f"--set {shlex.quote(f'{key}={json.dumps(value) if not isinstance(value, str) else value}')}")
     command = " ".join(args) + f" -o {out} --force"
     return f"rebuild it: `{command}`" + (f" (RECIPE: the file of recipe {name!r})" if shipped is None else "")

@@ -180,7 +180,7 @@ def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str
             if progress:
                 progress(f"diagnose {set_name}: {done}/{len(prompts)} prompts; live acceptance at depth 1..{depth} "
                          + "; ".join(f"{name} " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(
-                             collected[(name, set_name)][2], depth, 0.0)) for name in drafters))
+                             collected[(name, set_name)][2], depth)) for name in drafters))
     report = {"depth": depth, "max_new_tokens": max_new_tokens, "drafters": {}}
     for name, drafter in drafters.items():
         cfg = drafter.config
