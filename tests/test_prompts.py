@@ -112,7 +112,7 @@ def test_one_selector_renders_every_prompt_set_by_one_rule(tmp_path):
     lines = tmp_path / "prompts.txt"
     lines.write_text("w4 w5\n\nw6\n")
     assert list(prompts.chat_prompts(template, str(lines))) == [[1, 4, 5, 2, 3], [1, 6, 2, 3]]
-    with pytest.raises(EagleExportError, match=r"prompt file mtbench not found \(nor is 'mtbench' a prompt set"):
+    with pytest.raises(EagleExportError, match=r"prompt file mtbench not found \(nor is 'mtbench' the name of a"):
         prompts.chat_prompts(template, "mtbench")
 
 
@@ -124,7 +124,7 @@ def test_a_missing_prompt_file_is_reported_as_not_found_with_every_set_listed(tm
     with pytest.raises(EagleExportError) as e:
         prompts.prompt_set(str(tmp_path / "missing.txt"), *[sets] if sets else [])
     assert e.value.problem.startswith(f"prompt file {tmp_path / 'missing.txt'} not found")
-    assert listed in e.value.problem and listed in e.value.fix
+    assert f"one of {listed}, or the path of a text file" in e.value.fix
     (tmp_path / "there.txt").write_text("w1\n")
     assert prompts.prompt_set(str(tmp_path / "there.txt")) == str(tmp_path / "there.txt")
     assert prompts.prompt_set("mtbench") == "mt-bench" and prompts.prompt_set("long") == "long"

@@ -254,8 +254,9 @@ def prompt_set(name: str, sets: tuple[str, ...] = (*PROMPT_SETS, "long")) -> str
 
 
 def _not_found(name: str, sets: tuple[str, ...]) -> EagleExportError:
-    return EagleExportError(f"prompt file {name} not found (nor is {name!r} a prompt set: {', '.join(sets)})",
-                            f"pass one of {', '.join(sets)}, or the path of a text file with one prompt a line")
+    return EagleExportError(f"prompt file {name} not found (nor is {name!r} the name of a prompt set)",
+                            f"pass a prompt set, one of {', '.join(sets)}, or the path of a text file with one "
+                            "prompt a line")
 
 
 def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
