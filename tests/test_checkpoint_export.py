@@ -303,3 +303,15 @@ def test_calib_prompts_are_cut_to_the_calibrations_token_limit(sources, tmp_path
     assert "stopped after calibration prompts" in result.output
     limit = checkpoint_export.resolve_source(drafters["3"], target)["calibration"]["max_tokens"]
     assert len(seen) == 6 and max(map(len, seen)) == limit  # the cut bites: some conversation is longer
+
+
+def test_calibration_says_its_steps(sources, tmp_path):
+    """Repro: an FP8 export said one line and then nothing until it was done (minutes on long prompts):
+    the calibration's steps are said as they finish, with the prompts' token bound."""
+    lines = []
+    target, drafters = sources
+    export_checkpoint(drafters["3.1"], tmp_path / "fp8", "vllm", target=target, precision="fp8",
+                      calib_prompts=PROMPTS, progress=lines.append)
+    start = next(i for i, line in enumerate(lines) if line.startswith("quantizing the drafter to fp8"))
+    assert f"on {len(PROMPTS)} prompts (up to {max(map(len, PROMPTS))} tokens each)" in lines[start]
+    assert lines[start + 1].startswith("aux states in ") and lines[start + 2].startswith("calibrated in ")

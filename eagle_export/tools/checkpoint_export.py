@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -285,9 +286,13 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         table = torch.nn.Embedding.from_pretrained(table.weight.detach().to(out_dtype).float(), freeze=True)
     reference.share_embeddings(table)
     if quantized:
-        progress(f"quantizing the drafter to {precision} with ModelOpt on {len(calib_prompts)} prompts")
-        Q.quantize(reference, precision, Q.drafter_calibration_batches(target_model, calib_prompts),
-                   exclude=tuple(src["keep"]), fake_quant="export")
+        start = time.perf_counter()
+        progress(f"quantizing the drafter to {precision} with ModelOpt on {len(calib_prompts)} prompts (up to "
+                 f"{max(map(len, calib_prompts))} tokens each): the target's aux states first")
+        batches = Q.drafter_calibration_batches(target_model, calib_prompts)
+        progress(f"aux states in {time.perf_counter() - start:.0f} s; calibrating the drafter's quantizers")
+        Q.quantize(reference, precision, batches, exclude=tuple(src["keep"]), fake_quant="export")
+        progress(f"calibrated in {time.perf_counter() - start:.0f} s")
         unify_fused_scales(reference)
         exported = copy.deepcopy(reference)
         state, hf_quant_config = export_quantized(exported, out_dtype)
