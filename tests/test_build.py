@@ -1163,3 +1163,8 @@ def test_a_broken_builds_fix_rebuilds_that_build_and_sampling_names_the_torch_ba
     assert "--backend torch" not in sampling_fix(fp8, "onnxruntime", hint)
     opened = open_build(built[0], backend="onnxruntime", verify=False)
     assert opened.runtime.cannot_sample_fix.startswith("pass --backend torch")  # what check_requests says
+    # A graph that will not load (unchecked here: verify=False) names the same rebuild, not the generic one.
+    (copy / "target.onnx").write_bytes(b"not a graph")
+    with pytest.raises(EagleExportError, match="ONNX Runtime cannot load target.onnx") as e:
+        open_build(copy, backend="onnxruntime", verify=False)
+    assert f" -o {copy} --force`" in e.value.fix and "`eagle-export build --force`" not in e.value.fix

@@ -16,6 +16,16 @@ def test_version():
     assert result.exit_code == 0 and __version__ in result.output
 
 
+def test_python_dash_m_runs_the_command_line():
+    """Repro: `python -m eagle_export.cli --version` imported the module and exited 0 with no output."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "eagle_export.cli", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout == f"eagle-export, version {__version__}\n", out
+
+
 def test_help_on_every_command():
     runner = CliRunner()
     assert runner.invoke(main, ["--help"]).exit_code == 0

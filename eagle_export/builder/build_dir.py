@@ -14,7 +14,7 @@ import torch
 from ..data.prompts import ChatTemplate
 from ..engine.engine import pick_engine
 from ..environment import gpu_info, tensorrt_version
-from ..errors import EagleExportError
+from ..errors import REBUILD, EagleExportError
 from ..export.loader import load_pair, passes_skipping
 from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..files import load_int_array, load_tokenizer
@@ -145,7 +145,12 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     if problems:
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
                                rebuild)
-    chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
+    try:
+        chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
+    except EagleExportError as e:  # an engine or graph that will not load: its fix names this build's rebuild
+        if not (e.fix and REBUILD in e.fix and "`" in rebuild):
+            raise
+        raise EagleExportError(e.problem, e.fix.replace(REBUILD, f"`{rebuild.split('`')[1]}`")) from None
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
     tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None

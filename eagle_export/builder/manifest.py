@@ -115,10 +115,12 @@ def rebuild_hint(build_dir: str | Path, recipe: dict | None = None, sources: dic
     base = shipped or {}
     for role in ("target", "drafter"):
         if recipe.get(role) != base.get(role):
-            args.append(f"--{role} {shlex.quote(str(recipe[role] if recipe.get(role) == 'sample' else sources.get(role)))}")
+            source = recipe.get(role) if recipe.get(role) == "sample" else sources.get(role) or recipe.get(role)
+            args.append(f"--{role} {shlex.quote(str(source))}")
     changed = {} if shipped is None else {key: value for key, value in _leaves(recipe).items()
                                            if value != _leaves(base).get(key)}  # (a recipe file holds its own)
-    if "depth" in changed and (recipe.get("speculation") or {}).get("kind", "chain") == "chain":
+    speculation = recipe.get("speculation")
+    if "depth" in changed and (speculation.get("kind") if isinstance(speculation, dict) else "chain") == "chain":
         args.append(f"--depth {recipe.get('depth')}")
     for key, value in changed.items():
         if key.split(".")[0] not in ("name", "target", "drafter", "depth", "speculation"):
@@ -431,6 +433,7 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
     on_disk = sorted(p.relative_to(build_dir).as_posix() for p in build_dir.rglob("*") if p.is_file())
     problems += [f"{name}: not listed in the manifest (added after the build)" for name in on_disk
                  if name not in artifacts and name not in UNHASHED]
+    rebuild = rebuild_hint(build_dir, manifest.get("recipe"), manifest.get("sources"))
     for name, meta in artifacts.items():
         if name in outside:
             continue  # never stat'ed or hashed: its size would leak
@@ -441,7 +444,7 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
         if not os.path.lexists(path):
             problems.append(f"{name}: missing")
             continue
-        with reading(path, "rebuild it with `eagle-export build --force`"):  # a loop, a directory, mode 000: named
+        with reading(path, rebuild):  # a loop, a directory, mode 000: named
             size = path.stat().st_size
         if size != meta["bytes"]:
             problems.append(f"{name}: {size} bytes, the manifest says {meta['bytes']} (truncated or modified)")
