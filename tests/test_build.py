@@ -1164,6 +1164,7 @@ def test_a_broken_builds_fix_rebuilds_that_build_and_sampling_names_the_torch_ba
     opened = open_build(built[0], backend="onnxruntime", verify=False)
     assert opened.runtime.cannot_sample_fix.startswith("pass --backend torch")  # what check_requests says
     # A graph that will not load (unchecked here: verify=False) names the same rebuild, not the generic one.
+    shutil.copy(built[0] / "draft_to_target.npy", copy / "draft_to_target.npy")
     (copy / "target.onnx").write_bytes(b"not a graph")
     with pytest.raises(EagleExportError, match="ONNX Runtime cannot load target.onnx") as e:
         open_build(copy, backend="onnxruntime", verify=False)
