@@ -38,6 +38,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except EagleExportError as e:
             _refuse(e)
+        except KeyboardInterrupt:  # one line and the shell's convention (128 + SIGINT), not click's "Aborted!"
+            click.echo("interrupted (Ctrl-C)", err=True)
+            sys.exit(130)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise  # click's own: usage errors, --help, Ctrl-C at a prompt
         except BrokenPipeError:  # `eagle-export inspect BUILD | head`: the reader has all it wanted
@@ -129,6 +132,11 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
     is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
+    if not is_build and not os.path.lexists(Path(path) / "config.json"):
+        what = ("does not exist" if not os.path.lexists(path) else "is not a directory" if not os.path.isdir(path)
+                else f"holds neither {MANIFEST} (a build) nor config.json (a checkpoint)")
+        raise EagleExportError(f"{path} {what}", "pass a build directory (made by `eagle-export build`) or a "
+                               "checkpoint directory (config.json + *.safetensors)")
     if is_build and check:
         raise click.UsageError("--check runs a drafter checkpoint: pass the drafter directory, not a build")
     if is_build:
@@ -238,11 +246,12 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
     validation, from a recipe."""
     from .builder.recipe import load_recipe, parse_override, resolve_sources
 
-    overrides = dict(parse_override(s) for s in sets)
+    overrides, flags = dict(parse_override(s) for s in sets), {}
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
         if value is not None:
-            overrides[key] = value
-    loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
+            overrides[key], flags[key] = value, f"--{key} {value}"
+    # a bad recipe or a missing checkpoint is refused before torch is imported
+    loaded = load_recipe(recipe, overrides, flags)
     resolve_sources(loaded)
     from .builder.build import build as run_build
 
@@ -259,6 +268,9 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
+    from .builder.manifest import read_manifest
+
+    read_manifest(build_dir)  # a missing or unreadable build is named before torch is imported
     from .builder.validate import validate as run_validate
 
     label = {True: "ok  ", False: "FAIL", None: "SKIP"}
@@ -304,9 +316,16 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if bool(prompt) == bool(chat):  # before the heavy imports: a usage error answers at once
         raise click.UsageError("pass --prompt TEXT or --chat TEXT (either, as often as you like)" if not prompt
                                else "pass --prompt or --chat, not both")
+    from dataclasses import replace
+
+    from .builder.manifest import read_manifest
+    from .runtime.generation import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    read_manifest(build_dir)  # bad settings and a missing build are said before torch is imported
     from .builder.build_dir import open_build
     from .builder.manifest import old_format_note
-    from .runtime.runtime import GenerationConfig, request_record
+    from .runtime.runtime import request_record
     from .runtime.verify_policy import explain
 
     opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs,
@@ -315,8 +334,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if old:
         click.echo(f"note: {old}", err=True)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                              eos_ids=opened.eos_ids)
+    config = replace(config, eos_ids=opened.eos_ids)
     runtime = opened.runtime
     for ids in requests:  # a refused run writes nothing (not even the cost cache)
         runtime.check_requests([ids], config)
@@ -431,17 +449,15 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
 
     BUILD_DIRS: one build, or several builds of one target to compare (a chain and a tree, say), run in
     turns on the same prompts."""
+    from dataclasses import replace
 
-    from .builder.build_dir import open_build
-    from .data.prompts import chat_prompts, prompt_set_name
+    from .builder.manifest import read_manifest
+    from .data.prompts import prompt_set
     from .output_dir import write_output
-    from .runtime.costs import CostCurves
-    from .runtime.runtime import GenerationConfig
-    from .speculation.synthetic import parse_acceptance
-    from .tools.bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
-    from .tools.bench import bench as run_bench
+    from .runtime.generation import GenerationConfig
 
-    dataset = prompt_set_name(dataset)
+    dataset = prompt_set(dataset)  # every argument is checked before torch is imported
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
     sizes = [int(b) for b in batch.split(",") if b.strip().isdigit()]
     if len(sizes) != len(batch.split(",")) or min(sizes) < 1:
         raise EagleExportError(f"--batch {batch!r} is not a list of batch sizes",
@@ -452,6 +468,15 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
+    for build_dir in build_dirs:
+        read_manifest(build_dir)
+    from .builder.build_dir import open_build
+    from .data.prompts import chat_prompts
+    from .runtime.costs import CostCurves
+    from .speculation.synthetic import parse_acceptance
+    from .tools.bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
+    from .tools.bench import bench as run_bench
+
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the bench
     opened = {}
@@ -478,11 +503,11 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"the cached cost curves disagree: {stale[0]}",
                                "drop --reuse-costs: bench then measures every build's curves in this run")
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=first.eos_ids)
+    config = replace(config, eos_ids=first.eos_ids)
     results = []
     for size in sizes:
         result = run_bench({name: o.runtime for name, o in opened.items()}, prompts, size, config,
-                           acceptances=acceptances, repeat=repeat)
+                           acceptances=acceptances, repeat=repeat, progress=progress.say)
         result["dataset"] = dataset
         results.append(result)
         click.echo(f"batch {size}: autoregressive {result['ar_tokens_per_s']:.1f} tokens/s"
@@ -500,8 +525,8 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                        f"{max(build['costs']['draft_ms'].values()):.1f} ms")
             for name, p in build["policies"].items():
                 hist = " ".join(f"{k}:{n}" for k, n in p["depth_histogram"].items())
-                click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x (median "
-                           f"over {p['batches']} batches {p['speedup_median_over_batches']:.2f}x), tau "
+                click.echo(f"  {name:8} {p['spec_tokens_per_s']:.1f} tokens/s, speedup {p['speedup']:.2f}x (whole run); "
+                           f"median over {p['batches']} batches {p['speedup_median_over_batches']:.2f}x; tau "
                            f"{p['tau']:.2f}, efficiency {p['efficiency']:.2f}, verify width {p['verify_width_mean']:.1f}, "
                            f"round cost {p['round_cost_in_steps']:.2f} steps"
                            + (f", a round without drafts {p['plain_round_vs_step']:.3f}x a plain step"
@@ -555,16 +580,18 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
     SOURCES are builds or drafter directories (with --target), run side by side in fp32 on the target's
     greedy answers to the same prompts."""
 
-    from .data.prompts import prompt_set_name
+    from .data.prompts import prompt_set
     from .output_dir import write_output
+
+    datasets = tuple(prompt_set(d) for d in dataset) or ("mt-bench",)  # checked before torch is imported
     from .tools.bench import pyplot
     from .tools.diagnose import diagnose_sources, plot, table
 
     if plot_file:
         pyplot()  # a missing matplotlib fails now, not after the run
-    datasets = tuple(prompt_set_name(d) for d in dataset) or ("mt-bench",)
     report = diagnose_sources(sources, target, datasets, num_prompts, depth, max_new_tokens,
-                              quantize, calib_prompts, echo=click.echo, allow_changed_sources=allow_changed_sources)
+                              quantize, calib_prompts, echo=click.echo, progress=progress.say,
+                              allow_changed_sources=allow_changed_sources)
     click.echo(table(report))
     if json_file:
         write_output(json_file, json.dumps(report, indent=2) + "\n")
@@ -690,11 +717,14 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
               help="vllm / sglang: LlamaForCausalLMEagle3 layout, aux ids in that engine's numbering; speculators.")
 @click.option("--target", type=click.Path(), help="The target directory, when SOURCE is a drafter directory.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "nvfp4"]),
-              help="Default: the build's drafter precision, or the drafter's own dtype.")
+              help="Default: fp8 or nvfp4 where the build quantized its drafter so; else the drafter's own dtype "
+                   "(its config's torch_dtype, or fp32; a build's fp16/bf16 is its graphs', not the checkpoint's).")
 @click.option("--embeddings", type=click.Choice(["store", "share"]),
               help="Store the embedding table or leave it to the target (default: store for speculators).")
 @click.option("--verifier", help="The target's name to record for speculators (e.g. a Hub id; default: its path).")
-@click.option("--calib-prompts", type=int, help="FP8/NVFP4: ShareGPT conversations to calibrate on (default: the build's).")
+@click.option("--calib-prompts", type=int,
+              help="FP8/NVFP4: ShareGPT conversations to calibrate on, each cut to the calibration's token limit "
+                   "(the build's, else 512) (default: the build's calibration set).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
 @ALLOW_CHANGED_SOURCES
 def export_checkpoint_command(source, out_dir, fmt, target, precision, embeddings, verifier, calib_prompts, force,
@@ -706,14 +736,20 @@ def export_checkpoint_command(source, out_dir, fmt, target, precision, embedding
                                 verifier=verifier, calib_prompts=calib_prompts, force=force, progress=click.echo,
                                 allow_changed_sources=allow_changed_sources)
     trip = summary["round_trip"]
-    click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids_vllm']} in vLLM "
-               f"numbering, embeddings {summary['embeddings']}d); loaded back: max abs logit diff "
-               f"{trip['max_abs_logit_diff']:.3g} (tolerance {trip['tolerance']})")
+    click.echo(f"wrote {out_dir} ({fmt}, {summary['precision']}, aux ids {summary['aux_layer_ids']} in "
+               f"{ENGINE_NAMES[summary['aux_layer_numbering']]} numbering, embeddings {summary['embeddings']}d); "
+               f"loaded back: max abs logit diff {trip['max_abs_logit_diff']:.3g} (tolerance {trip['tolerance']})")
     readers = summary["readers"]
-    click.echo(f"readers measured to serve it exactly: {'; '.join(readers['exact']) or 'none'}")
+    click.echo("measured to serve it exactly: " + ("; ".join(readers["exact"]) or
+               f"none of the readers run here ({readers['measured']}); vLLM and SGLang were not run here"))
     for line in readers["mis_serve"]:
         click.echo(f"warning: known to mis-serve it: {line}")
+    for line in readers.get("unmeasured", []):
+        click.echo(f"note: not measured: {line}")
 
 
-if __name__ == "__main__":  # `python -m eagle_export.cli`, as the installed script
-    main()
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+if __name__ == "__main__":  # `python -m eagle_export.cli ARGS`, as the `eagle-export` script runs
+    main(prog_name="eagle-export")

@@ -10,5 +10,10 @@ class EagleExportError(Exception):
         super().__init__(problem if not fix else f"{problem}\n  fix: {fix}")
 
 
+# The rebuild a module names where it does not know the build directory (an engine, a graph session);
+# `open_build` puts the build's own command in its place (`manifest.rebuild_hint`).
+REBUILD = "`eagle-export build --force`"
+
+
 class CheckpointError(EagleExportError):
     """A checkpoint directory that cannot be loaded as asked."""

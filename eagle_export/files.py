@@ -13,9 +13,10 @@ import shutil
 import stat
 from pathlib import Path
 
-import numpy as np
-
 from .errors import EagleExportError
+from .lazy import lazy
+
+np = lazy("numpy")  # read on first use: the command line's usage errors answer without it
 
 RESTORE = "restore the file (or pass the right path)"
 # No JSON, YAML, text or tokenizer file a command reads comes near this: a larger one is refused

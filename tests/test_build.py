@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -449,6 +450,18 @@ def test_bench_json_and_plot(built, tmp_path):
         (rows, ms), = b["costs"]["catch_up_ms"].items()  # the drafter catching up, which prices the probes
         assert int(rows) > max(map(int, b["costs"]["draft_ms"])) and ms > 0
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output
+    # A progress line as each batch finishes (8 batches of 1, 4 of 2: --repeat 2), each run's speedup so far;
+    # the last one of a batch size is the whole run's, the headline of each policy's line.
+    progress = [line for line in result.output.splitlines() if "; speedup so far " in line]
+    assert [line.split(" batches")[0] for line in progress] == (
+        [f"batch size 1: {i}/8" for i in range(1, 9)] + [f"batch size 2: {i}/4" for i in range(1, 5)])
+    for r, last in zip(results, (progress[7], progress[11])):
+        policies = r["builds"][str(out)]["policies"]
+        assert last.endswith(f"goodput {policies['goodput']['speedup']:.2f}x, fixed {policies['fixed']['speedup']:.2f}x"
+                             ) or last.endswith(f"fixed {policies['fixed']['speedup']:.2f}x")
+        for name, p in policies.items():
+            assert (f"speedup {p['speedup']:.2f}x (whole run); median over {p['batches']} batches "
+                    f"{p['speedup_median_over_batches']:.2f}x" in result.output)
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "costs.json" in os.listdir(out)  # measured once, cached in the build per backend and machine
     assert result.output.count("outputs identical to plain decoding: yes") == 4  # 2 batch sizes x 2 policies
@@ -1127,3 +1140,36 @@ def test_inspect_of_a_build_imports_no_heavy_library(built):
     from test_cli import light_command_imports
 
     assert light_command_imports(["inspect", str(built[0])]) == "heavy: []"
+
+
+def test_a_broken_builds_fix_rebuilds_that_build_and_sampling_names_the_torch_backend(built, tmp_path):
+    """Repro: a corrupt build's fix was `eagle-export build --force`, which rebuilds builds/sample with the
+    sample recipe; and `--temperature 0.7` on a build ONNX Runtime cannot sample with did not say that the
+    torch backend samples today."""
+    from eagle_export.builder.build_dir import sampling_fix
+    from eagle_export.builder.manifest import Manifest
+
+    copy = _copy_build(built[0], tmp_path)
+    (copy / "draft_to_target.npy").write_bytes(b"broken")
+    result = CliRunner().invoke(main, ["run", str(copy), "--prompt", "w5 w6"])
+    assert result.exit_code == 2 and "does not match its manifest" in result.output
+    data = json.loads((copy / "manifest.json").read_text())
+    assert (f"fix: rebuild it: `eagle-export build --recipe RECIPE --target {data['sources']['target']} --drafter "
+            f"{data['sources']['drafter']} -o {copy} --force` (RECIPE: the file of recipe {data['recipe']['name']!r})"
+            in result.output), result.output
+    manifest = Manifest.read(built[0])
+    hint = "rebuild it: `eagle-export build --recipe RECIPE -o OUT --force`"
+    assert sampling_fix(manifest, "onnxruntime", hint) == (
+        "pass --backend torch (it samples today: it runs this build's models from their checkpoints), use "
+        "--temperature 0, or rebuild it: `eagle-export build --recipe RECIPE --set sampling=true -o OUT --force`")
+    assert "--backend torch" not in sampling_fix(manifest, "torch", hint)
+    fp8 = replace(manifest, target=replace(manifest.target, precision="fp8"))  # the torch backend refuses FP8
+    assert "--backend torch" not in sampling_fix(fp8, "onnxruntime", hint)
+    opened = open_build(built[0], backend="onnxruntime", verify=False)
+    assert opened.runtime.cannot_sample_fix.startswith("pass --backend torch")  # what check_requests says
+    # A graph that will not load (unchecked here: verify=False) names the same rebuild, not the generic one.
+    shutil.copy(built[0] / "draft_to_target.npy", copy / "draft_to_target.npy")
+    (copy / "target.onnx").write_bytes(b"not a graph")
+    with pytest.raises(EagleExportError, match="ONNX Runtime cannot load target.onnx") as e:
+        open_build(copy, backend="onnxruntime", verify=False)
+    assert f" -o {copy} --force`" in e.value.fix and "`eagle-export build --force`" not in e.value.fix

@@ -272,7 +272,73 @@ def test_a_rope_scaled_pair_exports_its_scaling_exactly(tmp_path, fmt):
 def test_reader_notes_follow_the_measured_table():
     from eagle_export.tools.checkpoint_export import reader_notes
 
-    assert reader_notes("speculators", "3.1", False)["mis_serve"] == []
-    assert any("without their scales" in line for line in reader_notes("vllm", "3.1", True)["mis_serve"])
-    assert reader_notes("sglang", "3", False) == reader_notes("vllm", "3", False)
-    assert not reader_notes("vllm", "3", False)["mis_serve"] and reader_notes("vllm", "3", False)["exact"]
+    assert reader_notes("speculators", "3.1", None)["mis_serve"] == []
+    assert any("without their scales" in line for line in reader_notes("vllm", "3.1", "fp8")["mis_serve"])
+    assert reader_notes("sglang", "3", None) == reader_notes("vllm", "3", "bf16")
+    assert not reader_notes("vllm", "3", None)["mis_serve"] and reader_notes("vllm", "3", None)["exact"]
+
+
+def test_nvfp4_notes_speak_of_nvfp4():
+    """Repro: an NVFP4 export warned that readers "load the FP8 codes without their scales": what was
+    measured is FP8's; for NVFP4 no reader was run, and the note says so (not a mis-serve)."""
+    from eagle_export.tools.checkpoint_export import reader_notes
+
+    nvfp4 = reader_notes("vllm", "3.1", "nvfp4")
+    assert nvfp4["mis_serve"] == [] and nvfp4["exact"] == []
+    assert "no reader was run on an NVFP4 export" in nvfp4["unmeasured"][0]
+    assert all("FP8 codes" not in line for line in nvfp4["mis_serve"] + nvfp4["refuse"])
+    assert "--precision nvfp4 is refused" in reader_notes("speculators", "3", "nvfp4")["refuse"][0]
+
+
+def test_cli_names_the_aux_ids_in_the_written_numbering_and_says_what_was_measured(sources, tmp_path):
+    """Repro: `--format sglang` printed "aux ids [...] in vLLM numbering" beside a config in SGLang's,
+    and "readers measured to serve it exactly: none" read as "nothing serves this"."""
+    from click.testing import CliRunner
+
+    from eagle_export.cli import main
+
+    target, drafters = sources  # the drafters' aux ids are (1, 3, 4) in vLLM numbering
+    for fmt, written in (("sglang", "[0, 2, 3] in SGLang"), ("vllm", "[1, 3, 4] in vLLM")):
+        out = tmp_path / fmt
+        result = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3.1"]), "--target", str(target), "-o",
+                                           str(out), "--format", fmt])
+        assert result.exit_code == 0 and f"aux ids {written} numbering" in result.output, result.output
+        ids = json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        assert f"aux ids {ids} " in result.output  # what is printed is what was written
+        assert ("measured to serve it exactly: none of the readers run here (speculators 0.9.0, SpecForge 0.2.0"
+                in result.output and "vLLM and SGLang were not run here" in result.output)
+
+
+def test_calib_prompts_are_cut_to_the_calibrations_token_limit(sources, tmp_path, monkeypatch):
+    """Repro: `--calib-prompts 32` rendered whole ShareGPT conversations (thousands of tokens; it did not
+    finish in 5 minutes); each is cut to the calibration's limit, as the build's own set is."""
+    from click.testing import CliRunner
+
+    from eagle_export.cli import main
+    from eagle_export.tools import checkpoint_export
+
+    seen = []
+
+    def capture(*args, calib_prompts=None, **kw):
+        seen.extend(calib_prompts)
+        raise EagleExportError("stopped after calibration prompts")
+
+    monkeypatch.setattr(checkpoint_export, "export_checkpoint", capture)
+    target, drafters = sources
+    result = CliRunner().invoke(main, ["export-checkpoint", str(drafters["3"]), "--target", str(target), "-o",
+                                       str(tmp_path / "x"), "--precision", "fp8", "--calib-prompts", "6"])
+    assert "stopped after calibration prompts" in result.output
+    limit = checkpoint_export.resolve_source(drafters["3"], target)["calibration"]["max_tokens"]
+    assert len(seen) == 6 and max(map(len, seen)) == limit  # the cut bites: some conversation is longer
+
+
+def test_calibration_says_its_steps(sources, tmp_path):
+    """Repro: an FP8 export said one line and then nothing until it was done (minutes on long prompts):
+    the calibration's steps are said as they finish, with the prompts' token bound."""
+    lines = []
+    target, drafters = sources
+    export_checkpoint(drafters["3.1"], tmp_path / "fp8", "vllm", target=target, precision="fp8",
+                      calib_prompts=PROMPTS, progress=lines.append)
+    start = next(i for i, line in enumerate(lines) if line.startswith("quantizing the drafter to fp8"))
+    assert f"on {len(PROMPTS)} prompts (up to {max(map(len, PROMPTS))} tokens each)" in lines[start]
+    assert lines[start + 1].startswith("aux states in ") and lines[start + 2].startswith("calibrated in ")

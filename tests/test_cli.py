@@ -16,6 +16,16 @@ def test_version():
     assert result.exit_code == 0 and __version__ in result.output
 
 
+def test_python_dash_m_runs_the_command_line():
+    """Repro: `python -m eagle_export.cli --version` imported the module and exited 0 with no output."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "eagle_export.cli", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout == f"eagle-export, version {__version__}\n", out
+
+
 def test_help_on_every_command():
     runner = CliRunner()
     assert runner.invoke(main, ["--help"]).exit_code == 0
@@ -88,7 +98,15 @@ def light_command_imports(args, env=None) -> list[str]:
     ["--help"], ["run", "--help"], ["run", "some-build"], ["run", "some-build", "--prompt", "a", "--chat", "b"],
     ["build", "--recipe", "no-such-recipe.yaml"], ["build", "--recipe", "llama-3.1-8b-eagle3"],
     ["validate", "--help"], ["doctor"], ["selftest", "--gpu"],
-    ["selftest"], ["inspect", "--help"]])
+    ["selftest"], ["inspect", "--help"],
+    # usage errors (they took 2-5 s, importing torch first): a missing build, a bad setting, a missing prompt file
+    ["validate", "builds/nope"], ["inspect", "builds/nope"], ["run", "builds/nope", "--prompt", "a"],
+    ["run", "builds/nope", "--prompt", "a", "--max-new-tokens", "-3"], ["run", "builds/nope", "--chat", "a",
+                                                                        "--temperature", "nan"],
+    ["bench", "builds/nope"], ["bench", "builds/nope", "--dataset", "missing.txt"],
+    ["bench", "builds/nope", "--max-new-tokens", "0"],
+    ["diagnose", "builds/nope", "--dataset", "missing.txt"], ["build", "--depth", "12"],
+    ["build", "--set", "precision.target=fp9"]])
 def test_commands_that_need_no_model_import_no_heavy_library(args):
     """torch alone takes 1-2 s to import on an idle 2-core machine and 5-10 s under load: usage errors,
     help, doctor and selftest without a GPU must answer without it (on this CPU-only machine)."""
@@ -97,6 +115,68 @@ def test_commands_that_need_no_model_import_no_heavy_library(args):
     if nvidia_driver_loaded() and args[0] in ("doctor", "selftest"):
         pytest.skip("a GPU machine: doctor and selftest probe the GPU through torch there")
     assert light_command_imports(args) == "heavy: []"
+
+
+def test_usage_errors_are_checked_before_the_build_is_opened(tmp_path):
+    """A bad setting is said even for a real build directory (an empty manifest would not open): the
+    checks run before the build is read, so they cannot wait on torch."""
+    (tmp_path / "manifest.json").write_text("{}")
+    for args, problem in ((["run", str(tmp_path), "--prompt", "a", "--max-new-tokens", "-3"], "max_new_tokens is -3"),
+                          (["bench", str(tmp_path), "--dataset", "missing.txt"], "prompt file missing.txt not found")):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and f"error: {problem}" in result.output, result.output
+
+
+def test_inspect_of_a_missing_path_names_builds_too(tmp_path):
+    """Repro: `inspect builds/nope` said "pass a Hugging Face checkpoint directory", forgetting that
+    inspect reads builds too (and `run builds/nope` names builds)."""
+    for path, what in ((tmp_path / "nope", "does not exist"), (tmp_path, "holds neither manifest.json (a build) nor "
+                                                                          "config.json (a checkpoint)")):
+        result = CliRunner().invoke(main, ["inspect", str(path)])
+        assert result.exit_code == 2 and f"error: {path} {what}" in result.output
+        assert "a build directory (made by `eagle-export build`) or a checkpoint directory" in result.output
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch):
+    """Repro: Ctrl-C printed click's bare "Aborted!" and exited 1; a shell reports 128 + SIGINT."""
+    from eagle_export.tools import doctor
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(doctor, "doctor_report", interrupted)
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 130 and result.output == "interrupted (Ctrl-C)\n"
+
+
+def test_sigint_to_a_running_command_exits_130():
+    """The same through a real SIGINT to a process: Python turns it into KeyboardInterrupt wherever the
+    command is (here: asleep inside `doctor`)."""
+    import signal
+    import subprocess
+    import sys
+
+    probe = ("import sys, time\nfrom eagle_export.tools import doctor\n"
+             "def report():\n    print('ready', flush=True)\n    time.sleep(60)\n"
+             "doctor.doctor_report = report\nfrom eagle_export.cli import main\nmain(['doctor'])\n")
+    process = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err == "interrupted (Ctrl-C)\n" and "Aborted" not in out + err
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--depth", "12"], "--depth 12: depth: 12 must be between 1 and 8"),
+    (["--set", "depth=12"], "--set depth=12: depth: 12 must be between 1 and 8"),
+    (["--set", "precision.target=fp9"], "--set precision.target='fp9': precision.target: 'fp9' must be one of"),
+    (["--set", "depth.x=1"], "--set depth.x: depth is a value, not a section of keys")])
+def test_a_flags_error_names_the_flag_first_as_it_was_typed(args, problem):
+    """Repro: `build --depth 12` said "recipe .../eagle_export/recipes/smollm2-135m-eagle3.1.yaml is
+    invalid: --set depth=12: ...": the package's recipe path first, and a flag the user did not type."""
+    result = CliRunner().invoke(main, ["build", *args])
+    assert result.exit_code == 2 and result.output.startswith(f"error: {problem}"), result.output
+    assert "recipes/smollm2" not in result.output.splitlines()[0]
 
 
 def test_the_light_import_probe_sees_a_heavy_import():

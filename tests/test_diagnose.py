@@ -172,6 +172,14 @@ def test_diagnose_command_on_a_tiny_pair(models, tmp_path):
         assert r["sink_mass"] + r["prefix_mass"] + r["chain_mass"] == pytest.approx(1.0, abs=1e-3)
         assert sum(b["count"] for b in r["reliability"]) == report["drafters"]["drafter3.1"]["sets"][str(prompts)]["chains"]
     assert "acc tf" in result.output and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A progress line per prompt, each drafter's live acceptance by depth so far (repro: 12 minutes silent);
+    # the last one is the report's.
+    progress = [line for line in result.output.splitlines() if line.startswith(f"diagnose {prompts}: ")]
+    assert [line.split(" prompts;")[0][-3:] for line in progress] == ["1/2", "2/2"]
+    live = {name: " ".join("nan" if r["acceptance_live"] is None else f"{r['acceptance_live']:.2f}"
+                           for r in entry["sets"][str(prompts)]["depths"]) for name, entry in report["drafters"].items()}
+    assert progress[-1].endswith(f"live acceptance at depth 1..3 drafter3 {live['drafter3']}; drafter3.1 "
+                                 f"{live['drafter3.1']}"), (progress[-1], live)
 
 
 def test_the_old_spelling_mtbench_is_read_as_mt_bench(models, tmp_path):

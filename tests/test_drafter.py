@@ -145,7 +145,7 @@ def test_torchspec_layer_numbering_shifts_aux_ids():
     assert torchspec.layer_numbering == "torchspec" and "trained_with" in torchspec.layer_numbering_reason
     assert torchspec.resolved_aux_layer_ids(target_cfg) == (2, 3, 4)
     default = DrafterConfig.from_hf({k: v for k, v in tiny_drafter_config("3").items() if k != "eagle_config"})
-    assert default.resolved_aux_layer_ids(target_cfg) == (2, 3, 3)  # (2, L//2, L-3) for L=6
+    assert default.resolved_aux_layer_ids(target_cfg) == (0, 3, 6)  # (0, L//2, L) below 7 layers (not (2, 3, 3))
 
 
 TARGET_CFG = TargetConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -164,7 +164,7 @@ def without_eagle_config(**extra):
     ({"eagle_config": {"target_layer_ids": [0, 1, 3]}}, (1, 2, 4), "torchspec"),
     ({"eagle_aux_hidden_state_layer_ids": [0, 1, 3], "layer_numbering": "sglang"}, (1, 2, 4), "torchspec"),
     ({"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "target_layer_ids": [0, 1, 3]}, (1, 2, 4), "vllm"),
-    ({"layer_numbering": "torchspec"}, (2, 3, 3), "torchspec"),  # the default ids are vLLM's: never shifted
+    ({"layer_numbering": "torchspec"}, (0, 3, 6), "torchspec"),  # the default ids are vLLM's: never shifted
 ])
 def test_every_aux_id_spelling_names_the_same_layers(spelling, resolved, numbering):
     cfg = without_eagle_config(**spelling)

@@ -36,6 +36,15 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
     export = next(v for k, v in report.items() if k.startswith("export"))
     assert export["greedy_ids_equal"] and export["aux_max_rel_err"] < 1e-4
     assert "error" not in json.dumps(report)
+    # Each step says its result, not only "done in N s" (repro: the kit printed no result at all).
+    lossless = shape["lossless (eager)"]["batch 1, random drafter"]
+    for line in (f"  pair: {shape['pair']['parameters'] / 1e9:.2f}B parameters",
+                 f"  lossless (eager): batch 1, random drafter: identical {lossless['identical']}/{lossless['of']} "
+                 f"(to verify width {lossless['identical_to_verify_width']}/{lossless['of']}), tau {lossless['tau']:.2f}",
+                 f"  costs: batch 1: verify T=1 {shape['costs']['1']['verify_ms']['1']:.2f} ms",
+                 "  sweep: batch 1: speedup goodput/fixed 0 ", "greedy ids equal to torch: yes"):
+        assert line in result.output, line
+    assert " done in " not in result.output
 
 
 def test_without_a_gpu_real_shapes_say_so_in_one_line(tmp_path, monkeypatch):

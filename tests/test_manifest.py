@@ -269,3 +269,67 @@ def test_an_incomplete_manifest_is_named_with_the_fix(tmp_path):
     with pytest.raises(EagleExportError, match="manifest.json is incomplete .*head_dim") as err:
         Manifest.read(tmp_path)
     assert "--force" in err.value.fix
+
+
+def _rebuilt_recipe(hint: str, monkeypatch):
+    """The recipe the command inside `hint` (between backticks) loads, through the command line itself."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    import eagle_export.builder.recipe as recipe_module
+    from eagle_export.cli import main
+
+    command = shlex.split(hint.split("`")[1])
+    assert command[:2] == ["eagle-export", "build"]
+    loaded = []
+
+    def stop(recipe):  # the sources are not needed: the recipe as loaded is the question
+        loaded.append(recipe)
+        raise EagleExportError("stopped before the build")
+
+    monkeypatch.setattr(recipe_module, "resolve_sources", stop)
+    result = CliRunner().invoke(main, command[1:])
+    assert "stopped before the build" in result.output, result.output
+    return command, loaded[0]
+
+
+def test_a_rebuild_hint_is_the_command_that_remakes_that_build(tmp_path, monkeypatch):
+    """Repro: every corrupt build's fix was `eagle-export build --force`, which rebuilds builds/sample
+    with the sample recipe, not the broken build. The hint's command, run through the command line,
+    loads the very recipe the build was made from (overrides included) and writes to its directory;
+    a hint that dropped one override would load another recipe."""
+    from eagle_export.builder.manifest import rebuild_hint
+    from eagle_export.builder.recipe import load_recipe
+
+    drafter = tmp_path / "my drafter"
+    overrides = {"depth": 6, "precision.target": "fp8", "calibration.num_samples": 3, "drafter": str(drafter),
+                 "precision.keep_high_precision": ["lm_head"]}
+    made = load_recipe(None, overrides).data
+    out = tmp_path / "my build"
+    hint = rebuild_hint(out, made, {"target": "/unused/sample/dir", "drafter": str(drafter)})
+    command, loaded = _rebuilt_recipe(hint, monkeypatch)
+    assert loaded.data == made
+    assert command[-3:] == ["-o", str(out), "--force"] and "--recipe" not in command  # the sample recipe: the default
+    assert "--depth" in command and "--target" not in command  # the sample target stays `sample`
+    shipped = load_recipe("qwen3-8b-eagle3.1", {"target": str(tmp_path / "t"), "drafter": str(drafter)}).data
+    command, loaded = _rebuilt_recipe(rebuild_hint(out, shipped, {"target": str(tmp_path / "t"),
+                                                                  "drafter": str(drafter)}), monkeypatch)
+    assert loaded.data == shipped and command[2:4] == ["--recipe", "qwen3-8b-eagle3.1"]
+
+
+def test_a_rebuild_hint_without_a_shipped_recipe_or_a_readable_manifest(tmp_path):
+    """A recipe file of the user's cannot be named from the manifest (its path is not recorded): the
+    command says RECIPE and which recipe that is. A manifest that cannot be read is not one --force
+    replaces (see BUILD_OUTPUT): the fix says to move the directory away."""
+    from eagle_export.builder.manifest import rebuild_hint
+
+    hint = rebuild_hint(tmp_path, {"name": "mine", "target": "/t", "drafter": "/d", "depth": 2},
+                        {"target": "/t", "drafter": "/d"})
+    assert f"--recipe RECIPE --target /t --drafter /d -o {tmp_path} --force`" in hint
+    assert "(RECIPE: the file of recipe 'mine')" in hint
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(EagleExportError) as e:
+        read_manifest(tmp_path)
+    assert e.value.fix.startswith(f"move {tmp_path} away (its manifest cannot be read, so --force would not replace")
+    assert not BUILD_OUTPUT[1](tmp_path)  # the reason: --force would refuse it

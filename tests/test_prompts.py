@@ -112,5 +112,19 @@ def test_one_selector_renders_every_prompt_set_by_one_rule(tmp_path):
     lines = tmp_path / "prompts.txt"
     lines.write_text("w4 w5\n\nw6\n")
     assert list(prompts.chat_prompts(template, str(lines))) == [[1, 4, 5, 2, 3], [1, 6, 2, 3]]
-    with pytest.raises(EagleExportError, match="neither mt-bench, humaneval, sharegpt nor a file"):
+    with pytest.raises(EagleExportError, match=r"prompt file mtbench not found \(nor is 'mtbench' the name of a"):
         prompts.chat_prompts(template, "mtbench")
+
+
+@pytest.mark.parametrize("sets, listed", [((), "mt-bench, humaneval, sharegpt, long"),
+                                          (("mt-bench", "sharegpt"), "mt-bench, sharegpt")])
+def test_a_missing_prompt_file_is_reported_as_not_found_with_every_set_listed(tmp_path, sets, listed):
+    """Repro: `bench --dataset missing.txt` said "neither mt-bench, humaneval, sharegpt nor a file", no "not
+    found", and left out `long`, which bench and diagnose take."""
+    with pytest.raises(EagleExportError) as e:
+        prompts.prompt_set(str(tmp_path / "missing.txt"), *[sets] if sets else [])
+    assert e.value.problem.startswith(f"prompt file {tmp_path / 'missing.txt'} not found")
+    assert f"one of {listed}, or the path of a text file" in e.value.fix
+    (tmp_path / "there.txt").write_text("w1\n")
+    assert prompts.prompt_set(str(tmp_path / "there.txt")) == str(tmp_path / "there.txt")
+    assert prompts.prompt_set("mtbench") == "mt-bench" and prompts.prompt_set("long") == "long"

@@ -113,3 +113,26 @@ def test_sample_target_matches_transformers(sample_target):
     print(f"sample target fp32 logits max abs diff vs transformers: {diff:.3e}")
     assert diff <= 1e-3
     assert ours.generate_greedy(prompt, 64) == hf_greedy(hf, prompt, 64)
+
+
+@pytest.mark.parametrize("layers", range(1, 41))
+def test_default_aux_layer_ids_are_distinct_valid_layers_in_order(layers):
+    """Repro: a 2-layer target's default aux ids were [2, 1, -1] (EAGLE-3's (2, L//2, L-3) taken as is):
+    out of order, and -1 is no layer, so the drafter got two aux states where its fc takes three.
+    From 7 layers the default is EAGLE-3's own (what vLLM and SpecForge assume)."""
+    from tiny_models import tiny_target_config
+
+    from eagle_export.models.config import TargetConfig, default_aux_layer_ids
+    from eagle_export.models.target import Target
+
+    ids = default_aux_layer_ids(layers)
+    assert list(ids) == sorted(set(ids)) and all(0 <= i <= layers for i in ids)
+    assert len(ids) == min(3, layers + 1)
+    if layers >= 7:
+        assert ids == (2, layers // 2, layers - 3)
+    if layers in (1, 2, 6):  # the target captures one state per id: the aux width the drafter's fc reads
+        target = Target(TargetConfig.from_hf(tiny_target_config("llama", num_hidden_layers=layers), "tiny"))
+        ids_in = torch.tensor([[5, 6, 7]])
+        k, v = target.empty_cache(1, 0)
+        aux = target(ids_in, torch.arange(3)[None], k, v, torch.zeros(1, dtype=torch.int64))[1]
+        assert aux.shape[-1] == len(ids) * target.config.hidden_size

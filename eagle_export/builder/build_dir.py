@@ -14,7 +14,7 @@ import torch
 from ..data.prompts import ChatTemplate
 from ..engine.engine import pick_engine
 from ..environment import gpu_info, tensorrt_version
-from ..errors import EagleExportError
+from ..errors import REBUILD, EagleExportError
 from ..export.loader import load_pair, passes_skipping
 from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..files import load_int_array, load_tokenizer
@@ -22,7 +22,7 @@ from ..models.nvfp4 import use_graph_weights
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
-from .manifest import MANIFEST, Manifest, check_build, check_sources, contradictions, read_manifest
+from .manifest import MANIFEST, Manifest, check_build, check_sources, contradictions, read_manifest, rebuild_hint
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
@@ -49,14 +49,16 @@ class OpenBuild:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def torch_models(manifest: Manifest, nvfp4_from: Path | None = None, allow_changed_sources: bool = False):
+def torch_models(manifest: Manifest, nvfp4_from: Path | None = None, allow_changed_sources: bool = False,
+                 build_dir: Path | None = None):
     """The build's torch modules, rebuilt from its sources with the same model passes; unquantized
     even for a quantized build (validation compares its graphs with them), unless `nvfp4_from` names
     the build directory: then its NVFP4 models run the NVFP4 weights of its own graphs. Refused
     unless every source file still has the sha256 the build recorded (`check_sources`: other weights
     would run silently), or `allow_changed_sources`."""
     check_sources(manifest, allow_changed_sources, "the torch backend",
-                  "use the onnxruntime backend (it runs the build's own graphs), ")
+                  "use the onnxruntime backend (it runs the build's own graphs), ",
+                  build_dir=build_dir or nvfp4_from or "BUILD")
     target, drafter = load_pair(manifest.target.source, manifest.drafter.source, manifest.target.dtype,
                                 passes=passes_skipping(manifest.skipped_passes),
                                 drafter_dtype=manifest.drafter.dtype, aux_layer_ids=manifest.target.aux_layer_ids)
@@ -132,12 +134,18 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     the build (said on stderr) instead of refusing."""
     path = Path(path)
     manifest = check_build(path) if verify else Manifest.from_json(read_manifest(path), path / MANIFEST)
-    draft_to_target = load_int_array(path / "draft_to_target.npy", "rebuild with `eagle-export build --force`")
+    rebuild = rebuild_hint(path, manifest.recipe, {r: m.source for r, m in manifest.models.items()})
+    draft_to_target = load_int_array(path / "draft_to_target.npy", rebuild)
     problems = contradictions(manifest) + vocab_map_problems(manifest, draft_to_target)
     if problems:
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
-                               "rebuild it with `eagle-export build --force`")
-    chosen = make_backend(path, manifest, backend, threads, cuda_graphs, allow_changed_sources)
+                               rebuild)
+    try:
+        chosen = make_backend(path, manifest, backend, threads, cuda_graphs, allow_changed_sources)
+    except EagleExportError as e:  # an engine or graph that will not load: its fix names this build's rebuild
+        if not (e.fix and REBUILD in e.fix and "`" in rebuild):
+            raise
+        raise EagleExportError(e.problem, e.fix.replace(REBUILD, f"`{rebuild.split('`')[1]}`")) from None
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
     tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None
@@ -148,7 +156,18 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
                                  cost_cache=CostCache(cache_path(path, manifest),
                                                       cost_key(chosen, threads, static_cache)),
                                  static_cache=static_cache)
+    runtime.cannot_sample_fix = sampling_fix(manifest, chosen.name, rebuild)
     return OpenBuild(path, manifest, runtime, tokenizer, manifest.eos_ids)
+
+
+def sampling_fix(manifest: Manifest, backend: str, rebuild: str) -> str:
+    """What to do when this build's `backend` cannot sample: the torch backend samples from the build's
+    models rebuilt from their checkpoints (a chain or static tree, not FP8); or rebuild with sampling."""
+    torch_samples = (backend != "torch" and manifest.speculation.can_sample
+                     and "fp8" not in {m.precision for m in manifest.models.values()})
+    with_sampling = rebuild.replace(" -o ", " --set sampling=true -o ", 1) if "`eagle-export build" in rebuild else rebuild
+    return ("pass --backend torch (it samples today: it runs this build's models from their checkpoints), "
+            if torch_samples else "") + f"use --temperature 0, or {with_sampling}"
 
 
 def vocab_map_problems(manifest: Manifest, draft_to_target: np.ndarray) -> list[str]:

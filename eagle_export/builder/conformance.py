@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from ..cache import FLAG, NULL, Const, Either, List, Number, Record, Text, cache_root, read_cache, write_cache
-from ..data.prompts import ChatTemplate, chat_prompts
+from ..data.prompts import ChatTemplate, chat_prompts, prompt_set
 from ..errors import EagleExportError
 from ..export.loader import load_pair
 from ..files import load_tokenizer, read_text
@@ -254,10 +254,7 @@ def check_prompts(target_dir, source: str = "mt-bench", count: int = 16, max_tok
     sharegpt), or a text file whose lines are tokenized as they stand (no template)."""
     if source in ("mt-bench", "sharegpt"):
         return list(chat_prompts(ChatTemplate(target_dir), source, count, max_tokens))
-    path = Path(source)
-    if not os.path.lexists(path):
-        raise EagleExportError(f"prompt source {source!r} is neither mt-bench, sharegpt nor a file",
-                               "pass mt-bench, sharegpt, or a text file with one prompt per line")
+    path = Path(prompt_set(source, ("mt-bench", "sharegpt")))  # a file, or refused as neither
     if not os.path.lexists(Path(target_dir) / "tokenizer.json"):
         raise EagleExportError(f"{target_dir} has no tokenizer.json to tokenize {path}",
                                "use a target directory that holds its tokenizer")

@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..errors import EagleExportError
 from ..files import is_dir, list_dir, read_json, read_text, reading
 from ..runtime.costs import COSTS_FILE
 from ..speculation.tree import Speculation
-from .recipe import QUANTIZED
+from .recipe import QUANTIZED, RECIPES_DIR, SAMPLE_RECIPE, load_recipe, shipped_recipes
 
 MANIFEST = "manifest.json"
 MANIFEST_HASH = "manifest.sha256"  # the manifest's own sha256, beside it: its fields are covered too
@@ -91,6 +92,57 @@ def write_manifest_hash(build_dir: Path) -> None:
     (build_dir / MANIFEST_HASH).write_text(sha256_file(build_dir / MANIFEST) + "\n")
 
 
+def rebuild_hint(build_dir: str | Path, recipe: dict | None = None, sources: dict | None = None) -> str:
+    """The fix for a build that cannot be used: the `eagle-export build` that remakes this directory,
+    with the recipe (a shipped one by name), --target, --drafter, --depth and each --set it was made
+    from, read from its manifest's `recipe` (the recipe as built, overrides applied) and `sources`;
+    the shipped recipe's own values are left out. A recipe file of the user's is not recorded by path:
+    the command says RECIPE, with the checkpoints (its other values are the file's). Without a manifest
+    (one that cannot be read, which --force would not replace either) it says to move the directory
+    away and build again. A tree given by --set on a shipped recipe is not spelled out (its normalized
+    form is no recipe key)."""
+    out = shlex.quote(str(build_dir))
+    if not isinstance(recipe, dict) or not isinstance(sources, dict):
+        return (f"move {build_dir} away (its manifest cannot be read, so --force would not replace it), then build "
+                f"it again: `eagle-export build --recipe RECIPE --target DIR --drafter DIR -o {out}` with the "
+                "recipe and checkpoints it was made from")
+    name, args = str(recipe.get("name")), ["eagle-export build"]
+    try:
+        shipped = load_recipe(name).data if name in shipped_recipes() else None
+    except EagleExportError:  # a shipped recipe this version cannot read: every value is spelled out
+        shipped = None
+    if shipped is None:
+        args.append("--recipe RECIPE")
+    elif (RECIPES_DIR / f"{name}.yaml") != SAMPLE_RECIPE:
+        args.append(f"--recipe {name}")
+    base = shipped or {}
+    for role in ("target", "drafter"):
+        if recipe.get(role) != base.get(role):
+            source = recipe.get(role) if recipe.get(role) == "sample" else sources.get(role) or recipe.get(role)
+            args.append(f"--{role} {shlex.quote(str(source))}")
+    changed = {} if shipped is None else {key: value for key, value in _leaves(recipe).items()
+                                           if value != _leaves(base).get(key)}  # (a recipe file holds its own)
+    speculation = recipe.get("speculation")
+    if "depth" in changed and (speculation.get("kind") if isinstance(speculation, dict) else "chain") == "chain":
+        args.append(f"--depth {recipe.get('depth')}")
+    for key, value in changed.items():
+        if key.split(".")[0] not in ("name", "target", "drafter", "depth", "speculation"):
+            args.append(f"--set {shlex.quote(f'{key}={json.dumps(value) if not isinstance(value, str) else value}')}")
+    command = " ".join(args) + f" -o {out} --force"
+    return f"rebuild it: `{command}`" + (f" (RECIPE: the file of recipe {name!r})" if shipped is None else "")
+
+
+def _leaves(data: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested recipe dict; a list is one value."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def read_manifest(build_dir: str | Path) -> dict:
     build_dir = Path(build_dir)
     path = build_dir / MANIFEST
@@ -100,12 +152,12 @@ def read_manifest(build_dir: str | Path) -> dict:
         raise EagleExportError(f"{build_dir} has no {MANIFEST}: it is not a build directory",
                                "pass a directory made by `eagle-export build`")
     try:
-        manifest = read_json(path, "rebuild with `eagle-export build --force`")
+        manifest = read_json(path, rebuild_hint(build_dir))
     except EagleExportError as e:
         raise EagleExportError(e.problem.replace("is not valid JSON", "is corrupt"), e.fix) from None
     if not isinstance(manifest, dict):
         raise EagleExportError(f"{path} holds a JSON {type(manifest).__name__}, not a manifest",
-                               "rebuild with `eagle-export build --force`")
+                               rebuild_hint(build_dir))
     if manifest.get("format") not in (MANIFEST_FORMAT, *OLD_FORMATS):
         raise EagleExportError(f"{path} has manifest format {str(manifest.get('format'))[:40]}, this tool reads "
                                f"{', '.join(map(str, (MANIFEST_FORMAT, *OLD_FORMATS)))}",
@@ -307,7 +359,9 @@ class Manifest:
                 data.get("format"), data.get("version"), data.get("created"), data.get("libraries"))
         except (KeyError, TypeError, ValueError, AttributeError, EagleExportError) as e:
             raise EagleExportError(f"{where} is incomplete or of the wrong shape ({type(e).__name__}: {e})",
-                                   "rebuild with `eagle-export build --force`") from None
+                                   rebuild_hint(Path(where).parent, data.get("recipe"), data.get("sources"))
+                                   if isinstance(data, dict) and data.get("tool") == "eagle-export"
+                                   else rebuild_hint(Path(where).parent)) from None
 
     def to_json(self) -> dict:
         data = {"format": self.format, "tool": "eagle-export", "version": self.version, "created": self.created,
@@ -386,6 +440,7 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
     on_disk = sorted(p.relative_to(build_dir).as_posix() for p in build_dir.rglob("*") if p.is_file())
     problems += [f"{name}: not listed in the manifest (added after the build)" for name in on_disk
                  if name not in artifacts and name not in UNHASHED and not is_temporary(name, COSTS_FILE)]
+    rebuild = rebuild_hint(build_dir, manifest.get("recipe"), manifest.get("sources"))
     for name, meta in artifacts.items():
         if name in outside:
             continue  # never stat'ed or hashed: its size would leak
@@ -396,7 +451,7 @@ def verify_artifacts(build_dir: str | Path, manifest: dict) -> list[str]:
         if not os.path.lexists(path):
             problems.append(f"{name}: missing")
             continue
-        with reading(path, "rebuild it with `eagle-export build --force`"):  # a loop, a directory, mode 000: named
+        with reading(path, rebuild):  # a loop, a directory, mode 000: named
             size = path.stat().st_size
         if size != meta["bytes"]:
             problems.append(f"{name}: {size} bytes, the manifest says {meta['bytes']} (truncated or modified)")
@@ -441,9 +496,9 @@ def verify_sources(manifest: Manifest) -> tuple[list[str], list[str]]:
 class BuildMismatch(EagleExportError):
     """A build whose files or manifest differ from what was built; `problems` lists each difference."""
 
-    def __init__(self, path: Path, problems: list[str]):
+    def __init__(self, path: Path, problems: list[str], rebuild: str | None = None):
         super().__init__(f"{path} does not match its manifest: " + "; ".join(problems),
-                         "rebuild it with `eagle-export build --force`")
+                         rebuild or "rebuild it with `eagle-export build --force`")
         self.problems = problems
 
 
@@ -451,7 +506,7 @@ ALLOW_CHANGED_SOURCES = "--allow-changed-sources"
 
 
 def check_sources(manifest: Manifest, allow_changed: bool = False, reader: str = "this command",
-                  instead: str = "") -> None:
+                  instead: str = "", build_dir: str | Path = "BUILD") -> None:
     """Refuse to read a build's source checkpoints unless each file has the sha256 the build recorded
     (other weights would pass silently for the build's); with `allow_changed`, read them as they are
     and say so in one line on stderr. `instead`: another way out, put first in the fix."""
@@ -462,8 +517,9 @@ def check_sources(manifest: Manifest, allow_changed: bool = False, reader: str =
     if not allow_changed:
         raise EagleExportError(f"{reader} reads the checkpoints the build was made from, and they are not the "
                                f"build's: {found}",
-                               f"{instead}restore those checkpoints, rebuild with `eagle-export build --force`, "
-                               f"or pass {ALLOW_CHANGED_SOURCES} to read them as they are now")
+                               f"{instead}restore those checkpoints, pass {ALLOW_CHANGED_SOURCES} to read them as "
+                               "they are now, or " + rebuild_hint(build_dir, manifest.recipe,
+                                                                  {r: m.source for r, m in manifest.models.items()}))
     print(f"note: {ALLOW_CHANGED_SOURCES}: reading the checkpoints as they are now, not as built ({found})",
           file=sys.stderr)
 
@@ -478,10 +534,10 @@ def check_build(path: str | Path, sources: bool = False, allow_changed_sources: 
     data = read_manifest(path)
     problems = verify_artifacts(path, data)
     if problems:
-        raise BuildMismatch(path, problems)
+        raise BuildMismatch(path, problems, rebuild_hint(path, data.get("recipe"), data.get("sources")))
     manifest = Manifest.from_json(data, path / MANIFEST)
     if sources:
-        check_sources(manifest, allow_changed_sources, reader)
+        check_sources(manifest, allow_changed_sources, reader, build_dir=path)
     return manifest
 
 

@@ -84,6 +84,10 @@ class RecipeError(EagleExportError):
 
     def __init__(self, source: str, problems: list[str]):
         self.problems = problems
+        if all(p.startswith("--") for p in problems):  # all the command line's: the flag first, not the recipe's path
+            super().__init__("\n  ".join(problems), "pass a value the key takes (the shipped recipes in "
+                             "eagle_export/recipes/ show every key)")
+            return
         super().__init__(f"recipe {source} is invalid:\n  " + "\n  ".join(problems),
                          "correct the recipe keys named above (see eagle_export/recipes/ for complete examples)")
 
@@ -267,7 +271,9 @@ def _speculation(data: dict, given: dict, lines: dict, problems: list[str]) -> N
 
 
 def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None,
-                 overrides: dict | None = None) -> Recipe:
+                 overrides: dict | None = None, flags: dict | None = None) -> Recipe:
+    """`overrides` {dotted key: value} replace the recipe's values; `flags` {dotted key: how the command
+    line spelled it, e.g. "--depth 12"} name them in errors (default: `--set key=value`)."""
     node, data = safe_yaml(text, source)
     if not isinstance(data, dict):
         raise RecipeError(source, ["line 1: a recipe is a YAML mapping of keys to values"])
@@ -281,7 +287,7 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
         data.pop("speculation" if "depth" in overrides else "depth", None)
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
-        lines[tuple(dotted.split("."))] = f"--set {dotted}={shown(value)}"  # not a line of the recipe file
+        lines[tuple(dotted.split("."))] = (flags or {}).get(dotted, f"--set {dotted}={shown(value)}")  # not a line
     problems: list[str] = []
     checked = _check(data, SCHEMA, lines, (), problems)
     for key in REQUIRED:
@@ -304,7 +310,7 @@ def _set_dotted(data: dict, dotted: str, value) -> None:
     for i, key in enumerate(keys[:-1]):
         data = data.setdefault(key, {})
         if not isinstance(data, dict):
-            raise RecipeError("--set", [f"{dotted}: {'.'.join(keys[:i + 1])} is a value, not a section of keys"])
+            raise RecipeError("--set", [f"--set {dotted}: {'.'.join(keys[:i + 1])} is a value, not a section of keys"])
     data[keys[-1]] = value
 
 
@@ -312,7 +318,7 @@ def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
+def load_recipe(path: str | Path | None = None, overrides: dict | None = None, flags: dict | None = None) -> Recipe:
     """A recipe file, or the name of a shipped recipe (`qwen3-8b-eagle3.1`); the sample when None."""
     path = Path(path) if path else SAMPLE_RECIPE
     if not os.path.lexists(path) and str(path) in shipped_recipes():
@@ -324,7 +330,7 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     if is_dir(path):  # (a symbolic link loop, or a directory above it that is unreadable, is named here)
         raise EagleExportError(f"recipe {path} is a directory", "pass the recipe's YAML file itself")
     text = read_text(path, "save the recipe as UTF-8 YAML, readable to this user")
-    return parse_recipe(text, str(path), path.parent, overrides)
+    return parse_recipe(text, str(path), path.parent, overrides, flags)
 
 
 def parse_override(text: str) -> tuple[str, object]:

@@ -517,7 +517,7 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
                            "; ".join(changed + unavailable) + ": graphs not compared with torch"))
         else:
             checks.append(("source checkpoints", True, "every file has the sha256 the build recorded"))
-            reference = torch_models(manifest)
+            reference = torch_models(manifest, build_dir=Path(build_dir))
     if reference is not None:
         checks += _numerics(build_dir, manifest, *reference, skip=quantized)
         if quantized:

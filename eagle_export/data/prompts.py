@@ -289,6 +289,21 @@ def prompt_set_name(name: str) -> str:
     return PROMPT_SET_ALIASES.get(name, name)
 
 
+def prompt_set(name: str, sets: tuple[str, ...] = (*PROMPT_SETS, "long")) -> str:
+    """`prompt_set_name(name)`, refused unless it is one of `sets` or a file that exists: the command
+    line checks a `--dataset` here, before it loads a model, so a typo answers at once."""
+    name = prompt_set_name(name)
+    if name not in sets and not os.path.lexists(name):
+        raise _not_found(name, sets)
+    return name
+
+
+def _not_found(name: str, sets: tuple[str, ...]) -> EagleExportError:
+    return EagleExportError(f"prompt file {name} not found (nor is {name!r} the name of a prompt set)",
+                            f"pass a prompt set, one of {', '.join(sets)}, or the path of a text file with one "
+                            "prompt a line")
+
+
 def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
     """The first `count` (default: all) conversations of a prompt set, as chat messages, in order:
     `mt-bench` (turn 1), `humaneval` (each problem under an instruction to complete it), `sharegpt`
@@ -306,8 +321,7 @@ def conversations(name: str, count: int | None = None) -> Iterator[list[dict]]:
             raise EagleExportError(f"prompt file {name} holds no prompt", "write one prompt a line, as UTF-8 text")
         source = user_turns(lines)
     else:
-        raise EagleExportError(f"prompt set {name!r} is neither {', '.join(PROMPT_SETS)} nor a file",
-                               f"pass one of {', '.join(PROMPT_SETS)}, or a text file with one prompt a line")
+        raise _not_found(name, PROMPT_SETS)
     return itertools.islice(source, count)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EagleExportError
+from ..errors import REBUILD, EagleExportError
 from ..models.contract import BATCH, DRAFTER_NEW_ROWS, PAST, TOKENS, GraphSpec
 from ..speculation.tree import Speculation
 
@@ -111,7 +111,7 @@ def pick_engine(engines: list[Engine], compute_capability: str | None, trt_versi
         reasons.append(f"{meta.file}: {'; '.join(problems)}")
     raise EagleExportError("no engine in this build fits this machine: " + " | ".join(reasons) if reasons
                            else "this build has no TensorRT engines",
-                           "rebuild the engines here with `eagle-export build --force`, or use --backend onnxruntime")
+                           f"rebuild the engines here with {REBUILD}, or use --backend onnxruntime")
 
 
 # ---------------------------------------------------------------- TensorRT API (thin)

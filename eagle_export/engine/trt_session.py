@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EagleExportError
+from ..errors import REBUILD, EagleExportError
 
 
 class TensorRTSession:
@@ -26,7 +26,7 @@ class TensorRTSession:
         self.engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
             raise EagleExportError(f"TensorRT cannot load {engine_path.name} (another TensorRT version or GPU, "
-                                   "or a corrupt file)", "rebuild it here with `eagle-export build --force`")
+                                   "or a corrupt file)", f"rebuild it here with {REBUILD}")
         self.name = engine_path.name
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
@@ -44,7 +44,7 @@ class TensorRTSession:
         if profile != self.profile:
             if not self.context.set_optimization_profile_async(profile, stream):
                 raise EagleExportError(f"{self.name} has no optimization profile {profile}",
-                                       "rebuild the engines with `eagle-export build --force`")
+                                       f"rebuild the engines with {REBUILD}")
             self.profile = profile
         for name in self.inputs:
             if name not in feeds:

@@ -39,7 +39,8 @@ def inspect_checkpoint(path: str | Path, target: str | Path | None = None) -> di
         "num_parameters": sum(t.numel() for k, t in state.items() if t.is_floating_point()),
     }
     if cfg.aux_layer_ids is None:
-        warnings.append("config.json names no aux layer ids: the target's default (2, L//2, L-3) is used")
+        warnings.append("config.json names no aux layer ids: the target's default is used ((2, L//2, L-3); "
+                        "(0, L//2, L) below 7 layers)")
     if target is None and cfg.aux_layer_ids is not None:
         warnings.extend(repeated_aux_ids(cfg.aux_layer_ids))
     if not report["has_embeddings"] and target is None:

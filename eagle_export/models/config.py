@@ -250,8 +250,17 @@ class TargetConfig:
         return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
-        n = self.num_layers
-        return (2, n // 2, n - 3)
+        return default_aux_layer_ids(self.num_layers)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """Aux layer ids for a target whose drafter config names none (vLLM's numbering: the residual
+    stream entering layer i, so 0..L are valid, L the last layer's output). EAGLE-3's (2, L//2, L-3),
+    as vLLM and SpecForge default, from 7 layers up, where it is distinct and in order; below that it
+    repeats or leaves 0..L (2 layers: (2, 1, -1)), so a tiny target takes first, middle and last
+    (0, L//2, L): (0, 1, 2) for 2 layers, and the only two states (0, 1) for one."""
+    n = num_layers
+    return (2, n // 2, n - 3) if n >= 7 else tuple(sorted({0, n // 2, n}))
 
 
 @dataclass
@@ -264,7 +273,7 @@ class DrafterConfig:
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: tuple[int, ...] | None  # None: the target's default (2, L//2, L-3)
+    aux_layer_ids: tuple[int, ...] | None  # None: the target's default (default_aux_layer_ids)
     num_aux: int
     rms_norm_eps: float
     rope: RopeConfig
@@ -331,7 +340,7 @@ class DrafterConfig:
 
     def resolved_aux_layer_ids(self, target: TargetConfig) -> tuple[int, ...]:
         """Aux layer ids in vLLM's convention (the residual stream entering layer i). The target's
-        default (2, L//2, L-3) is already in it; ids a config names in TorchSpec numbering are shifted."""
+        default (`default_aux_layer_ids`) is already in it; ids a config names in TorchSpec numbering are shifted."""
         if self.aux_layer_ids is None:
             return target.default_aux_layer_ids()
         shift = 1 if self.layer_numbering == "torchspec" else 0

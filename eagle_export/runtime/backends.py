@@ -19,7 +19,7 @@ import onnx
 import torch
 
 from ..engine.trt_session import TensorRTSession
-from ..errors import EagleExportError
+from ..errors import REBUILD, EagleExportError
 from ..models import contract as C
 from ..speculation.tree import Speculation, as_tree
 from .cuda_graphs import CudaGraphCapture, ShapeGraphs
@@ -51,7 +51,7 @@ def ort_session(path, providers=("CPUExecutionProvider",), threads: int | None =
         return ort.InferenceSession(str(path), options, providers=list(providers))
     except Exception as e:  # ORT raises its own exception types for unreadable files
         raise EagleExportError(f"ONNX Runtime cannot load {Path(path).name}: {str(e).splitlines()[0]}",
-                               "rebuild with `eagle-export build --force` (or export again)") from None
+                               f"rebuild with {REBUILD} (or export again)") from None
 
 
 def run_onnx(session, feeds: dict[str, torch.Tensor], output_names: list[str] | None = None

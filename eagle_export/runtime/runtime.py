@@ -37,12 +37,10 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..errors import EagleExportError
@@ -54,48 +52,10 @@ from ..speculation.synthetic import SyntheticDrafts
 from ..speculation.tree import greedy_accepted_path
 from .backends import Backend
 from .costs import CostCache, CostCurves, measure
+from .generation import GenerationConfig, is_int
 from .verify_policy import check_policy, make_policy
 
 STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
-
-
-def _is_int(value) -> bool:
-    """A whole number as Python or numpy holds it; bool is refused although it subclasses int."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy, lossless against target-only greedy decoding
-    top_p: float = 1.0
-    eos_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    seed: int = 0
-
-    def __post_init__(self):
-        """Refuse nonsense here, where the CLI and the Python API both pass: NaN or a negative
-        temperature would decode greedily, an empty stop string would stop after one token."""
-        def number(value) -> bool:
-            return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
-
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise EagleExportError(f"max_new_tokens is {self.max_new_tokens!r}", "pass a whole number of 1 or more")
-        if not number(self.temperature) or self.temperature < 0:
-            raise EagleExportError(f"temperature is {self.temperature!r}",
-                                   "pass 0 for greedy decoding or a finite positive number to sample")
-        if not number(self.top_p) or not 0 < self.top_p <= 1:
-            raise EagleExportError(f"top_p is {self.top_p!r}, outside (0, 1]", "pass a top_p above 0 and at most 1")
-        if isinstance(self.eos_ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in self.eos_ids):
-            raise EagleExportError(f"eos_ids {self.eos_ids!r} are not token ids", "pass a tuple of ids of 0 or more")
-        if isinstance(self.stop_strings, (str, bytes)):
-            raise EagleExportError(f"stop_strings is the single string {self.stop_strings!r}, read as its characters",
-                                   "pass a tuple of strings, e.g. stop_strings=(\"###\",)")
-        if not all(isinstance(stop, str) and stop for stop in self.stop_strings):
-            raise EagleExportError(f"stop_strings {self.stop_strings!r} holds an empty string or a non-string "
-                                   "(an empty string is found at once)", "pass non-empty strings only")
-        if not _is_int(self.seed):
-            raise EagleExportError(f"seed is {self.seed!r}", "pass a whole number")
 
 
 @dataclass
@@ -202,6 +162,9 @@ class PairShapes:
 
 
 class SpeculativeRuntime:
+    # What a refused --temperature > 0 tells the user to do; `open_build` names the build's own commands.
+    cannot_sample_fix = "use --temperature 0, or rebuild with sampling: true in the recipe"
+
     def __init__(self, backend: Backend, shapes: PairShapes, draft_to_target: torch.Tensor | None = None,
                  tokenizer=None, verify_policy="goodput", costs: CostCurves | None = None,
                  cost_cache: CostCache | None = None, static_cache: bool | None = None):
@@ -356,8 +319,7 @@ class SpeculativeRuntime:
             raise EagleExportError("no prompts given", "pass at least one prompt")
         if config.temperature > 0 and not (self.backend.has_logits and self.backend.has_sampling):
             raise EagleExportError(f"the {self.backend.name} backend of this build cannot sample "
-                                   "(it has no logits output or no sampling drafter graph)",
-                                   "use --temperature 0, or rebuild with sampling: true in the recipe")
+                                   "(it has no logits output or no sampling drafter graph)", self.cannot_sample_fix)
         if not isinstance(config, GenerationConfig):
             raise EagleExportError(f"config is a {type(config).__name__}", "pass an eagle_export.runtime.GenerationConfig")
         for i, p in enumerate(prompts):
@@ -397,7 +359,7 @@ class SpeculativeRuntime:
 
     def _check_ids(self, i: int, prompt) -> None:
         """Token ids are whole numbers in [0, vocab): Gather would wrap a negative id silently."""
-        if isinstance(prompt, (str, bytes)) or not all(_is_int(t) for t in prompt):
+        if isinstance(prompt, (str, bytes)) or not all(is_int(t) for t in prompt):
             raise EagleExportError(f"prompt {i} is not a list of token ids ({str(prompt)[:60]!r})",
                                    "pass each prompt as a list of ints (the tokenizer's ids)")
         vocab = self.vocab_size

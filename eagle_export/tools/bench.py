@@ -85,11 +85,12 @@ def cost_disagreements(runtimes: dict[str, SpeculativeRuntime], batch: int) -> l
 
 
 def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], batch: int, config: GenerationConfig,
-          warmup: int = 1, acceptances: list | None = None, repeat: int = 1) -> dict:
+          warmup: int = 1, acceptances: list | None = None, repeat: int = 1, progress=None) -> dict:
     """runtimes: the builds to compare, by name, all of one target (plain decoding runs on the first).
     acceptances: None, the real drafters; else synthetic settings (`synthetic.py`), one run of each
     build and policy per setting, the drafts of each batch replaced after the real drafter call.
-    repeat: passes over the prompts (the runs' order keeps rotating), for medians over more batches."""
+    repeat: passes over the prompts (the runs' order keeps rotating), for medians over more batches.
+    progress: called with one line as each batch finishes, every run's speedup over the batches so far."""
     plain = next(iter(runtimes))
     settings = acceptances or [None]
     runs = [(name, p, a) for name in runtimes for a in range(len(settings)) for p in POLICIES] + [(plain, None, None)]
@@ -108,7 +109,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     plain_round_s = {run: [] for run in runs}
     stats = {run: [] for run in runs[:-1]}
     per_batch = {run: [] for run in runs[:-1]}
-    for i, chunk in enumerate(track(_batches(prompts, batch) * repeat, f"batch {batch}")):
+    chunks, began = _batches(prompts, batch) * repeat, time.perf_counter()
+    for i, chunk in enumerate(track(chunks, f"batch {batch}")):
         synthetic = [None] * len(settings)
         if acceptances:  # one continuation for every setting (target-only decoding: the same for every build)
             continuations = verify_width_continuations(runtimes[plain], chunk, config)
@@ -142,6 +144,14 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             if settings[run[2]] is not None:
                 wide = [c[:config.max_new_tokens] for c in synthetic[run[2]].continuations]
                 totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
+        if progress:
+            plain_rate = totals[runs[-1]]["tokens"] / totals[runs[-1]]["seconds"]
+            progress(f"batch size {batch}: {i + 1}/{len(chunks)} batches in {time.perf_counter() - began:.0f} s; "
+                     "speedup so far " + ", ".join(
+                         " ".join(filter(None, (name if len(runtimes) > 1 else None, policy,
+                                                None if settings[a] is None else f"at {label(settings[a])}")))
+                         + f" {totals[(name, policy, a)]['tokens'] / totals[(name, policy, a)]['seconds'] / plain_rate:.2f}x"
+                         for name, policy, a in runs[:-1]))
 
     ar = totals[runs[-1]]
     ar_round_s = statistics.median(plain_round_s[runs[-1]]) if plain_round_s[runs[-1]] else None

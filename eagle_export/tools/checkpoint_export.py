@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -135,23 +136,30 @@ def eagle_flags(cfg) -> dict:
 MEASURED_READERS = "speculators 0.9.0, SpecForge 0.2.0 (measured 2026-11-26)"
 
 
-def reader_notes(fmt: str, eagle_version: str, quantized: bool) -> dict:
-    """{exact, mis_serve, refuse}: the readers measured to serve this export exactly, those known to
-    mis-serve it (reader, version, how and how much), and those that refuse it."""
-    if quantized:  # FP8 measured; NVFP4 not measured by any reader
-        return {"exact": [], "refuse": ["speculators 0.9.0 (--format speculators --precision fp8/nvfp4 is refused "
-                                        "here)"] if fmt == "speculators" else [],
-                "mis_serve": [
-                    "transformers 5.19 and speculators 0.9.0's Eagle3Converter load the FP8 codes without their "
-                    "scales, with a warning only (top-1 agreement 2.6% EAGLE-3, ~39% EAGLE-3.1)",
-                    "SpecForge 0.2.0 likewise loads the codes without their scales"]}
+def reader_notes(fmt: str, eagle_version: str, precision: str | None) -> dict:
+    """{exact, mis_serve, refuse, unmeasured, measured}: the readers measured to serve this export
+    exactly, those known to mis-serve it (reader, version, how and how much), those that refuse it,
+    what no reader was run on, and which readers were run at all."""
+    notes = {"exact": [], "mis_serve": [], "refuse": [], "unmeasured": [], "measured": MEASURED_READERS}
+    if precision in QUANTIZED:
+        notes["refuse"] = [f"speculators 0.9.0 (--format speculators --precision {precision} is refused here)"
+                           ] if fmt == "speculators" else []
+        if precision == "nvfp4":  # what was measured is FP8's: no reader was run on NVFP4's packed codes
+            notes["unmeasured"] = ["no reader was run on an NVFP4 export; transformers 5.19, speculators 0.9.0 and "
+                                   "SpecForge 0.2.0 load FP8 exports' codes without their scales (measured), so check "
+                                   "an NVFP4 one's draft logits in the engine that serves it"]
+            return notes
+        notes["mis_serve"] = [
+            "transformers 5.19 and speculators 0.9.0's Eagle3Converter load the FP8 codes without their "
+            "scales, with a warning only (top-1 agreement 2.6% EAGLE-3, ~39% EAGLE-3.1)",
+            "SpecForge 0.2.0 likewise loads the FP8 codes without their scales"]
+        return notes
     if eagle_version != "3.1":
-        return {"exact": ["speculators 0.9.0 (through its Eagle3Converter unless --format speculators; it stores "
-                          "no embedding table: supply the target's)", "SpecForge 0.2.0"],
-                "mis_serve": [], "refuse": []}
+        return {**notes, "exact": ["speculators 0.9.0 (through its Eagle3Converter unless --format speculators; it "
+                                   "stores no embedding table: supply the target's)", "SpecForge 0.2.0"]}
     if fmt == "speculators":
-        return {"exact": ["speculators 0.9.0 (as-is)"], "mis_serve": [], "refuse": ["SpecForge 0.2.0 (not its format)"]}
-    return {"exact": [], "refuse": ["speculators 0.9.0 as-is (only through its Eagle3Converter)"],
+        return {**notes, "exact": ["speculators 0.9.0 (as-is)"], "refuse": ["SpecForge 0.2.0 (not its format)"]}
+    return {**notes, "refuse": ["speculators 0.9.0 as-is (only through its Eagle3Converter)"],
             "mis_serve": [
                 "speculators 0.9.0's Eagle3Converter drops fc_norm.N.weight (EAGLE-3.1's per-aux norms), logging only "
                 "\"Unexpected keys\": top-1 agreement 92.8% at step 0, 92.7/89.0/89.2% at steps 1-3",
@@ -262,7 +270,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         drafter.share_embeddings(target_model.embed_tokens)
 
     if isinstance(calib_prompts, int):
-        calib_prompts = list(chat_prompts(ChatTemplate(src["target_dir"]), "sharegpt", calib_prompts))
+        calib_prompts = list(chat_prompts(ChatTemplate(src["target_dir"]), "sharegpt", calib_prompts,  # each cut to
+                                          src["calibration"]["max_tokens"]))  # the calibration's token limit
     if calib_prompts is None:
         cal = src["calibration"]
         calib_prompts = list(chat_prompts(ChatTemplate(src["target_dir"]), cal["dataset"], cal["num_samples"],
@@ -284,9 +293,13 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         table = torch.nn.Embedding.from_pretrained(table.weight.detach().to(out_dtype).float(), freeze=True)
     reference.share_embeddings(table)
     if quantized:
-        progress(f"quantizing the drafter to {precision} with ModelOpt on {len(calib_prompts)} prompts")
-        Q.quantize(reference, precision, Q.drafter_calibration_batches(target_model, calib_prompts),
-                   exclude=tuple(src["keep"]), fake_quant="export")
+        start = time.perf_counter()
+        progress(f"quantizing the drafter to {precision} with ModelOpt on {len(calib_prompts)} prompts (up to "
+                 f"{max(map(len, calib_prompts))} tokens each): the target's aux states first")
+        batches = Q.drafter_calibration_batches(target_model, calib_prompts)
+        progress(f"aux states in {time.perf_counter() - start:.0f} s; calibrating the drafter's quantizers")
+        Q.quantize(reference, precision, batches, exclude=tuple(src["keep"]), fake_quant="export")
+        progress(f"calibrated in {time.perf_counter() - start:.0f} s")
         unify_fused_scales(reference)
         exported = copy.deepcopy(reference)
         state, hf_quant_config = export_quantized(exported, out_dtype)
@@ -298,13 +311,15 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
                                   for k, v in drafter_state_for_saving(reference).items()}, None
     if embeddings == "store":
         state["embed_tokens.weight"] = table.weight.to(out_dtype)
-    summary["readers"] = reader_notes(fmt, drafter.config.eagle_version, quantized)
+    summary["readers"] = reader_notes(fmt, drafter.config.eagle_version, precision)
     provenance = {"exported_by": f"eagle-export {__version__}", "format": fmt,
                   "embeddings": "stored" if embeddings == "store" else "shared with the target (not stored)",
                   "passes_applied": passes, "passes_not_applied": PASSES_NOT_APPLIED,
-                  "readers": {**summary["readers"], "measured": MEASURED_READERS}}
+                  "readers": summary["readers"]}
     config = checkpoint_config(fmt, drafter.config, aux_ids, out_dtype, provenance, verifier or str(src["target_dir"]),
                                target_model.config.architecture, src["depth"])
+    numbering = summary["aux_layer_numbering"] = config["eagle_export"]["aux_layer_numbering"]
+    summary["aux_layer_ids"] = config["eagle_export"]["aux_layer_ids"][numbering]  # as written, in that numbering
     if hf_quant_config is not None:
         config["quantization_config"] = quantization_config(hf_quant_config)
 

@@ -155,15 +155,16 @@ def summarize(figures: dict[str, list[torch.Tensor]], correct: torch.Tensor, acc
 
 @torch.no_grad()
 def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str, list[list[int]]], depth: int,
-             max_new_tokens: int) -> dict:
+             max_new_tokens: int, progress=None) -> dict:
     """Every drafter (all for `target`) on every prompt set: the per-depth figures of the module doc.
-    The target answers each prompt once; its states feed every drafter."""
+    The target answers each prompt once; its states feed every drafter. `progress` is called with one
+    line per prompt: each drafter's live acceptance by depth over the set so far."""
     eos_ids = target.config.eos_ids
     collected = {(name, s): ({f: [[] for _ in range(depth)] for f in FIGURES}, [], [])
                  for name in drafters for s in prompt_sets}
     lengths = {s: [len(p) for p in prompts] for s, prompts in prompt_sets.items()}
     for set_name, prompts in prompt_sets.items():
-        for prompt in track(prompts, f"diagnose {set_name}"):
+        for done, prompt in enumerate(track(prompts, f"diagnose {set_name}"), 1):
             sequence = list(prompt) + target.generate_greedy(prompt, max_new_tokens + depth)
             states, _ = capture(target, [sequence[:-1]])[0]
             for name, drafter in drafters.items():
@@ -177,6 +178,10 @@ def diagnose(target: Target, drafters: dict[str, Drafter], prompt_sets: dict[str
                         per_depth[f][k].append(figures[f][k])
                 corrects.append(correct)
                 rounds += accepted
+            if progress:
+                progress(f"diagnose {set_name}: {done}/{len(prompts)} prompts; live acceptance at depth 1..{depth} "
+                         + "; ".join(f"{name} " + " ".join(f"{a:.2f}" for a in acceptance_by_depth(
+                             collected[(name, set_name)][2], depth)) for name in drafters))
     report = {"depth": depth, "max_new_tokens": max_new_tokens, "drafters": {}}
     for name, drafter in drafters.items():
         cfg = drafter.config
@@ -214,7 +219,7 @@ def quantized_copies(target: Target, drafters: dict[str, Drafter], precisions, t
 
 def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_prompts: int = 8, depth: int = 6,
                      max_new_tokens: int = 64, quantize=(), calib_prompts: int = 16, echo=None,
-                     allow_changed_sources: bool = False) -> dict:
+                     allow_changed_sources: bool = False, progress=None) -> dict:
     """`diagnose` on builds or drafter directories (with `target_dir`), in fp32 from their checkpoints
     (a build's sources: refused where they changed since the build, unless `allow_changed_sources`),
     and on each drafter quantized to each of `quantize` (`quantized_copies`); drafters of the same
@@ -248,7 +253,7 @@ def diagnose_sources(sources, target_dir=None, datasets=("mt-bench",), num_promp
         if echo:
             echo(f"diagnose: {', '.join(drafters)} on {tdir.name}: "
                  + ", ".join(f"{d} ({len(p)} prompts)" for d, p in sets.items()))
-        part = diagnose(target, drafters, sets, depth, max_new_tokens)
+        part = diagnose(target, drafters, sets, depth, max_new_tokens, progress)
         for name, entry in part["drafters"].items():
             report["drafters"][name] = {"target": str(tdir), **entry}
     return report

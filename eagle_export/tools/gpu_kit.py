@@ -36,7 +36,7 @@ import torch
 from ..errors import EagleExportError
 from ..export.loader import prepare_pair
 from ..export.unrolled import TargetGraph, UnrolledDrafter
-from ..models.config import DrafterConfig, TargetConfig
+from ..models.config import DrafterConfig, TargetConfig, default_aux_layer_ids
 from ..models.drafter import Drafter
 from ..models.target import Target
 from ..output_dir import write_output
@@ -95,12 +95,7 @@ def drafter_config(target: dict) -> dict:
                 draft_vocab_size=DRAFT_VOCAB if not tiny else 128, target_hidden_size=target["hidden_size"],
                 rms_norm_eps=target["rms_norm_eps"], rope_theta=target["rope_theta"],
                 rope_scaling=target.get("rope_scaling"), max_position_embeddings=target["max_position_embeddings"],
-                eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layers(target["num_hidden_layers"]))})
-
-
-def aux_layers(layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default (2, L/2, L-3), made distinct for the few layers of an export check."""
-    return (2, layers // 2, layers - 3) if layers >= 8 else (0, layers // 2, layers)
+                eagle_config={"eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(target["num_hidden_layers"]))})
 
 
 @torch.no_grad()
@@ -249,7 +244,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
         try:
             value = fn()
             record[name] = value
-            echo(f"  {name}: done in {time.perf_counter() - t0:.1f} s")
+            echo(f"  {name}: {step_result(name, value)} ({time.perf_counter() - t0:.1f} s)")
         except Exception as e:  # a failed step is a finding: record it and go on
             value = None
             record[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
@@ -318,6 +313,30 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
         if sweeps:
             plot_sweep([dict(r, backend=f"{s}: {r['backend']}") for s, r in sweeps], plot)
     return result
+
+
+def step_result(name: str, value) -> str:
+    """A kit step's result in one line, as the report holds it (the JSON has every figure)."""
+    if name == "pair":
+        return (f"{value['parameters'] / 1e9:.2f}B parameters, {value['weight_bytes'] / 2**30:.2f} GiB, "
+                f"{value['layers']} layers, vocabulary {value['vocab']} (draft {value['draft_vocab']})")
+    if name.startswith("lossless"):
+        return "; ".join(f"{run}: identical {e['identical']}/{e['of']} (to verify width {e['identical_to_verify_width']}"
+                         f"/{e['of']}), tau {e['tau']:.2f}" for run, e in value.items())
+    if name == "costs":
+        return "; ".join(f"batch {b}: verify T=1 {v[min(v)]:.2f} ms, T={max(v)} {v[max(v)]:.2f} ms, drafter "
+                         f"{max(c['draft_ms'].values()):.2f} ms" for b, c in value.items() for v in [c["verify_ms"]])
+    if name == "sweep":
+        return "; ".join(
+            f"batch {r['batch']}: speedup goodput/fixed " + ", ".join(
+                f"{rec['acceptance']} {rec['policies']['goodput']['decode_speedup']:.2f}/"
+                f"{rec['policies']['fixed']['decode_speedup']:.2f}x" for rec in build["sweep"])
+            + f", break-even acceptance {build['break_even_acceptance']}"
+            for r in value for build in r["builds"].values())
+    if name.startswith("export"):
+        return (f"greedy ids equal to torch: {'yes' if value['greedy_ids_equal'] else 'NO'}, aux max relative error "
+                f"{value['aux_max_rel_err']:.2g}")
+    return "done"
 
 
 def check_shapes(text: str) -> list[str]:
