@@ -268,9 +268,9 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def validate(build_dir, as_json):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
-    from .builder.manifest import read_manifest
+    from .builder.manifest import require_build
 
-    read_manifest(build_dir)  # a missing or unreadable build is named before torch is imported
+    require_build(build_dir)  # a missing or unreadable build is named before torch is imported
     from .builder.validate import validate as run_validate
 
     label = {True: "ok  ", False: "FAIL", None: "SKIP"}
@@ -318,11 +318,11 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
                                else "pass --prompt or --chat, not both")
     from dataclasses import replace
 
-    from .builder.manifest import read_manifest
+    from .builder.manifest import require_build
     from .runtime.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    read_manifest(build_dir)  # bad settings and a missing build are said before torch is imported
+    require_build(build_dir)  # bad settings and a missing build are said before torch is imported
     from .builder.build_dir import open_build
     from .builder.manifest import old_format_note
     from .runtime.runtime import request_record
@@ -451,7 +451,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     turns on the same prompts."""
     from dataclasses import replace
 
-    from .builder.manifest import read_manifest
+    from .builder.manifest import require_build
     from .data.prompts import prompt_set
     from .output_dir import write_output
     from .runtime.generation import GenerationConfig
@@ -469,7 +469,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
     for build_dir in build_dirs:
-        read_manifest(build_dir)
+        require_build(build_dir)
     from .builder.build_dir import open_build
     from .data.prompts import chat_prompts
     from .runtime.costs import CostCurves

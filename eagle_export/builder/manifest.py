@@ -143,6 +143,12 @@ def _leaves(data: dict, prefix: str = "") -> dict:
     return out
 
 
+def require_build(build_dir: str | Path) -> None:
+    """Name a missing or unreadable build before a command imports torch (a usage error answers at
+    once); no field is read here: the command still passes `check_build` when it opens the build."""
+    read_manifest(build_dir)
+
+
 def read_manifest(build_dir: str | Path) -> dict:
     build_dir = Path(build_dir)
     path = build_dir / MANIFEST
