@@ -447,8 +447,8 @@ class SpeculativeRuntime:
                 verified_depth = tree.node_depths(parents).max(-1).values
                 valid = torch.ones(nodes.shape, dtype=torch.bool)
             else:
-                menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-                j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
+                menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
+                j = policy.choose(reach, live, (1 + menu.sum(-1).max(-1).values).tolist(), (nodes, parents))
                 verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
@@ -484,7 +484,7 @@ class SpeculativeRuntime:
             state.pending.append([emitted[i] if alive[i] else [] for i in range(b)], out[C.AUX_HIDDEN],
                                  None if plain else rows)
         if policy is not None:
-            policy.observe(j, accepted, live, drafted)
+            policy.observe(j, accepted, live, drafted, emitted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
         if not drafted:
