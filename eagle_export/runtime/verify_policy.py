@@ -117,8 +117,8 @@ class GoodputDepth:
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
-    TRUST_PRIOR = 1.0    # each depth's trust starts at 1 with the weight of this much promised reach
-    TRUST_Z = 2.0        # trust is read optimistically up to face value (see the module)
+    TRUST_PRIOR = 2.0    # each depth's trust starts at 1 with the weight of this many trees seen
+    TRUST_Z = 1.0        # trust is read optimistically up to face value (see the module)
     HINDSIGHT = True     # calibrate every drafted depth against the tokens emitted later (see the module)
 
     def __init__(self, depth: int, costs: CostCurves):
@@ -137,10 +137,8 @@ class GoodputDepth:
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
-        # reached it and how often the drafter promised it would (see the module); both start at
-        # TRUST_PRIOR, so trust starts at 1.
-        self._reached = torch.full((self.depth,), self.TRUST_PRIOR)
-        self._promised_reach = torch.full((self.depth,), self.TRUST_PRIOR)
+        # reached it, of how often the drafter promised it would, and of the trees seen (see the module).
+        self._reached, self._promised_reach, self._seen = torch.zeros(3, self.depth)
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
 
@@ -197,21 +195,27 @@ class GoodputDepth:
         if self._sampling:
             j, self._promised = self._best(self._expected(), live, at_least)
             return j
-        reach = reach.float()
-        calibrated = 1 + torch.minimum(self.trust * reach, torch.ones(())).sum(-1)  # [B,J+1]
-        j, self._promised = self._best(calibrated, live, at_least)
-        self._claimed = reach[:, -1]  # the whole tree's promise, per depth: hindsight checks all of it
-        self._claimed_verified = reach[:, j]
+        self._reach = reach.float()
+        j, self._promised = self._best(self._calibrated(), live, at_least)
+        self._claimed = self._reach[:, -1]  # the whole tree's promise, per depth: hindsight checks all of it
+        self._claimed_verified = self._reach[:, j]
         self._drafts = drafts
         return j
+
+    def _calibrated(self) -> torch.Tensor:
+        """[B,J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
+        return 1 + torch.minimum(torch.cumprod(self.trust, 0) * self._reach, torch.ones(())).sum(-1)
 
     @property
     def trust(self) -> torch.Tensor:
         """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
-        would (greedy; see the module): the measured ratio where it exceeds 1, else an upper bound
-        (TRUST_Z standard deviations, the reached count taken as Poisson) of at most 1."""
-        optimistic = (self._reached + self.TRUST_Z * (self._reached + 1).sqrt()) / self._promised_reach
-        return torch.maximum(self._reached / self._promised_reach, optimistic.clamp(max=1.0))
+        would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
+        where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
+        as Poisson) of at most 1."""
+        prior = self.TRUST_PRIOR * self._promised_reach / self._seen.clamp(min=1e-9)  # prior observations' claims
+        reached, promised = self._reached + prior, (self._promised_reach + prior).clamp(min=1e-9)
+        optimistic = (reached + self.TRUST_Z * (self._reached + 1).sqrt()) / promised
+        return torch.where(self._seen > 0, torch.maximum(reached / promised, optimistic.clamp(max=1.0)), 1.0)
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -222,8 +226,12 @@ class GoodputDepth:
                 emitted: list[list[int]] | None = None) -> None:
         """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`,
         each sequence having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
-        if not self._sampling:
-            self._calibrate(j, accepted, live, drafted, emitted or [[] for _ in range(self.batch)])
+        if not self._sampling and self._calibrate(j, accepted, live, drafted, emitted or [[] for _ in range(self.batch)]):
+            # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
+            # arrives in the plain rounds after it, and waiting for the next probe would waste it.
+            _, self._promised = self._best(self._calibrated(), live)
+            if not drafted:
+                self.expected = torch.where(live, self._promised, self.expected)
         if not drafted:
             self.since_draft += 1
             return
@@ -247,20 +255,20 @@ class GoodputDepth:
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
                              else min(self.longest, 2 * self.interval))
 
-    def _calibrate(self, j, accepted, live, drafted, emitted) -> None:
-        """Greedy: update the per-depth trust from the drafted trees whose outcome is now known. In
+    def _calibrate(self, j, accepted, live, drafted, emitted) -> bool:
+        """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
+        when one was). In
         hindsight (HINDSIGHT) a tree's outcome is how deep the target's own tokens, emitted in this and
         later rounds, follow a root path of the tree, whatever depth was verified. Without it (the
         variant that cannot recover, kept for the tests) only the depths this round verified say anything."""
         alive = live.tolist()
-        reached, promised = [0.0] * self.depth, [0.0] * self.depth
+        reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
                 claims, counts = self._claimed_verified.tolist(), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
-                    for d in (d for d in range(self.depth) if claims[b][d] > 0):
-                        reached[d] += d < counts[b]
-                        promised[d] += claims[b][d]
+                    verified = sum(c > 0 for c in claims[b])
+                    _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
             self._drafts = None
         else:
             if drafted and self._drafts is not None:
@@ -276,19 +284,32 @@ class GoodputDepth:
                     continue
                 keep = []
                 for entry in waiting:
-                    tokens, parents, claim, seen = entry
-                    seen += emitted[b]
-                    deepest = _followed(tokens, parents, seen)
-                    if deepest == len(seen) and len(seen) < self.depth:
+                    tokens, parents, claim, after = entry  # after: the target's tokens since the tree was drafted
+                    after += emitted[b]
+                    deepest = _followed(tokens, parents, after)
+                    if deepest == len(after) and len(after) < self.depth:
                         keep.append(entry)  # the target's path still follows the tree: not known yet
                         continue
-                    for d in range(self.depth):
-                        reached[d] += d < deepest
-                        promised[d] += claim[d]
+                    _count(reached, promised, seen, claim, deepest, min(deepest + 1, self.depth))
                 waiting[:] = keep
-        if any(promised):
-            self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
-            self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
+        if not any(seen):
+            return False
+        self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
+        self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
+        self._seen = self.TRUST_DECAY * self._seen + torch.tensor(seen)
+        return True
+
+
+def _count(reached: list, promised: list, seen: list, reach: list[float], deepest: int, checked: int) -> None:
+    """Add one tree's outcome to the per-depth sums: depth d + 1 was checked where the target's path
+    reached depth d (d < checked), reached where d < deepest; the drafter promised it with probability
+    reach[d] / reach[d - 1], the conditional its reach per depth implies (for a chain, draft d's own)."""
+    for d in range(checked):
+        before = reach[d - 1] if d else 1.0
+        if before > 0:
+            reached[d] += d < deepest
+            promised[d] += reach[d] / before
+            seen[d] += 1
 
 
 def _followed(tokens: list[int], parents: list[int] | None, seen: list[int]) -> int:
