@@ -385,9 +385,8 @@ class SpeculativeRuntime:
         return state
 
     def _policy(self, name, batch: int, costs):
-        """The verify policy of a stream: a policy object as it is; a named one kept per batch size, so
-        what goodput learned on earlier requests (whether drafting pays here, when it last probed)
-        carries to the next instead of being probed again from each request's first round."""
+        """The verify policy of a stream: a policy object as it is; a named one kept per batch size (its
+        `start` forgets the last stream: a request is decided the same whatever came before it)."""
         if not isinstance(name, str):
             return name
         if (name, batch) not in self._policies:

@@ -46,23 +46,38 @@ others' not, shortening nothing: replayed over the recorded claims of the sample
 priced, 0.985x -> 0.990x humaneval, 0.979x -> 0.988x MT-bench; calibrated simulated drafters at 0.4 /
 0.5 / 0.6: 0.973x -> 0.985x, 1.054x -> 1.041x, 1.241x -> 1.232x; the least alone fell to 0.99x at 0.5,
 where drafting pays 1.05x). At batch 1 both are the sequence's own.
-The runtime keeps one policy per batch size, so these estimates carry from one request to the next.
 
-Greedy, the drafter's estimates are read through its measured calibration: with A and P the decayed
-sums, over the rounds that verified drafts, of the drafts accepted and of those promised for the entry
-verified (E[tokens | S_j] - 1),
+Every estimate is per request: `start` forgets the last stream, and only what is measured of the
+machine (the cost curves, which the runtime keeps) carries. Carried, a request's decisions depended on
+the one before (`run --chat A --chat B`: B drafted in 1 of 22 rounds after A's failed probe, in 10 of 10
+alone), and the drafter's calibration is no constant to carry either: it follows the text (the sample
+drafter kept 0.84-0.95 of its promise on humaneval, 0.73-0.87 on MT-bench). The price is that every
+request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.95x of plain decoding over
+512-token requests, replayed); a calibration measured once per build on fixed prompts, as the costs are
+once per machine, would be an order-independent prior.
 
-    trust = min(1, (A + Z sqrt(A + 1)) / P)
-    E'[tokens | S] = 1 + trust * (E[tokens | S] - 1)      for every entry of the menu (at most its width).
+Greedy, the drafter's estimates are read through its measured calibration, per depth. With A_d and P_d
+the decayed sums, over the drafted trees whose outcome is known and whose path reached depth d - 1, of
+[the path reached depth d] and of the conditional probability the drafter gave that (reach_d / reach_{d-1};
+for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at ratio 1 mixed in (m = P_d / N_d):
 
-A drafter's own probabilities run high where it has not learned the target or the text (the sample
+    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m,  P' = P_d + TRUST_PRIOR m
+    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d].
+
+The outcome is read in hindsight: the target's own tokens, emitted in this round and the next ones, say
+how deep they follow a root path of the drafted tree, whatever depth was verified. So a policy that
+settled on depth 1 still measures depths 2..K in every drafted round, and finds a drafter whose deep
+probabilities run low (replayed on the H200's fp32 costs, `replay.py`: a drafter saying 0.7/0.35/0.2/0.1
+and delivering 0.7 at every depth reaches 0.97 of fixed K=4's 1.32x; learning from the verified depths
+alone it never left depth 1: 0.81). A ratio above 1 is read as measured (the drafter under-promises);
+below 1 optimistically (Z standard deviations of A, counted as Poisson), because samples come only from
+the rounds it lets draft: a streak of failures would otherwise stop a drafter that pays, and nothing
+would measure it again but probes (a probe verifies one draft at least, and the plain rounds after it
+resolve its tree, which re-reads what drafting promises). For a calibrated drafter t_d stays ~1. A
+drafter's own probabilities run high where it has not learned the target or the text (the sample
 drafter's, replayed at every position of 16 prompts: accepted / promised 0.84-0.95 on humaneval,
-0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value
-they make it draft in rounds that lose. For a calibrated drafter A / P stays ~1 whatever entry is
-chosen: its estimate is the expectation given what it saw, and the choice is made from that. trust is
-read optimistically (Z standard deviations of A, counted as Poisson) because its samples come only from
-the rounds it let draft: a streak of failures would otherwise stop a drafter that pays, and nothing would
-measure it again but probes (a probe verifies one draft at least, so trust can rise again).
+0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value they
+make it draft in rounds that lose.
 
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
