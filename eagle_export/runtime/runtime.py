@@ -443,12 +443,12 @@ class SpeculativeRuntime:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
             if state.whole_tree:  # the policy verifies every node: no menu to choose from (nor a j)
                 j = None
-                verified_depth = tree.node_depths(parents).max(-1).values
+                verified_depth = tree.node_depths(parents).amax(-1)
                 valid = torch.ones(nodes.shape, dtype=torch.bool)
             else:
                 menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-                j = policy.choose(reach, live, (1 + menu.sum(-1).max(-1).values).tolist(), (nodes, parents))
-                verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
+                j = policy.choose(reach, live, (1 + menu.sum(-1).amax(-1)).tolist(), (nodes, parents))
+                verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1)
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
                 draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]

@@ -154,6 +154,7 @@ class GoodputDepth:
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
         # reached it, of how often the drafter promised it would, and of the trees seen (see the module).
         self._reached, self._promised_reach, self._seen = torch.zeros(3, self.depth)
+        self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
 
@@ -219,7 +220,7 @@ class GoodputDepth:
 
     def _calibrated(self) -> torch.Tensor:
         """[B,J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
-        return 1 + torch.minimum(torch.cumprod(self.trust, 0) * self._reach, torch.ones(())).sum(-1)
+        return 1 + (self._trust_path * self._reach).clamp(max=1.0).sum(-1)
 
     @property
     def trust(self) -> torch.Tensor:
@@ -312,6 +313,7 @@ class GoodputDepth:
         self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
         self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
         self._seen = self.TRUST_DECAY * self._seen + torch.tensor(seen)
+        self._trust_path = torch.cumprod(self.trust, 0)
         return True
 
 
