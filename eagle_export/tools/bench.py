@@ -172,6 +172,11 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             policies = {p: _policy_record(totals[(name, p, a)], stats[(name, p, a)], per_batch[(name, p, a)], ar,
                                           t_ar_step, runtime.depth, plain_round_s[(name, p, a)], ar_round_s)
                         for p in POLICIES}
+            for p, record in policies.items():  # each pass over the prompts on its own (median over its batches)
+                batches = per_batch[(name, p, a)]
+                size = len(batches) // repeat
+                record["speedup_by_pass"] = [round(statistics.median(batches[r * size:(r + 1) * size]), 4)
+                                             for r in range(repeat)]
             # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as it says).
             policies["goodput"]["trust"] = [round(t, 4) for t in learners[(name, "goodput", a)].trust.tolist()]
             if setting is not None:
