@@ -148,7 +148,7 @@ def bandwidth(runtime, batch: int, peak: float | None, copy: float) -> dict:
     step_s = runtime.costs.verify(batch, 1)
     moved = step_bytes(runtime, batch)
     achieved = moved / step_s
-    return {"bytes_per_step": moved, "step_ms": round(1e3 * step_s, 3), "achieved_gb_s": round(achieved / 1e9, 1),
+    return {"bytes_per_step": moved, "step_ms": round(1e3 * step_s, 3), "achieved_gb_s": float(f"{achieved / 1e9:.4g}"),
             "share_of_peak": None if peak is None else round(achieved / peak, 3),
             "share_of_copy": round(achieved / copy, 3)}
 
@@ -350,7 +350,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                                "is reported against the measured copy only")
         echo(f"  {result['peak_note']}")
     copy = copy_bandwidth(device)
-    result["copy_bandwidth_gb_s"] = round(copy / 1e9, 1)
+    result["copy_bandwidth_gb_s"] = float(f"{copy / 1e9:.4g}")
     for n, shape in enumerate(shapes):
         echo(f"{shape} ({result['device']}, {result['dtype']})")
         record = result["shapes"][shape] = {}
