@@ -484,6 +484,7 @@ def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path
     assert [r.tokens for r in results] == [target.generate_greedy(p, 12) for p in PROMPTS[:2]]
 
 
+@pytest.mark.slow
 def test_a_request_is_decided_the_same_after_another_as_alone(target, drafter):
     """`run --chat A --chat B` once carried A's failed probe into B (B drafted in 1 of 22 rounds where
     alone it drafted in 10 of 10): B's round-by-round decisions must not depend on what came before.
