@@ -387,7 +387,12 @@ def _measure_costs(runtime) -> None:
               help="Stop starting steps after this many seconds; the report keeps what was measured.")
 @click.option("--export/--no-export", "export", default=True, show_default=True,
               help="Export the first shape's real-width graphs (2 decoder layers) to ONNX and check them.")
-def gpu_kit(shapes, report, plot_file, budget_s, export):
+@click.option("--prompts", "num_prompts", type=click.IntRange(1), default=None,
+              help="Prompts a sweep cell  [default: 16; tiny: 2]")
+@click.option("--new-tokens", type=click.IntRange(1), default=None, help="Tokens a prompt  [default: 128; tiny: 8]")
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Passes a sweep cell, taking turns; a cell whose passes disagree by more than 5% is flagged.")
+def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens, repeats):
     """Real-size shapes on a GPU with nothing but this package and torch: random-weight Llama-3.2-1B,
     Llama-3.1-8B and Qwen3-8B targets with EAGLE-3 drafters of the real shape, made on the machine;
     lossless at batch 1 and 4 (eager and CUDA graphs), cost curves at batch 1, 4, 16, the synthetic
@@ -407,7 +412,8 @@ def gpu_kit(shapes, report, plot_file, budget_s, export):
 
         pyplot()  # a missing matplotlib fails now, not after the kit
         plot = Path(plot_file)
-    run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export)
+    run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export, num_prompts=num_prompts,
+            new_tokens=new_tokens, repeat=repeats)
     click.echo(f"wrote {report}" + (f" and {plot_file}" if plot else ""))
 
 

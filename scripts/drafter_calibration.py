@@ -41,8 +41,9 @@ class RecordEveryPosition:
     def should_draft(self, live):
         return True
 
-    def choose(self, expected, live, widths):
-        self.rounds[-1]["expected"] = expected[0].tolist()
+    def choose(self, reach, live, widths, drafts=None):
+        self.rounds[-1]["reach"] = reach[0].tolist()
+        self.rounds[-1]["expected"] = (1 + reach[0].sum(-1)).tolist()
         return 0
 
     def observe(self, *args):
@@ -50,7 +51,8 @@ class RecordEveryPosition:
 
 
 def record(runtime, prompt, config) -> list[dict]:
-    """[{n: tokens emitted, expected: E[tokens | S_j] for j = 0..K, right: drafts right in a row}]."""
+    """[{n: tokens emitted, reach: the drafter's reach per depth for each S_j, expected: E[tokens | S_j] for
+    j = 0..K, right: drafts right in a row}]."""
     continuation = runtime.generate([prompt], config, speculative=False)[0].tokens
     rounds, draft = [], runtime._draft
 
@@ -89,10 +91,12 @@ def replay(prompts_rounds, costs, depth, policy=None) -> float:
                 drafted = (1 + min(r["right"], j)) / (draft + verify[j]) > 1 / verify[0]
             else:
                 drafted = policy.should_draft(live)
-                j = policy.choose(torch.tensor([r["expected"]]), live, list(range(1, depth + 2))) if drafted else 0
+                drafts = (torch.tensor([[n + 1 + d if d < r["right"] else -1 for d in range(depth)]]),
+                          torch.arange(-1, depth - 1)[None])  # the right ones as the positions they fill
+                j = policy.choose(torch.tensor([r["reach"]]), live, list(range(1, depth + 2)), drafts) if drafted else 0
             accepted = min(r["right"], j, r["end"] - n - 1) if drafted else 0
-            if policy is not None:
-                policy.observe(j, torch.tensor([accepted]), live, drafted)
+            if policy is not None:  # tokens as their positions, as the drafts above are
+                policy.observe(j, torch.tensor([accepted]), live, drafted, [list(range(n + 1, n + accepted + 2))])
             spent += draft + verify[j] if drafted else verify[0]
             plain += (accepted + 1) * verify[0]
             n += accepted + 1
@@ -130,7 +134,7 @@ def main():
     costs = runtime.cost_curves(1)
 
     class FaceValue(GoodputDepth):
-        trust = 1.0  # the drafter read at face value
+        trust = torch.ones(depth)  # the drafter read at face value
 
     print(f"  replayed at the measured costs (plain step {1e3 * costs.verify(1, 1):.1f} ms, drafter "
           f"{1e3 * costs.draft(1):.1f} ms): goodput {replay(prompts_rounds, costs, depth, GoodputDepth(depth, costs)):.3f}x, "

@@ -19,10 +19,10 @@ class RandomDepth:
         self.live = live.clone()
         return bool(torch.rand(1, generator=self.rng) < self.draft_rate)
 
-    def choose(self, expected, live, widths):
+    def choose(self, reach, live, widths, drafts=None):
         return int(torch.randint(0, len(widths), (1,), generator=self.rng))
 
-    def observe(self, depth, accepted, live, drafted):
+    def observe(self, depth, accepted, live, drafted, emitted=None):
         # The round's sequences as it began, though some finish in it (the runtime once passed its own
         # mask, which finishing sequences cleared, and a batch whose last sequences finished in a probe
         # reached the goodput policy with none live).

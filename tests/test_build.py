@@ -446,7 +446,8 @@ def test_bench_json_and_plot(built, tmp_path):
         assert r["ar_round_ms"] > 0 and b["policies"]["fixed"]["plain_round_ms"] is None
         goodput = b["policies"]["goodput"]
         assert (goodput["plain_round_ms"] is None) == (goodput["draft_calls"] == goodput["rounds"])
-        assert 0 < goodput["trust"] <= 1 and "trust" not in b["policies"]["fixed"]
+        assert len(goodput["trust"]) == b["depth"] and all(t > 0 for t in goodput["trust"])  # per depth
+        assert "trust" not in b["policies"]["fixed"]
         (rows, ms), = b["costs"]["catch_up_ms"].items()  # the drafter catching up, which prices the probes
         assert int(rows) > max(map(int, b["costs"]["draft_ms"])) and ms > 0
     assert "goodput" in result.output and "fixed" in result.output and "verify of T=1..4 tokens" in result.output

@@ -28,11 +28,23 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
     for name, entry in shape["lossless (eager)"].items():  # fp32 on a CPU: every output plain decoding's
         assert entry["identical"] == entry["of"] == entry["identical_to_verify_width"], name
     assert set(shape["costs"]) == {"1", "4"}
+    # the plain step's bandwidth: a CPU is in no table of peaks, so it is held against the measured copy
+    assert "not in the kit's table" in report["peak_note"] and report["copy_bandwidth_gb_s"] > 0
+    kv = 2 * 8 * 2 * 256 * 16 * 4  # a sequence's K and V: 8 layers, 2 KV heads, 256 cached positions, dim 16, fp32
+    read = {int(b): curve["bandwidth"]["bytes_per_step"] for b, curve in shape["costs"].items()}
+    assert read[4] - read[1] == 3 * kv and 0 < read[1] - kv < shape["pair"]["weight_bytes"]  # the target's, not the drafter's
+    for curve in shape["costs"].values():
+        bw = curve["bandwidth"]
+        assert bw["share_of_peak"] is None and bw["share_of_copy"] > 0
+        assert bw["achieved_gb_s"] == pytest.approx(bw["bytes_per_step"] / bw["step_ms"] / 1e6, rel=0.01)
+    assert report["cells"] == {"prompts": 2, "new_tokens": 8, "repeats": 2}
     for run in shape["sweep"]:
         build = run["builds"]["kit"]
         assert [rec["acceptance"] for rec in build["sweep"]] == ["0", "0.9", "0.73/0.52/0.35/0.25"]
         for rec in build["sweep"]:
             assert all(p["identical_to_autoregressive"] and p["model_speedup"] > 0 for p in rec["policies"].values())
+            for p in rec["policies"].values():  # two passes, their median and spread, and the flag
+                assert len(p["speedup_by_pass"]) == 2 and p["repeats_disagree"] == (p["spread_of_passes"] > 0.05)
     export = next(v for k, v in report.items() if k.startswith("export"))
     assert export["greedy_ids_equal"] and export["aux_max_rel_err"] < 1e-4
     assert "error" not in json.dumps(report)
@@ -84,3 +96,26 @@ def test_graphs_make_no_host_synchronisation(speculation):
     kv = meta(t.num_layers, b, t.num_kv_heads, slots, t.head_dim)
     TargetGraph(target, True)(meta(b, w, dtype=torch.int64), meta(b, w, dtype=torch.int64), kv, kv, lens,
                               meta(b, w, w, dtype=torch.bool))
+
+
+def test_peak_bandwidths_come_from_the_table_by_the_cards_name():
+    assert gpu_kit.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12  # the SXM part
+    assert gpu_kit.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert gpu_kit.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert gpu_kit.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert gpu_kit.peak_bandwidth("NVIDIA A100-PCIE-40GB") == 1.555e12
+    assert gpu_kit.peak_bandwidth("NVIDIA GH200 480GB") is None  # not the H200's, whatever its name holds
+    assert gpu_kit.peak_bandwidth("Tesla T4") is None
+
+
+def test_a_sweep_cell_whose_passes_disagree_is_flagged(monkeypatch):
+    """Two passes over the same prompts that read 1.00x and 1.08x: the cell is not to be trusted."""
+    def fake_bench(runtimes, prompts, batch, config, acceptances, repeat):
+        policies = {"goodput": {"speedup_by_pass": [1.0, 1.08]}, "fixed": {"speedup_by_pass": [1.0, 1.02]}}
+        return {"builds": {"kit": {"sweep": [{"acceptance": "0", "policies": policies}]}}}
+
+    monkeypatch.setattr(gpu_kit, "bench", fake_bench)
+    [run] = gpu_kit.sweep(None, [[1]], 8, values=(0.0,), batches=(1,))
+    policies = run["builds"]["kit"]["sweep"][0]["policies"]
+    assert policies["goodput"]["repeats_disagree"] and policies["goodput"]["spread_of_passes"] == 0.08
+    assert not policies["fixed"]["repeats_disagree"] and policies["fixed"]["speedup_median_of_passes"] == 1.01

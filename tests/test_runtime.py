@@ -515,3 +515,40 @@ def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path
     results = runtime.generate(PROMPTS[:2], config)
     assert seen and all(set(s.values()) == {torch.float16} for s in seen)
     assert [r.tokens for r in results] == [target.generate_greedy(p, 12) for p in PROMPTS[:2]]
+
+
+@pytest.mark.slow
+def test_a_request_is_decided_the_same_after_another_as_alone(target, drafter):
+    """`run --chat A --chat B` once carried A's failed probe into B (B drafted in 1 of 22 rounds where
+    alone it drafted in 10 of 10): B's round-by-round decisions must not depend on what came before.
+    A's drafts are all wrong, B's right at 0.9 (synthetic), the costs given (the machine's, which do
+    carry). Planted: a goodput policy that keeps its state from one stream to the next."""
+    from eagle_export.runtime.replay import recorded_costs
+    from eagle_export.runtime.verify_policy import GoodputDepth
+    from eagle_export.speculation.synthetic import SyntheticDrafts
+
+    config = GenerationConfig(max_new_tokens=24)
+    a, b = PROMPTS[1], PROMPTS[0]
+
+    def runtime():
+        backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
+        return SpeculativeRuntime.for_models(backend, target, drafter, max_context=256, costs=recorded_costs("H200 bf16"))
+
+    def decisions(runtime, prompt, acceptance, policy):
+        synthetic = SyntheticDrafts.for_prompts(runtime, [prompt], config, (acceptance,) * 3)
+        stats = runtime.generate([prompt], config, verify_policy=policy, synthetic=synthetic)[0].stats
+        return stats.draft_calls, stats.accepted, stats.depths, stats.widths
+
+    class Carrying(GoodputDepth):  # the planted bug: a stream continues the last one's estimates
+        def start(self, batch):
+            if getattr(self, "batch", None) != batch:
+                super().start(batch)
+
+    alone = decisions(runtime(), b, 0.9, "goodput")
+    assert alone[0] == len(alone[1]) > 3  # B alone drafts every round
+    served = runtime()
+    decisions(served, a, 0.0, "goodput")
+    assert decisions(served, b, 0.9, "goodput") == alone
+    carrying, served = Carrying(3, served.costs), runtime()
+    decisions(served, a, 0.0, carrying)
+    assert decisions(served, b, 0.9, carrying)[0] < alone[0]

@@ -348,9 +348,8 @@ class SpeculativeRuntime:
         return state
 
     def _policy(self, name, batch: int, costs):
-        """The verify policy of a stream: a policy object as it is; a named one kept per batch size, so
-        what goodput learned on earlier requests (whether drafting pays here, when it last probed)
-        carries to the next instead of being probed again from each request's first round."""
+        """The verify policy of a stream: a policy object as it is; a named one kept per batch size (its
+        `start` forgets the last stream: a request is decided the same whatever came before it)."""
         if not isinstance(name, str):
             return name
         if (name, batch) not in self._policies:
@@ -407,12 +406,12 @@ class SpeculativeRuntime:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
             if state.whole_tree:  # the policy verifies every node: no menu to choose from (nor a j)
                 j = None
-                verified_depth = tree.node_depths(parents).max(-1).values
+                verified_depth = tree.node_depths(parents).amax(-1)
                 valid = torch.ones(nodes.shape, dtype=torch.bool)
             else:
-                menu, expected = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-                j = policy.choose(expected, live, (1 + menu.sum(-1).max(-1).values).tolist())
-                verified_depth = (tree.node_depths(parents) * menu[j]).max(-1).values
+                menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
+                j = policy.choose(reach, live, (1 + menu.sum(-1).amax(-1)).tolist(), (nodes, parents))
+                verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1)
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
                 draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
@@ -447,7 +446,7 @@ class SpeculativeRuntime:
             state.pending.append([emitted[i] if alive[i] else [] for i in range(b)], out[C.AUX_HIDDEN],
                                  None if plain else rows)
         if policy is not None:
-            policy.observe(j, accepted, live, drafted)
+            policy.observe(j, accepted, live, drafted, emitted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
         state.last_token = torch.where(live, next_token, state.last_token)
         if not drafted:

@@ -46,23 +46,38 @@ others' not, shortening nothing: replayed over the recorded claims of the sample
 priced, 0.985x -> 0.990x humaneval, 0.979x -> 0.988x MT-bench; calibrated simulated drafters at 0.4 /
 0.5 / 0.6: 0.973x -> 0.985x, 1.054x -> 1.041x, 1.241x -> 1.232x; the least alone fell to 0.99x at 0.5,
 where drafting pays 1.05x). At batch 1 both are the sequence's own.
-The runtime keeps one policy per batch size, so these estimates carry from one request to the next.
 
-Greedy, the drafter's estimates are read through its measured calibration: with A and P the decayed
-sums, over the rounds that verified drafts, of the drafts accepted and of those promised for the entry
-verified (E[tokens | S_j] - 1),
+Every estimate is per request: `start` forgets the last stream, and only what is measured of the
+machine (the cost curves, which the runtime keeps) carries. Carried, a request's decisions depended on
+the one before (`run --chat A --chat B`: B drafted in 1 of 22 rounds after A's failed probe, in 10 of 10
+alone), and the drafter's calibration is no constant to carry either: it follows the text (the sample
+drafter kept 0.84-0.95 of its promise on humaneval, 0.73-0.87 on MT-bench). The price is that every
+request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.95x of plain decoding over
+512-token requests, replayed); a calibration measured once per build on fixed prompts, as the costs are
+once per machine, would be an order-independent prior.
 
-    trust = min(1, (A + Z sqrt(A + 1)) / P)
-    E'[tokens | S] = 1 + trust * (E[tokens | S] - 1)      for every entry of the menu (at most its width).
+Greedy, the drafter's estimates are read through its measured calibration, per depth. With A_d and P_d
+the decayed sums, over the drafted trees whose outcome is known and whose path reached depth d - 1, of
+[the path reached depth d] and of the conditional probability the drafter gave that (reach_d / reach_{d-1};
+for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at ratio 1 mixed in (m = P_d / N_d):
 
-A drafter's own probabilities run high where it has not learned the target or the text (the sample
+    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m,  P' = P_d + TRUST_PRIOR m
+    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d].
+
+The outcome is read in hindsight: the target's own tokens, emitted in this round and the next ones, say
+how deep they follow a root path of the drafted tree, whatever depth was verified. So a policy that
+settled on depth 1 still measures depths 2..K in every drafted round, and finds a drafter whose deep
+probabilities run low (replayed on the H200's fp32 costs, `replay.py`: a drafter saying 0.7/0.35/0.2/0.1
+and delivering 0.7 at every depth reaches 0.97 of fixed K=4's 1.32x; learning from the verified depths
+alone it never left depth 1: 0.81). A ratio above 1 is read as measured (the drafter under-promises);
+below 1 optimistically (Z standard deviations of A, counted as Poisson), because samples come only from
+the rounds it lets draft: a streak of failures would otherwise stop a drafter that pays, and nothing
+would measure it again but probes (a probe verifies one draft at least, and the plain rounds after it
+resolve its tree, which re-reads what drafting promises). For a calibrated drafter t_d stays ~1. A
+drafter's own probabilities run high where it has not learned the target or the text (the sample
 drafter's, replayed at every position of 16 prompts: accepted / promised 0.84-0.95 on humaneval,
-0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value
-they make it draft in rounds that lose. For a calibrated drafter A / P stays ~1 whatever entry is
-chosen: its estimate is the expectation given what it saw, and the choice is made from that. trust is
-read optimistically (Z standard deviations of A, counted as Poisson) because its samples come only from
-the rounds it let draft: a streak of failures would otherwise stop a drafter that pays, and nothing would
-measure it again but probes (a probe verifies one draft at least, so trust can rise again).
+0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value they
+make it draft in rounds that lose.
 
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
@@ -99,10 +114,11 @@ class FixedDepth:
     def should_draft(self, live: torch.Tensor) -> bool:
         return True
 
-    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
         return len(widths) - 1
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+                emitted: list[list[int]] | None = None) -> None:
         pass
 
 
@@ -116,36 +132,31 @@ class GoodputDepth:
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
-    TRUST_PRIOR = 1.0    # trust starts at 1 with the weight of this many promised drafts
-    TRUST_Z = 2.0        # trust is read optimistically (see the module)
+    TRUST_PRIOR = 2.0    # each depth's trust starts at 1 with the weight of this many trees seen
+    TRUST_Z = 1.0        # trust is read optimistically up to face value (see the module)
+    HINDSIGHT = True     # calibrate every drafted depth against the tokens emitted later (see the module)
 
     def __init__(self, depth: int, costs: CostCurves):
         self.depth, self.costs = depth, costs
-        # Decayed sums of the drafts accepted and of those the drafter promised for the entries verified,
-        # both starting at TRUST_PRIOR, so trust starts at 1. A property of the drafter: kept across streams.
-        self._accepted_sum = self._promised_sum = self.TRUST_PRIOR
 
     def start(self, batch: int) -> None:
-        """A stream of `batch` sequences begins. After a stream of the same size the estimates carry
-        over (same drafter, same machine, same costs): the sequences start from the last stream's mean,
-        and the probe interval and the rounds since the last drafter call continue, so a drafter that
-        does not pay costs one call per probe interval across requests, not a probe in each request's
-        first round; one that pays drafts from the first round, which then counts as a probe. A new size
-        starts afresh."""
-        # A stream's first drafted round replaces the estimates, as a probe does: this request's drafts
-        # may be worth more or less than the last one's.
-        self._promised, self._sampling, self._first = None, False, True
-        if getattr(self, "batch", None) == batch:
-            self.expected = self.expected.mean().expand(batch).clone()
-            self.acceptance = self.acceptance.mean(0).expand(batch, -1).clone()
-            return
+        """A stream (a request) of `batch` sequences begins: everything the policy learns starts afresh,
+        so a request is decided the same whatever was served before it. Only what is measured of the
+        machine carries (the cost curves, which the runtime keeps)."""
         self.batch = batch
+        self._sampling = False
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self.longest = self._longest_interval()
+        # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
+        # reached it, of how often the drafter promised it would, and of the trees seen (see the module).
+        self._reached, self._promised_reach, self._seen = torch.zeros(3, self.depth)
+        self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
+        self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
+        self._drafts = None
 
     def _longest_interval(self) -> int:
         """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
@@ -169,13 +180,13 @@ class GoodputDepth:
         mine = expected[live]
         if not len(mine):
             return mine.sum(0)
-        return 0.5 * (mine.sum(0) + len(mine) * mine.min(0).values)
+        return 0.5 * (mine.sum(0) + len(mine) * mine.amin(0))
 
     def _best(self, expected: torch.Tensor, live: torch.Tensor, at_least: int = 0):
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
         expected tokens at j) from expected [B,J+1]."""
-        totals = self._batch_tokens(expected, live)
-        j = max(range(at_least, len(self.widths)), key=lambda j: float(totals[j]) / self._round_cost(j))
+        totals = self._batch_tokens(expected, live).tolist()
+        j = max(range(at_least, len(self.widths)), key=lambda j: totals[j] / self._round_cost(j))
         return j, expected[:, j]
 
     def _probing(self) -> bool:
@@ -188,41 +199,59 @@ class GoodputDepth:
         plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
         return drafted_rate > self.MARGIN * plain_rate
 
-    def choose(self, expected: torch.Tensor | None, live: torch.Tensor, widths: list[int]) -> int:
-        """The menu entry to verify this round; `expected` [B,J+1] is the drafter's estimate of each
-        subtree's tokens (None: sampling, a menu by depth), widths[j] the verify call's tokens for it."""
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
+        """The menu entry to verify this round; `reach` [B,J+1,D] is the drafter's estimate, per menu
+        entry, of the probability that the accepted path reaches each depth (`tree.nested_subtrees`;
+        None: sampling, a menu by depth), widths[j] the verify call's tokens for it, `drafts` the
+        drafted (nodes [B,N], parents [B,N]) that hindsight checks against the tokens emitted later."""
         self.widths = widths
-        self._sampling = expected is None
-        # A probe checks one draft at least, or an estimate that fell (the running acceptance, trust)
-        # could never rise again.
+        self._sampling = reach is None
+        # A probe checks one draft at least, or an estimate that fell could never rise again.
         at_least = int(self._probing())
         if self._sampling:
             j, self._promised = self._best(self._expected(), live, at_least)
-        else:
-            claimed = expected.float().cpu()
-            calibrated = torch.minimum(1 + self.trust * (claimed - 1), torch.tensor(widths, dtype=torch.float32))
-            j, self._promised = self._best(calibrated, live, at_least)
-            self._claimed = claimed[:, j]
+            return j
+        self._reach = reach.float()
+        j, self._promised = self._best(self._calibrated(), live, at_least)
+        self._claimed = self._reach[:, -1]  # the whole tree's promise, per depth: hindsight checks all of it
+        self._claimed_verified = self._reach[:, j]
+        self._drafts = drafts
         return j
 
+    def _calibrated(self) -> torch.Tensor:
+        """[B,J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
+        return 1 + (self._trust_path * self._reach).clamp(max=1.0).sum(-1)
+
     @property
-    def trust(self) -> float:
-        """Drafts accepted per draft the drafter's own probabilities promised (greedy), see the module:
-        an upper bound (TRUST_Z standard deviations, the accepted count taken as Poisson), at most 1."""
-        accepted = self._accepted_sum + self.TRUST_Z * (self._accepted_sum + 1) ** 0.5
-        return min(1.0, accepted / self._promised_sum)
+    def trust(self) -> torch.Tensor:
+        """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
+        would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
+        where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
+        as Poisson) of at most 1."""
+        prior = self.TRUST_PRIOR * self._promised_reach / self._seen.clamp(min=1e-9)  # prior observations' claims
+        reached, promised = self._reached + prior, (self._promised_reach + prior).clamp(min=1e-9)
+        optimistic = (reached + self.TRUST_Z * (self._reached + 1).sqrt()) / promised
+        return torch.where(self._seen > 0, torch.maximum(reached / promised, optimistic.clamp(max=1.0)), 1.0)
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
         reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
         return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool) -> None:
-        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`."""
+    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+                emitted: list[list[int]] | None = None) -> None:
+        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`,
+        each sequence having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
+        if not self._sampling and self._calibrate(j, accepted, live, drafted, emitted or [[] for _ in range(self.batch)]):
+            # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
+            # arrives in the plain rounds after it, and waiting for the next probe would waste it.
+            _, self._promised = self._best(self._calibrated(), live)
+            if not drafted:
+                self.expected = torch.where(live, self._promised, self.expected)
         if not drafted:
             self.since_draft += 1
             return
-        probe, self._first = self._probing() or self._first, False
+        probe = self._probing()
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
@@ -236,14 +265,85 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected(), live)  # what drafting promises now
-        elif j > 0:  # a round that verified no draft says nothing of the drafter's calibration
-            self._accepted_sum = self.TRUST_DECAY * self._accepted_sum + float(accepted[live].sum())
-            self._promised_sum = self.TRUST_DECAY * self._promised_sum + float((self._claimed[live] - 1).sum())
         self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
                              else min(self.longest, 2 * self.interval))
+
+    def _calibrate(self, j, accepted, live, drafted, emitted) -> bool:
+        """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
+        when one was). In
+        hindsight (HINDSIGHT) a tree's outcome is how deep the target's own tokens, emitted in this and
+        later rounds, follow a root path of the tree, whatever depth was verified. Without it (the
+        variant that cannot recover, kept for the tests) only the depths this round verified say anything."""
+        alive = live.tolist()
+        reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
+        if not self.HINDSIGHT:
+            if drafted and self._drafts is not None:
+                claims, counts = self._claimed_verified.tolist(), accepted.tolist()
+                for b in (b for b in range(self.batch) if alive[b]):
+                    verified = sum(c > 0 for c in claims[b])
+                    _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
+            self._drafts = None
+        else:
+            if drafted and self._drafts is not None:
+                nodes, parents = (t.tolist() for t in self._drafts)
+                chain = all(p == i - 1 for i, p in enumerate(parents[0]))
+                claims = self._claimed.tolist()
+                for b in (b for b in range(self.batch) if alive[b]):
+                    self._waiting[b].append((nodes[b], None if chain else parents[b], claims[b], []))
+                self._drafts = None
+            for b, waiting in enumerate(self._waiting):
+                if not alive[b]:  # it left the policy's rounds (finished, or finishing token by token)
+                    waiting.clear()
+                    continue
+                keep = []
+                for entry in waiting:
+                    tokens, parents, claim, after = entry  # after: the target's tokens since the tree was drafted
+                    after += emitted[b]
+                    deepest = _followed(tokens, parents, after)
+                    if deepest == len(after) and len(after) < self.depth:
+                        keep.append(entry)  # the target's path still follows the tree: not known yet
+                        continue
+                    _count(reached, promised, seen, claim, deepest, min(deepest + 1, self.depth))
+                waiting[:] = keep
+        if not any(seen):
+            return False
+        self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
+        self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
+        self._seen = self.TRUST_DECAY * self._seen + torch.tensor(seen)
+        self._trust_path = torch.cumprod(self.trust, 0)
+        return True
+
+
+def _count(reached: list, promised: list, seen: list, reach: list[float], deepest: int, checked: int) -> None:
+    """Add one tree's outcome to the per-depth sums: depth d + 1 was checked where the target's path
+    reached depth d (d < checked), reached where d < deepest; the drafter promised it with probability
+    reach[d] / reach[d - 1], the conditional its reach per depth implies (for a chain, draft d's own)."""
+    for d in range(checked):
+        before = reach[d - 1] if d else 1.0
+        if before > 0:
+            reached[d] += d < deepest
+            promised[d] += reach[d] / before
+            seen[d] += 1
+
+
+def _followed(tokens: list[int], parents: list[int] | None, seen: list[int]) -> int:
+    """How deep the tokens `seen` follow a root path of the drafted tree (nodes `tokens`, `parents`;
+    None: a chain): 0 when the first differs from every child of the root."""
+    if parents is None:
+        depth = 0
+        while depth < min(len(tokens), len(seen)) and tokens[depth] == seen[depth]:
+            depth += 1
+        return depth
+    node, depth = -1, 0
+    for token in seen:
+        node = next((i for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, int]:

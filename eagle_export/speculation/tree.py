@@ -350,15 +350,18 @@ def nested_subtrees(parents: torch.Tensor, token_probs: torch.Tensor, depth: int
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The menu a verify policy chooses from: subtrees S_0 (the root alone) within S_1 within ... S_J
     (the whole tree) of each sequence's tree, each closed under ancestors, as keep masks [J+1, B, N],
-    and the drafter's estimate of each one's expected tokens per round [B, J+1] (None by depth).
+    and the drafter's estimate, per subtree, of the probability that the accepted path reaches each
+    depth: reach [B, J+1, depth] (None by depth). E[tokens | S] = 1 + reach[S].sum(-1).
 
     Greedy (by_depth False): S_m = the m nodes of highest joint draft probability, m = 0..N, ties to
-    the shallower node. A kept node is accepted only if its whole root path is, so E[tokens | S] =
-    1 + sum over S of P(node accepted), which the joint draft probability estimates. For a fixed
-    node count m, the ancestor-closed set maximizing that sum is the top-m set, because the joint
-    probability never increases along a root path (`joint_probs`): the menu holds the best subtree
-    of every size. For a chain S_m is the first m drafts (E = 1 + the running sum of the running
-    products of their probabilities).
+    the shallower node. A kept node is accepted only if its whole root path is, and at most one node
+    of each depth is, so P(the path reaches depth d within S) = the sum over S's nodes of depth d of
+    P(node accepted), which the joint draft probability estimates; E[tokens | S] = 1 + the sum over S.
+    For a fixed node count m, the ancestor-closed set maximizing that sum is the top-m set, because
+    the joint probability never increases along a root path (`joint_probs`): the menu holds the best
+    subtree of every size. For a chain S_m is the first m drafts (reach at depth d <= m: the running
+    product of their probabilities). The estimate is kept by depth because a policy calibrates the
+    drafter by depth (verify_policy.py).
 
     By depth (sampling, where what is verified must not depend on the drafts): S_k = the nodes of
     depth <= k, k = 0..depth; the policy estimates their yield from earlier rounds."""
@@ -370,8 +373,11 @@ def nested_subtrees(parents: torch.Tensor, token_probs: torch.Tensor, depth: int
     order = by_depth_first.gather(-1, torch.sort(-joint.gather(-1, by_depth_first), dim=-1, stable=True).indices)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order).contiguous())
     keep = rank[None] < torch.arange(order.shape[-1] + 1)[:, None, None]                       # [N+1, B, N]
-    expected = torch.cat([torch.ones(len(joint), 1), 1 + torch.cumsum(joint.gather(-1, order), dim=-1)], dim=1)
-    return keep, expected
+    # the m-th likeliest node's joint probability, in the column of its depth, summed over m' <= m
+    by_rank = torch.zeros(*order.shape, depth).scatter_(-1, (depths.gather(-1, order) - 1)[..., None],
+                                                        joint.gather(-1, order)[..., None])
+    reach = torch.cat([torch.zeros(len(joint), 1, depth), torch.cumsum(by_rank, dim=1)], dim=1)
+    return keep, reach
 
 
 def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

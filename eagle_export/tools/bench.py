@@ -17,8 +17,9 @@ mean number of tokens per verify call (a chain's k+1, a tree's root plus the nod
 `plain_round_vs_step` is a round that called no drafter (k = 0, or a last step near the limit) against
 a plain decoding step, both timed whole (graph and host) by the runtime: the ratio of their medians over
 the bench, which a few rounds slowed by other work on a shared machine do not move. Goodput's `trust` is
-what it learned of the drafter's calibration by the end (drafts accepted / promised, read as an upper
-bound; 1: as good as its probabilities say), see verify_policy.py.
+what it learned of the drafter's calibration in the last stream, per depth (how often the target's path
+reached a depth per time the drafter's probabilities said it would; 1: as good as they say), see
+verify_policy.py.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     for runtime in runtimes.values():
         runtime.cost_curves(batch)  # measured (or read from the cache) before anything is timed
     cost_warnings = cost_disagreements(runtimes, batch)
-    # A policy learns across the streams it serves (goodput's estimates carry over): one per build,
-    # setting and policy, so one acceptance setting's runs never start from another's estimates.
+    # One policy object per build, setting and policy (each stream starts it afresh: what it learned by
+    # the last stream's end is what the record reports as trust).
     learners = {run: make_policy(run[1], runtimes[run[0]].depth, runtimes[run[0]].costs) for run in runs[:-1]}
 
     totals = {run: Counter() for run in runs}
@@ -182,8 +183,13 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
             policies = {p: _policy_record(totals[(name, p, a)], stats[(name, p, a)], per_batch[(name, p, a)], ar,
                                           t_ar_step, runtime.depth, plain_round_s[(name, p, a)], ar_round_s)
                         for p in POLICIES}
+            for p, record in policies.items():  # each pass over the prompts on its own (median over its batches)
+                batches = per_batch[(name, p, a)]
+                size = len(batches) // repeat
+                record["speedup_by_pass"] = [round(statistics.median(batches[r * size:(r + 1) * size]), 4)
+                                             for r in range(repeat)]
             # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as it says).
-            policies["goodput"]["trust"] = round(learners[(name, "goodput", a)].trust, 4)
+            policies["goodput"]["trust"] = [round(t, 4) for t in learners[(name, "goodput", a)].trust.tolist()]
             if setting is not None:
                 acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
                 for p, record in policies.items():

@@ -12,10 +12,16 @@ through the same model passes a build applies. Per shape, each step one record i
                 graphs, with the real (random) drafter and with synthetic acceptance 0.7; where an
                 output differs, the first differing position and the plain run's top-2 logit margin
                 there (a near-tie that the verify width's rounding can flip, or a bug)
-    costs       the measured cost curves (verify T = 1..K+1, drafter) at batch 1, 4, 16, CUDA graphs
+    costs       the measured cost curves (verify T = 1..K+1, drafter) at batch 1, 4, 16, CUDA graphs, and
+                the plain step's achieved bandwidth: (weight bytes + KV bytes it reads) / its time, against
+                the card's peak (PEAK_BANDWIDTH; a card not in the table: said so) and against a measured
+                device-to-device copy (what the memory delivers to a kernel that only streams)
     sweep       `bench` at synthetic acceptance 0 .. 0.9 and 0.73/0.52/0.35/0.25 per depth (vLLM CI's Llama-3.1-8B pair)
                 in fp32 (SWEEP_DTYPE, why there), both
-                policies, batch 1 and 4, beside the cost model, and the break-even acceptance
+                policies, batch 1 and 4, beside the cost model, and the break-even acceptance; PROMPTS
+                prompts x NEW_TOKENS tokens a cell, REPEATS passes taking turns batch by batch, each
+                policy's speedup per pass, their median and spread, and a cell whose passes disagree by
+                more than REPEAT_TOLERANCE flagged (`repeats_disagree`)
     export      the real-width graphs (EXPORT_LAYERS decoder layers) exported to ONNX and run in ONNX
                 Runtime against torch on one prefill
 
@@ -26,6 +32,7 @@ shapes, memory and time. `--shapes tiny` runs the whole kit on a CPU in seconds 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 import traceback
@@ -41,6 +48,7 @@ from ..models.drafter import Drafter
 from ..models.target import Target
 from ..output_dir import write_output
 from ..runtime.backends import TorchBackend
+from ..runtime.costs import PAST
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
 from ..speculation.synthetic import SyntheticDrafts, verify_width_continuations
 from .bench import _batches, bench, plot_sweep
@@ -82,6 +90,68 @@ SWEEP = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9)
 SWEEP_DTYPE = torch.float32
 # Llama-3.1-8B's EAGLE-3 per position in vLLM's CI (K = 3), and 0.25 for a fourth draft
 REAL_ACCEPTANCE = (0.73, 0.52, 0.35, 0.25)
+# A sweep cell: 4 prompts x 48 tokens was 0.5-2 s of decoding on an H200, and two cells where the policy
+# behaved the same read 0.80x and 0.93x; 16 x 128, twice, the passes taking turns.
+PROMPTS, NEW_TOKENS, REPEATS = 16, 128, 2
+REPEAT_TOLERANCE = 0.05  # passes of one cell farther apart than this: the cell is flagged, not trusted
+# Peak memory bandwidth in bytes/s, from NVIDIA's product datasheets: H100 SXM 3.35 TB/s, H100 PCIe 2 TB/s,
+# H100 NVL 3.9 TB/s (H100 Tensor Core GPU datasheet); H200 SXM and NVL 4.8 TB/s (H200 datasheet); A100
+# 40GB 1,555 GB/s, A100 80GB PCIe 1,935 GB/s, A100 80GB SXM 2,039 GB/s (A100 datasheet); L40S 864 GB/s
+# (L40S datasheet); B200 8 TB/s (DGX B200 datasheet: 64 TB/s for its eight). Matched in this order
+# against the name torch reports ("NVIDIA H100 80GB HBM3" is the SXM part); GH200's memory differs by
+# model, so it is not guessed from the H200's.
+PEAK_BANDWIDTH = (("GH200", None), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+                  ("H200", 4.8e12), ("A100 80GB PCIe", 1.935e12), ("A100-SXM4-80GB", 2.039e12), ("A100", 1.555e12),
+                  ("L40S", 864e9), ("B200", 8.0e12))
+
+
+def peak_bandwidth(device: str) -> float | None:
+    """The datasheet's peak memory bandwidth of a card by its name (bytes/s), None if not in the table."""
+    return next((peak for key, peak in PEAK_BANDWIDTH if key in device), None)
+
+
+def copy_bandwidth(device: str, size: int | None = None, reps: int = 5) -> float:
+    """A measured device-to-device copy, bytes/s counting what it reads and writes (2 x size): the
+    memory's practical ceiling for a kernel that only streams, the second reference beside the peak."""
+    size = size or (1 << 30 if device == "cuda" else 1 << 26)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times += [time.perf_counter() - start] if rep else []
+    return 2 * size / sorted(times)[len(times) // 2]
+
+
+def step_bytes(runtime, batch: int) -> int:
+    """What a plain step must read at least: the target's weights (all but an untied input embedding,
+    of which it reads one row a sequence) and the K/V of the positions in cache, at the cost
+    measurement's cache length (`costs.PAST`, as `costs.measure` clamps it)."""
+    target = runtime.backend.graphs[None][0].target
+    embed = target.embed_tokens.weight
+    params = {id(p): p for p in target.parameters()}
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    if not any(p is embed for n, p in target.named_parameters() if n != "embed_tokens.weight"):
+        weights -= embed.numel() * embed.element_size()  # untied: the head is another matrix
+    layers, heads, dim = runtime.target_cache_shape
+    past = max(1, min(PAST, runtime.max_context - 2 * (runtime.depth + 1)))
+    kv = 2 * layers * batch * heads * past * dim * torch.empty((), dtype=runtime.backend.model_dtype).element_size()
+    return weights + kv
+
+
+def bandwidth(runtime, batch: int, peak: float | None, copy: float) -> dict:
+    """The plain step's achieved bandwidth at `batch`: step_bytes / the measured T = 1 verify call."""
+    step_s = runtime.costs.verify(batch, 1)
+    moved = step_bytes(runtime, batch)
+    achieved = moved / step_s
+    return {"bytes_per_step": moved, "step_ms": round(1e3 * step_s, 3), "achieved_gb_s": float(f"{achieved / 1e9:.4g}"),
+            "share_of_peak": None if peak is None else round(achieved / peak, 3),
+            "share_of_copy": round(achieved / copy, 3)}
 
 
 def drafter_config(target: dict) -> dict:
@@ -179,18 +249,28 @@ def lossless(runtime, prompts, new_tokens: int) -> dict:
     return record
 
 
-def costs(runtime, batches=(1, 4, 16)) -> dict:
+def costs(runtime, batches=(1, 4, 16), peak: float | None = None, copy: float | None = None) -> dict:
     out = {}
     for b in batches:
         curves = runtime.cost_curves(b)
         out[b] = curves.in_ms(b)
+        if copy is not None:
+            out[b]["bandwidth"] = bandwidth(runtime, b, peak, copy)
     return out
 
 
-def sweep(runtime, prompts, new_tokens: int, values=SWEEP, batches=(1, 4)) -> list[dict]:
+def sweep(runtime, prompts, new_tokens: int, values=SWEEP, batches=(1, 4), repeat: int = REPEATS) -> list[dict]:
     settings = [(a,) * DEPTH for a in values] + [REAL_ACCEPTANCE]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    return [bench({"kit": runtime}, prompts, b, config, acceptances=settings) for b in batches]
+    runs = [bench({"kit": runtime}, prompts, b, config, acceptances=settings, repeat=repeat) for b in batches]
+    for run in runs:
+        for record in run["builds"]["kit"]["sweep"]:
+            for policy in record["policies"].values():
+                passes = policy["speedup_by_pass"]
+                policy["speedup_median_of_passes"] = round(statistics.median(passes), 4)
+                policy["spread_of_passes"] = round(max(passes) / min(passes) - 1, 4)
+                policy["repeats_disagree"] = policy["spread_of_passes"] > REPEAT_TOLERANCE
+    return runs
 
 
 def export_check(shape: str, out_dir: Path) -> dict:
@@ -222,7 +302,8 @@ def export_check(shape: str, out_dir: Path) -> dict:
 
 
 def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
-            dtype: torch.dtype | None = None, export: bool = True) -> dict:
+            dtype: torch.dtype | None = None, export: bool = True, num_prompts: int | None = None,
+            new_tokens: int | None = None, repeat: int = REPEATS) -> dict:
     """Every step for every shape, in order, until `budget_s` runs out; the report after each step.
     The first shape also runs eagerly in fp32 (on a GPU), which tells the verify width's rounding in
     bf16 from a bug, and the export check follows it."""
@@ -255,7 +336,17 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
 
     tiny = shapes == ["tiny"]
     # CI's CPU run keeps every step and shrinks the work; a GPU run measures
-    new_tokens, count, values = (8, 2, (0.0, 0.9)) if tiny else (48, 4, SWEEP)
+    count, values = (num_prompts or 2, (0.0, 0.9)) if tiny else (num_prompts or PROMPTS, SWEEP)
+    new_tokens = new_tokens or (8 if tiny else NEW_TOKENS)
+    result["cells"] = {"prompts": count, "new_tokens": new_tokens, "repeats": repeat}
+    peak = peak_bandwidth(result["device"])
+    result["peak_bandwidth_gb_s"] = None if peak is None else peak / 1e9
+    if peak is None:
+        result["peak_note"] = (f"{result['device']} is not in the kit's table of peak bandwidths: the plain step "
+                               "is reported against the measured copy only")
+        echo(f"  {result['peak_note']}")
+    copy = copy_bandwidth(device)
+    result["copy_bandwidth_gb_s"] = float(f"{copy / 1e9:.4g}")
     for n, shape in enumerate(shapes):
         echo(f"{shape} ({result['device']}, {result['dtype']})")
         record = result["shapes"][shape] = {}
@@ -283,7 +374,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
             for mode, runtime in runtimes.items():
                 step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
             fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
-            step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16)))
+            step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16), peak, copy))
             if dtype != SWEEP_DTYPE:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
                 del runtimes, fast, runtime, target, drafter
                 if cuda:
@@ -291,7 +382,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 target, drafter = random_pair(shape, device, SWEEP_DTYPE)
                 fast = make_runtime(target, drafter, device, cuda_graphs=cuda)
             record["sweep dtype"] = str(SWEEP_DTYPE).removeprefix("torch.")
-            step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values))
+            step("sweep", record, lambda: sweep(fast, prompts, new_tokens, values, repeat=repeat))
             runtimes = runtime = fast = target = drafter = None  # the GPU memory goes before the next shape
             if cuda:
                 torch.cuda.empty_cache()

@@ -1,0 +1,109 @@
+"""The verify policies replayed against recorded cost curves and a synthetic drafter, on any CPU.
+
+The real policy objects (`verify_policy.py`) are driven round by round as the runtime drives them, a
+batch of B sequences in lock step, with nothing measured: each round is priced from cost curves
+(`costs.CostCurves`: the drafter over its pending rows, the verify call over the tokens kept) and the
+drafts come from a synthetic drafter of known quality:
+
+    the drafts made at position n      right in a row for r of them: r = the first d with a failed
+                                       draw (draft d right with probability true[d-1] given drafts
+                                       1..d-1 were), the same draw for every policy at (sequence, n)
+    what the drafter's probabilities   claimed[d-1] for draft d (a calibrated drafter: claimed = true;
+    say                                a real one runs high or low, and differently by depth)
+
+so goodput, fixed K and plain decoding are compared on the same acceptance and the same costs, in graph
+time (host work left out: the runtime's own measurement, not the policy's). A sequence's tokens are its
+positions, so the hindsight the policy reads (tokens emitted later against the drafts) is exact.
+
+`RECORDED` holds the cost curves measured by `eagle-export gpu-kit` on the Llama-3.1-8B shape (CUDA
+graphs, batch 1/4 on an H200, batch 16 on an H100): where the kit's report gives T = 1 and T = K+1
+only, the verify cost in between is the straight line between them (the curve is flat on a GPU to
+within that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .costs import CostCurves
+from .verify_policy import make_policy
+
+DEPTH = 4
+
+
+def _line(t1: float, t5: float) -> dict[int, float]:
+    return {t: t1 + (t5 - t1) * (t - 1) / DEPTH for t in range(1, DEPTH + 2)}
+
+
+# name -> batch -> (verify ms by tokens T, drafter ms): Llama-3.1-8B shape, random weights, K = 4
+RECORDED = {
+    "H200 fp32": {1: ({1: 10.4, 2: 13.6, 3: 19.2, 4: 19.2, 5: 19.2}, 2.8)},
+    "H200 bf16": {1: (_line(7.87, 8.87), 1.85), 4: (_line(9.97, 11.11), 2.16)},
+    "H100 bf16": {1: (_line(9.57, 10.56), 2.17), 16: (_line(20.7, 23.0), 3.73)},
+}
+
+
+def recorded_costs(name: str) -> CostCurves:
+    """One card's recorded curves as the policy reads them (seconds; the drafter the same at any width)."""
+    return CostCurves({b: {t: ms / 1e3 for t, ms in verify.items()} for b, (verify, _) in RECORDED[name].items()},
+                      {b: {w: draft / 1e3 for w in range(1, DEPTH + 2)} for b, (_, draft) in RECORDED[name].items()})
+
+
+def _right_in_a_row(true: tuple[float, ...], sequences: int, positions: int, seed: int) -> list[list[int]]:
+    """[sequence][position]: how many drafts made there are right in a row (see the module)."""
+    draws = torch.rand(sequences, positions, DEPTH, generator=torch.Generator().manual_seed(seed))
+    right = (draws < torch.tensor(true)).int().cumprod(-1).sum(-1)
+    return right.tolist()
+
+
+def replay(policy, costs: CostCurves, batch: int, true, claimed=None, prompts: int = 32, new_tokens: int = 128,
+           prompt_rows: int = 64, seed: int = 0) -> dict:
+    """One policy ("goodput", "fixed", or a policy object; None: plain decoding) over `prompts` sequences
+    of `new_tokens` tokens, `batch` at a time, at per-depth acceptance `true` with probabilities saying
+    `claimed` (None: calibrated). -> {speedup over plain decoding, tau, drafted rounds, rounds}."""
+    true = tuple(true)
+    claimed = torch.tensor(claimed if claimed is not None else true)
+    right = _right_in_a_row(true, prompts, new_tokens + DEPTH + 1, seed)
+    if isinstance(policy, str):
+        policy = make_policy(policy, DEPTH, costs)
+    reach_full = torch.cumprod(claimed, 0)                                   # [D] P(path reaches depth d)
+    menu = reach_full * (torch.arange(DEPTH)[None] < torch.arange(DEPTH + 1)[:, None])  # [J+1, D]: S_j keeps d <= j
+    widths, parents = list(range(1, DEPTH + 2)), torch.arange(-1, DEPTH - 1).expand(batch, -1)
+    spent = rounds = drafted_rounds = tokens = sequence_rounds = 0
+    for first in range(0, prompts, batch):
+        rows = right[first:first + batch]
+        b = len(rows)
+        n, pending = [0] * b, [prompt_rows] * b
+        if policy is not None:
+            policy.start(b)
+        while min(n) < new_tokens:
+            alive = [m < new_tokens for m in n]
+            live = torch.tensor(alive)
+            drafted = policy is not None and policy.should_draft(live)
+            j, accepted = 0, [0] * b
+            if drafted:
+                spent += costs.draft(b, max(p for p, a in zip(pending, alive) if a))
+                nodes = torch.tensor([[m + d + 1 if d < r[m] else -1 for d in range(DEPTH)] for m, r in zip(n, rows)])
+                j = (DEPTH if policy.verifies_whole_tree else
+                     policy.choose(menu.expand(b, -1, -1), live, widths, (nodes, parents[:b])))
+                accepted = [min(r[m], j) if a else 0 for m, r, a in zip(n, rows, alive)]
+                drafted_rounds += 1
+            spent += costs.verify(b, j + 1)
+            rounds += 1
+            sequence_rounds += sum(alive)
+            emitted = [list(range(m + 1, m + c + 2)) if a else [] for m, c, a in zip(n, accepted, alive)]
+            if policy is not None:
+                policy.observe(j, torch.tensor(accepted), live, drafted, emitted)
+            pending = [c + 1 if drafted else p + 1 for p, c in zip(pending, accepted)]
+            tokens += sum(len(e) for e in emitted)
+            n = [m + len(e) for m, e in zip(n, emitted)]
+    plain = len(range(0, prompts, batch)) * new_tokens * costs.verify(batch, 1)
+    return {"speedup": plain / spent, "tau": tokens / max(1, sequence_rounds), "drafted": drafted_rounds,
+            "rounds": rounds}
+
+
+def compare(costs: CostCurves, batch: int, true, claimed=None, goodput="goodput", **kw) -> dict:
+    """goodput's speedup, fixed K's, and goodput over the better of fixed and plain decoding."""
+    good, fixed = replay(goodput, costs, batch, true, claimed, **kw), replay("fixed", costs, batch, true, claimed, **kw)
+    return {"goodput": good["speedup"], "fixed": fixed["speedup"],
+            "vs_best": good["speedup"] / max(1.0, fixed["speedup"]), "drafted": good["drafted"], "rounds": good["rounds"]}
