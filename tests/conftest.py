@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+# Triton reads TRITON_INTERPRET when it is imported: set before any test module imports it, so the
+# kernels' tests (test_kernels.py, exact mode) run on the CPU interpreter. An explicit value wins:
+# scripts/gpu_exact.sh runs them on a GPU with TRITON_INTERPRET=0. Nothing else in the suite uses Triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
