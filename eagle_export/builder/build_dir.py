@@ -19,6 +19,7 @@ from ..export.loader import load_pair, passes_skipping
 from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..files import load_int_array, load_tokenizer
 from ..models.nvfp4 import use_graph_weights
+from ..runtime import exact as exact_mode
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
@@ -70,11 +71,23 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None):
     return target, drafter
 
 
+def check_exact(manifest: Manifest, backend: str) -> None:
+    """Exact mode's refusal (runtime/exact.py) from the manifest alone, before any model loads."""
+    models = manifest.models.values()
+    exact_mode.check("cuda" if torch.cuda.is_available() else "cpu", {m.dtype for m in models},
+                     {m.precision for m in models}, max(m.head_dim for m in models), max(m.hidden_size for m in models),
+                     backend=backend)
+
+
 def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                 cuda_graphs: bool | None = None):
-    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists."""
+                 cuda_graphs: bool | None = None, exact: bool = False):
+    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists.
+    exact: the torch backend bound to the width-invariant kernels (refused elsewhere, before loading)."""
     if backend not in BACKENDS:
         raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    if exact:
+        backend = "torch" if backend == "auto" else backend  # auto: the one backend exact mode binds
+        check_exact(manifest, backend)
     if cuda_graphs and backend != "torch":
         raise EagleExportError(f"CUDA graphs are the torch backend's fast path, not the {backend} backend's "
                                "(TensorRT and ONNX Runtime launch their own kernels)",
@@ -110,7 +123,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         sampling_graph = UnrolledDrafter(drafter, speculation, True) if speculation.can_sample else None
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False),
                             sampling_graph, device=device,
-                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)
+                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs, exact=exact)
     if "nvfp4" in precisions:
         raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
                                "torch over its graphs' NVFP4 weights (slowly, on CPU)",
@@ -124,12 +137,15 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
                verify: bool = True, verify_policy: str = "goodput", cuda_graphs: bool | None = None,
-               static_cache: bool | None = None) -> OpenBuild:
+               static_cache: bool | None = None, exact: bool = False) -> OpenBuild:
     """Open a build for generation; `verify` re-hashes every artifact first (a corrupt file is named).
     `verify_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
     the build directory per backend and machine) or "fixed" (always all K).
     `cuda_graphs`: the torch backend's CUDA graphs (None: on whenever it runs on CUDA); `static_cache`:
-    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs)."""
+    caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs);
+    `exact`: the torch backend's width-invariant kernels (README, "Exactness per backend and dtype"):
+    speculative output bit-identical to plain decoding in bf16/fp16/fp32 on a GPU; refused, before
+    any model loads, where it cannot hold."""
     path = Path(path)
     data = read_manifest(path)
     if verify:  # before any field is read: an edited manifest is not trusted
@@ -143,7 +159,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     if problems:
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
                                "rebuild it with `eagle-export build --force`")
-    chosen = make_backend(path, manifest, backend, threads, cuda_graphs)
+    chosen = make_backend(path, manifest, backend, threads, cuda_graphs, exact)
     t, d = manifest.target, manifest.drafter
     draft_to_target = torch.from_numpy(draft_to_target.astype(np.int64))
     tokenizer = load_tokenizer(path / "tokenizer.json") if os.path.lexists(path / "tokenizer.json") else None

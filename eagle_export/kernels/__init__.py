@@ -59,7 +59,9 @@ def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) ->
         found.append("Triton is not installed")
     if device != "cuda" and not interpreted():
         found.append(f"the model runs on {device}, and the kernels need a CUDA GPU")
-    bad = sorted({str(d).removeprefix("torch.") for d in dtypes} - set(DTYPES))
+    short = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # a manifest's names
+    named = {short.get(str(d), str(d).removeprefix("torch.")) for d in dtypes}
+    bad = sorted(named - set(DTYPES))
     if bad:
         found.append(f"dtype {', '.join(bad)} (the kernels cover {', '.join(DTYPES)})")
     if head_dim > MAX_HEAD_DIM:

@@ -5,7 +5,8 @@ tokens), so a row's bits are the same at every call width, batch size and place 
     linear     one tile configuration (BLOCK_M x BLOCK_N x BLOCK_K) for every M, fp32 accumulation
                along K in one fixed order; no split-K. Rows of one tile never mix: an output element
                is a dot product of its own row.
-    rms_norm   one program per row: the row's sum of squares in one fixed-shape reduction.
+    rms_norm   a fixed number of rows per program (1 on a GPU), each row's sum of squares one
+               reduction of its own along a fixed-shape tile.
     silu_mul   elementwise: silu(gate) rounded to the dtype, times up (torch's two roundings).
     attention  each query row reduces over its *own* visible keys, compacted in key order: the
                cache slots it sees, then the call's new keys it sees (its ancestors and itself in a
@@ -33,9 +34,12 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # linear's one tile configuration
+# One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
+# there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
+BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 64) if not INTERPRETED else (32, 128, 64)  # linear's tile
+ROWS = 1 if not INTERPRETED else 16      # rows per program of rms_norm, silu_mul and argmax
 ATTN_BLOCK = 16                          # keys per attention block
-SPLIT_SIZE = 256                         # keys per attention split (a multiple of ATTN_BLOCK)
+SPLIT_SIZE = 256                         # keys per attention split
 ARGMAX_BLOCK = 1024
 
 
@@ -77,15 +81,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], n)
 
 
-@triton.jit
-def _rms_norm_kernel(x, w, y, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+@triton.jit(do_not_specialize=["M"])
+def _rms_norm_kernel(x, w, y, M, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.arange(0, BLOCK)
-    v = tl.load(x + row * sx + cols, mask=cols < H, other=0.0).to(tl.float32)
-    normed = (v * tl.math.rsqrt(tl.sum(v * v, axis=0) / H + eps)).to(y.dtype.element_ty)
+    inside = (rows < M)[:, None] & (cols < H)[None, :]
+    v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    normed = (v * tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)[:, None]).to(y.dtype.element_ty)
     if HAS_WEIGHT:
-        normed = (tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32) * normed.to(tl.float32))
-    tl.store(y + row * sy + cols, normed.to(y.dtype.element_ty), mask=cols < H)
+        normed = tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] * normed.to(tl.float32)
+    tl.store(y + rows[:, None] * sy + cols[None, :], normed.to(y.dtype.element_ty), mask=inside)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -96,19 +101,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     h = rows.shape[1]
     out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight if weight is not None else rows, y, h, rows.stride(0), y.stride(0),
-                                       eps, HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(h))
+    _rms_norm_kernel[(triton.cdiv(rows.shape[0], ROWS),)](
+        rows, weight if weight is not None else rows, y, rows.shape[0], h, rows.stride(0), y.stride(0), eps,
+        HAS_WEIGHT=weight is not None, R=ROWS, BLOCK=triton.next_power_of_2(h))
     return y.view(x.shape)
 
 
-@triton.jit
-def _silu_mul_kernel(g, u, y, width, sg, su, sy, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.load(g + row * sg + cols, mask=cols < width, other=0.0).to(tl.float32)
-    b = tl.load(u + row * su + cols, mask=cols < width, other=0.0).to(tl.float32)
+    inside = (rows < M)[:, None] & (cols < width)[None, :]
+    a = tl.load(g + rows[:, None] * sg + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(u + rows[:, None] * su + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     silu = (a / (1.0 + tl.exp(-a))).to(y.dtype.element_ty).to(tl.float32)
-    tl.store(y + row * sy + cols, (silu * b).to(y.dtype.element_ty), mask=cols < width)
+    tl.store(y + rows[:, None] * sy + cols[None, :], (silu * b).to(y.dtype.element_ty), mask=inside)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -118,8 +125,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g, u = g.contiguous(), u.contiguous()
     y = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(g.shape[0], triton.cdiv(g.shape[1], block))](g, u, y, g.shape[1], g.stride(0), u.stride(0),
-                                                                    y.stride(0), BLOCK=block)
+    _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
+        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), R=ROWS, BLOCK=block)
     return y.view(gate.shape)
 
 
@@ -227,20 +234,21 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     return y
 
 
-@triton.jit
-def _argmax_kernel(x, out, V, sx, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_index = tl.zeros([], tl.int64)
+@triton.jit(do_not_specialize=["M"])
+def _argmax_kernel(x, out, M, V, sx, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    best = tl.full([R], float("-inf"), tl.float32)
+    best_index = tl.zeros([R], tl.int64)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        vals = tl.load(x + row * sx + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        top = tl.max(vals, axis=0)
-        first = tl.min(tl.where(vals == top, cols, V), axis=0).to(tl.int64)
+        vals = tl.load(x + rows[:, None] * sx + cols[None, :], mask=(rows < M)[:, None] & (cols < V)[None, :],
+                       other=float("-inf")).to(tl.float32)
+        top = tl.max(vals, axis=1)
+        first = tl.min(tl.where(vals == top[:, None], cols[None, :], V), axis=1).to(tl.int64)
         better = top > best  # strictly: an equal value in a later block keeps the earlier index
         best_index = tl.where(better, first, best_index)
         best = tl.where(better, top, best)
-    tl.store(out + row, best_index)
+    tl.store(out + rows, best_index, mask=rows < M)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -249,5 +257,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
-    _argmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ARGMAX_BLOCK)
+    _argmax_kernel[(triton.cdiv(rows.shape[0], ROWS),)](rows, out, rows.shape[0], rows.shape[1], rows.stride(0),
+                                                         R=ROWS, BLOCK=ARGMAX_BLOCK)
     return out.view(x.shape[:-1])
