@@ -36,8 +36,8 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
 # there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
-BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 64) if not INTERPRETED else (32, 128, 64)  # linear's tile
-ROWS = 1 if not INTERPRETED else 16      # rows per program of rms_norm, silu_mul and argmax
+BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 64) if not INTERPRETED else (64, 256, 128)  # linear's tile
+ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
 ATTN_BLOCK = 16                          # keys per attention block
 SPLIT_SIZE = 256                         # keys per attention split
 ARGMAX_BLOCK = 1024
