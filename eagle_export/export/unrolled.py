@@ -232,7 +232,7 @@ class UnrolledDrafter(nn.Module):
         positions = cache_lens[:, None] + rows[None, :]
         key_pos = torch.cat([slots[None, :].expand(positions.shape[0], -1), positions], dim=-1)  # [B,S+W]
         normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None],
-                                                key_pos)
+                                                key_pos, cache_lens=cache_lens)
         # The last valid row of each sequence, selected by a one-hot sum (exact; plainer to every
         # backend than a gather with a per-sequence index): the root.
         last = (rows[None, :] == (num_valid - 1)[:, None])[:, :, None]                   # [B,W,1]
@@ -247,7 +247,8 @@ class UnrolledDrafter(nn.Module):
             positions = (cache_lens + num_valid - 1 + depth)[:, None].expand(-1, f)
             mask = torch.cat([past_ok.expand(-1, f, -1), row_valid[:, None, :].expand(-1, f, -1), step_mask], dim=-1)
             key_pos = torch.cat([key_pos, positions], dim=-1)
-            out = d.step(tokens, hidden, positions, past_k, past_v, mask[:, None, None], key_pos, (keys, values))
+            out = d.step(tokens, hidden, positions, past_k, past_v, mask[:, None, None], key_pos, (keys, values),
+                         cache_lens)
             keys, values = torch.cat([keys, out[2]], dim=2), torch.cat([values, out[3]], dim=2)
             return out[0], out[1]
 
