@@ -150,3 +150,17 @@ def test_the_runtime_imports_no_triton_unless_exact_mode_is_asked_for():
 def test_the_cli_commands_take_exact():
     for command in ("run", "bench", "validate", "gpu-kit"):
         assert "--exact" in CliRunner().invoke(main, [command, "--help"]).output, command
+
+
+def test_a_layer_the_kernels_do_not_cover_is_refused_not_left_unbound():
+    """An NVFP4 or ModelOpt layer keeps its own kernels: exact mode refuses the model, naming it."""
+    class PackedLinear(torch.nn.Module):  # what models.nvfp4.NVFP4Linear looks like to the check
+        def __init__(self):
+            super().__init__()
+            self.packed = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
+    exact.check_models("cpu", target, drafter)  # the interpreter stands in for a GPU
+    target.layers[1].mlp.down_proj = PackedLinear()
+    with pytest.raises(EagleExportError, match="PackedLinear"):
+        exact.check_models("cpu", target, drafter)

@@ -140,7 +140,7 @@ def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out,
     [s*split_size, (s+1)*split_size) of row t's compacted key list -> the split's running max m,
     sum l and unnormalized output acc (fp32) in the workspace."""
     bh, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // HKV, bh % HKV
+    b, h = (bh // HKV).to(tl.int64), bh % HKV  # 64-bit: a batch's cache offset can pass 2^31 elements
     g, d = tl.arange(0, GP), tl.arange(0, DP)
     gmask, dmask = g < G, d < D
     qv = tl.load(q + b * sqb + (h * G + g)[:, None] * sqh + t * sqt + d[None, :],

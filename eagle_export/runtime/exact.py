@@ -46,12 +46,15 @@ def check(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0
 
 
 def check_models(device: str, target, drafter) -> None:
-    """`check` for loaded models (the Python API's path; the CLI's checks the manifest before loading)."""
+    """`check` for loaded models (the Python API's path; the CLI's checks the manifest before loading).
+    A module holding weights of its own that is not a plain Linear, Embedding or RMSNorm (an NVFP4 or
+    ModelOpt-quantized layer) would keep its own kernels: refused, not silently left unbound."""
     configs = (target.config, drafter.config)
-    quantized = [type(m).__name__ for model in (target, drafter) for m in model.modules()
-                 if isinstance(m, nn.Linear) and type(m) not in (nn.Linear, ExactLinear)]
+    known = (nn.Linear, ExactLinear, nn.Embedding, RMSNorm, ExactRMSNorm)
+    other = sorted({type(m).__name__ for model in (target, drafter) for m in model.modules()
+                    if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
     check(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
-          [f"{quantized[0]} layers"] if quantized else (), max(c.head_dim for c in configs),
+          [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
           max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
 
 
