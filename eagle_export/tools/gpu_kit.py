@@ -145,11 +145,11 @@ def make_runtime(target, drafter, device: str, cuda_graphs: bool, max_context: i
                                          static_cache=True)
 
 
-def random_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
-    """Ragged prompts of random ids (16 to 96 tokens)."""
+def random_prompts(vocab: int, count: int, seed: int = 0, lengths: tuple[int, int] = (16, 96)) -> list[list[int]]:
+    """Ragged prompts of random ids (16 to 96 tokens, or `lengths`)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
-            for n in torch.randint(16, 97, (count,), generator=gen)]
+            for n in torch.randint(lengths[0], lengths[1] + 1, (count,), generator=gen)]
 
 
 def _first_difference(runtime, prompt, plain, spec) -> dict:
@@ -203,12 +203,12 @@ def unbind(runtime) -> None:
 
 
 def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new_tokens: int,
-                   batches=(1, 4, 16), drafts=EXACT_DRAFTS) -> dict:
+                   batches=(1, 4, 16), drafts=EXACT_DRAFTS, speculations=EXACT_SPECULATION) -> dict:
     """Exact mode: speculative output against plain decoding, both through the kernels, on every
     prompt; per speculation, batch and drafter, how many are identical (all, if the kernels hold)."""
     config = GenerationConfig(max_new_tokens=new_tokens)
     record, plain = {}, {}
-    for name, speculation in EXACT_SPECULATION.items():
+    for name, speculation in speculations.items():
         runtime = make_runtime(target, drafter, device, cuda_graphs, speculation=speculation, exact=True)
         try:
             for batch in batches:
@@ -219,7 +219,7 @@ def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new
                     spec, taus = [], []
                     for chunk in chunks:
                         synthetic = (None if chosen == "random drafter" else
-                                     SyntheticDrafts.for_prompts(runtime, chunk, config, (chosen,) * DEPTH))
+                                     SyntheticDrafts.for_prompts(runtime, chunk, config, (chosen,) * runtime.depth))
                         results = runtime.generate(chunk, config, synthetic=synthetic)
                         spec += [r.tokens for r in results]
                         taus += [r.stats.tau for r in results]
@@ -361,13 +361,16 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
         if step("pair", record, make) is not None and exact:
             target, drafter = pair.pop("models")
             # CI's run proves the path (the interpreter: ~1 s a call); a GPU run measures
-            prompts = random_prompts(target.config.vocab_size, 2 if tiny else 16)
+            prompts = random_prompts(target.config.vocab_size, 2, lengths=(5, 9)) if tiny else \
+                random_prompts(target.config.vocab_size, 16)
             tokens, batches = (3, (2,)) if tiny else (32, (1, 4, 16))
             drafts = (0.9,) if tiny else EXACT_DRAFTS
+            speculations = {"chain": 2, "dynamic tree": DynamicTree(top_k=2, depth=2, nodes=3)} if tiny else \
+                EXACT_SPECULATION
             for mode in ("eager", "cuda_graphs") if cuda else ("eager",):
                 step(f"exact lossless ({mode})", record, lambda: exact_lossless(
-                    target, drafter, device, mode == "cuda_graphs", prompts, tokens, batches, drafts))
-            step("exact cost", record, lambda: exact_cost(target, drafter, device, cuda, prompts, tokens,
+                    target, drafter, device, mode == "cuda_graphs", prompts, tokens, batches, drafts, speculations))
+            step("exact cost", record, lambda: exact_cost(target, drafter, device, cuda, prompts, 2 if tiny else tokens,
                                                           (1,) if tiny else (1, 16)))
             target = drafter = None
             if cuda:
