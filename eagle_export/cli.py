@@ -59,6 +59,14 @@ class _Group(click.Group):
             sys.exit(3)
 
 
+# --exact, one option for every command that runs a build
+exact_option = click.option(
+    "--exact", is_flag=True,
+    help="Torch backend on a CUDA GPU (Triton): bind the target and drafter once to width-invariant kernels, so "
+         "speculative output is bit-identical to plain decoding in bf16, fp16 and fp32. Refused, before any model "
+         "loads, where that cannot hold. Default off: cuBLAS and torch attention, under the tiered contract.")
+
+
 def utf8(ctx, param, value):
     """An argument that is not valid UTF-8 (the shell passed undecodable bytes) is refused at once."""
     for text in (value if isinstance(value, tuple) else (value,)):
@@ -266,7 +274,8 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
 @main.command()
 @click.argument("build_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def validate(build_dir, as_json):
+@exact_option
+def validate(build_dir, as_json, exact):
     """Re-check a build: artifact hashes, graphs against torch, and the lossless loop. Exit 1 on failure."""
     from .builder.manifest import require_build
 
@@ -278,7 +287,7 @@ def validate(build_dir, as_json):
     def echo_check(name, ok, detail):  # each check printed as it finishes (the slow ones take minutes)
         click.echo(f"{label[ok]}  {name}: {detail}")
 
-    report = run_validate(build_dir, on_check=None if as_json else echo_check)
+    report = run_validate(build_dir, on_check=None if as_json else echo_check, exact=exact)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     if not report["ok"]:
@@ -307,8 +316,9 @@ def validate(build_dir, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per request, a line each (tokens, text, finish reason, stats), not text.")
 @ALLOW_CHANGED_SOURCES
+@exact_option
 def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cuda_graphs, verify_policy, as_json,
-        allow_changed_sources):
+        allow_changed_sources, exact):
     """Generate from a build, streaming the text, then per request one summary line (tau, tokens/s) and
     one saying why it did or did not speculate (acceptance seen against this machine's break-even).
 
@@ -329,7 +339,7 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     from .runtime.verify_policy import explain
 
     opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs,
-                        allow_changed_sources=allow_changed_sources)
+                        allow_changed_sources=allow_changed_sources, exact=exact)
     old = old_format_note(opened.manifest, build_dir)
     if old:
         click.echo(f"note: {old}", err=True)
@@ -392,7 +402,11 @@ def _measure_costs(runtime) -> None:
 @click.option("--new-tokens", type=click.IntRange(1), default=None, help="Tokens a prompt  [default: 128; tiny: 8]")
 @click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
               help="Passes a sweep cell, taking turns; a cell whose passes disagree by more than 5% is flagged.")
-def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens, repeats):
+@click.option("--exact", is_flag=True,
+              help="Run exact mode's steps instead (width-invariant Triton kernels): bf16 speculative == plain on every "
+                   "prompt at batch 1, 4, 16 (synthetic 0.7 and 0.9 and the random drafter, chain and dynamic tree, "
+                   "eager and CUDA graphs), and the exact plain step's cost beside cuBLAS's at batch 1 and 16.")
+def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens, repeats, exact):
     """Real-size shapes on a GPU with nothing but this package and torch: random-weight Llama-3.2-1B,
     Llama-3.1-8B and Qwen3-8B targets with EAGLE-3 drafters of the real shape, made on the machine;
     lossless at batch 1 and 4 (eager and CUDA graphs), cost curves at batch 1, 4, 16, the synthetic
@@ -413,7 +427,8 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
         pyplot()  # a missing matplotlib fails now, not after the kit
         plot = Path(plot_file)
     run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export, num_prompts=num_prompts,
-            new_tokens=new_tokens, repeat=repeats)
+            new_tokens=new_tokens, repeat=repeats,
+            exact=exact)
     click.echo(f"wrote {report}" + (f" and {plot_file}" if plot else ""))
 
 
@@ -448,8 +463,9 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
               help="Write acceptance by depth, the cost curves, the chosen depths and the speedups as a PNG "
                    "(with --acceptance-sweep: speedup against acceptance; needs eagle-export[plot]).")
 @ALLOW_CHANGED_SOURCES
+@exact_option
 def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new_tokens, threads, repeat, remeasure,
-          acceptance, acceptance_sweep, json_file, plot_file, allow_changed_sources):
+          acceptance, acceptance_sweep, json_file, plot_file, allow_changed_sources, exact):
     """Speculative decoding (goodput and fixed-K depth policies) vs autoregressive decoding on the same
     backend and prompts, side by side: tau, chosen depths, verify widths, cost curves, speedup, time split.
 
@@ -489,7 +505,7 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     for build_dir in build_dirs:
         name = build_dir if build_dir not in opened else f"{build_dir} ({len(opened) + 1})"
         opened[name] = open_build(build_dir, backend=backend, threads=threads, cuda_graphs=cuda_graphs,
-                                  allow_changed_sources=allow_changed_sources)
+                                  allow_changed_sources=allow_changed_sources, exact=exact)
     if remeasure:  # what is measured next replaces the cache's entry
         for o in opened.values():
             o.runtime.costs = CostCurves()

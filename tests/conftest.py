@@ -1,4 +1,14 @@
+import os
+
 import pytest
+
+# Triton reads TRITON_INTERPRET when it is imported: set before any test module imports it, so the
+# kernels' tests (test_kernels.py, exact mode) run on the CPU interpreter. An explicit value wins:
+# scripts/gpu_exact.sh runs them on a GPU with TRITON_INTERPRET=0. Nothing else in the suite uses Triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter runs tl.dot as numpy's matmul: on a shared 2-core machine BLAS threads spinning
+# against other processes made it 2x slower (the suite's torch code runs on torch's own threads).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

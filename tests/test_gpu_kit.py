@@ -59,6 +59,25 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
     assert " done in " not in result.output
 
 
+@pytest.mark.slow
+def test_the_tiny_kit_runs_the_exact_steps_through_the_interpreter(tmp_path, monkeypatch):
+    """`gpu-kit --exact` on a CPU (Triton's interpreter, set by conftest): the exact lossless step for a
+    chain and a dynamic tree, every output plain decoding's, in bf16; the plain step's cost through
+    the kernels beside torch's, on the same weights (the interpreter's figure says nothing of a GPU)."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["gpu-kit", "--shapes", "tiny", "--exact", "--plot", ""])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "gpu-kit.json").read_text())
+    assert report["exact"] and report["dtype"] == "bfloat16" and "error" not in json.dumps(report)
+    shape = report["shapes"]["tiny"]
+    entries = shape["exact lossless (eager)"]
+    assert {name.split(",")[0] for name in entries} == {"chain", "dynamic tree"}
+    for name, entry in entries.items():
+        assert entry["identical"] == entry["of"] == 2 and entry["tau"] > 1, name  # drafts accepted: wide calls
+    cost = shape["exact cost"]["batch 1"]
+    assert cost["torch_ms"] > 0 and cost["exact_ms"] > 0 and "sweep" not in shape
+
+
 def test_without_a_gpu_real_shapes_say_so_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)

@@ -120,8 +120,9 @@ def build_time_imports(graph: dict[str, set[str]], start: str = "eagle_export.ru
 # progress, cache, environment, output_dir: what every stage uses), its own folder and earlier
 # folders, never a later one. Data (the prompt sets, the sample target, the shipped recipes) comes
 # first: the quantizer calibrates on prompts and a recipe names the sample target. The sample
-# drafters' training scripts use everything; the CLI comes last.
-FOLDERS = ("data", "recipes", "models", "speculation", "passes", "export", "quantize", "engine", "runtime", "builder",
+# drafters' training scripts use everything; the CLI comes last. The width-invariant kernels come
+# before the models, which bind them.
+FOLDERS = ("data", "recipes", "kernels", "models", "speculation", "passes", "export", "quantize", "engine", "runtime", "builder",
            "tools", "samples")
 
 

@@ -19,6 +19,7 @@ from ..export.loader import load_pair, passes_skipping
 from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..files import load_int_array, load_tokenizer
 from ..models.nvfp4 import use_graph_weights
+from ..runtime import exact as exact_mode
 from ..runtime.backends import OnnxRuntimeBackend, TensorRTBackend, TorchBackend
 from ..runtime.costs import CostCache, cache_path, cost_key
 from ..runtime.runtime import PairShapes, SpeculativeRuntime
@@ -69,11 +70,23 @@ def torch_models(manifest: Manifest, nvfp4_from: Path | None = None, allow_chang
     return target, drafter
 
 
+def check_exact(manifest: Manifest, backend: str) -> None:
+    """Exact mode's refusal (runtime/exact.py) from the manifest alone, before any model loads."""
+    models = manifest.models.values()
+    exact_mode.check("cuda" if torch.cuda.is_available() else "cpu", {m.dtype for m in models},
+                     {m.precision for m in models}, max(m.head_dim for m in models), max(m.hidden_size for m in models),
+                     backend=backend)
+
+
 def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                 cuda_graphs: bool | None = None, allow_changed_sources: bool = False):
-    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists."""
+                 cuda_graphs: bool | None = None, allow_changed_sources: bool = False, exact: bool = False):
+    """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists.
+    exact: the torch backend bound to the width-invariant kernels (refused elsewhere, before loading)."""
     if backend not in BACKENDS:
         raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    if exact:
+        backend = "torch" if backend == "auto" else backend  # auto: the one backend exact mode binds
+        check_exact(manifest, backend)
     if cuda_graphs and backend != "torch":
         raise EagleExportError(f"CUDA graphs are the torch backend's fast path, not the {backend} backend's "
                                "(TensorRT and ONNX Runtime launch their own kernels)",
@@ -109,7 +122,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
         sampling_graph = UnrolledDrafter(drafter, speculation, True) if speculation.can_sample else None
         return TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False),
                             sampling_graph, device=device,
-                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs)
+                            cuda_graphs=device == "cuda" if cuda_graphs is None else cuda_graphs, exact=exact)
     if "nvfp4" in precisions:
         raise EagleExportError("ONNX Runtime has no FP4 kernels: this NVFP4 build runs on TensorRT, or on "
                                "torch over its graphs' NVFP4 weights (slowly, on CPU)",
@@ -123,7 +136,8 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
                verify: bool = True, verify_policy: str = "goodput", cuda_graphs: bool | None = None,
-               static_cache: bool | None = None, allow_changed_sources: bool = False) -> OpenBuild:
+               static_cache: bool | None = None, allow_changed_sources: bool = False,
+               exact: bool = False) -> OpenBuild:
     """Open a build for generation; `verify` passes it through the integrity gate first (`check_build`:
     a corrupt file or an edited manifest is named; only the build's own writer skips it).
     `verify_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
@@ -131,7 +145,9 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     `cuda_graphs`: the torch backend's CUDA graphs (None: on whenever it runs on CUDA); `static_cache`:
     caches allocated once at the context limit and fixed call widths (None: exactly with CUDA graphs).
     `allow_changed_sources`: the torch backend rebuilds the models from checkpoints that changed since
-    the build (said on stderr) instead of refusing."""
+    the build (said on stderr) instead of refusing; `exact`: the torch backend's width-invariant kernels
+    (README, "Exactness per backend and dtype"): speculative output bit-identical to plain decoding in
+    bf16/fp16/fp32 on a GPU; refused, before any model loads, where it cannot hold."""
     path = Path(path)
     manifest = check_build(path) if verify else Manifest.from_json(read_manifest(path), path / MANIFEST)
     rebuild = rebuild_hint(path, manifest.recipe, {r: m.source for r, m in manifest.models.items()})
@@ -141,7 +157,7 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
         raise EagleExportError(f"{path}'s manifest contradicts its graphs or its model: " + "; ".join(problems),
                                rebuild)
     try:
-        chosen = make_backend(path, manifest, backend, threads, cuda_graphs, allow_changed_sources)
+        chosen = make_backend(path, manifest, backend, threads, cuda_graphs, allow_changed_sources, exact)
     except EagleExportError as e:  # an engine or graph that will not load: its fix names this build's rebuild
         if not (e.fix and REBUILD in e.fix and "`" in rebuild):
             raise

@@ -51,7 +51,7 @@ from ..speculation.eager import draft_chain
 from ..speculation.stats import mean_accepted_length
 from ..speculation.synthetic import MODES, SyntheticDrafts
 from ..speculation.tree import random_verify_mask
-from .build_dir import open_build, torch_models
+from .build_dir import check_exact, open_build, torch_models
 from .manifest import (
     Agreement,
     BuildMismatch,
@@ -326,15 +326,15 @@ def _synthetic_tier(runtime, prompts, exact_plain: bool) -> tuple:
 
 
 def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, new_tokens: int,
-              backend: str | None = None):
+              backend: str | None = None, exact: bool = False):
     """The lossless contract's tiers through the build's graphs, batch `prompts_count` (module
     docstring): T0 always; an unquantized target's speculative tokens equal plain decoding's (and
     the torch target's greedy ones when `target` is given); a quantized target's T1-T3. `backend`
-    None: `lossless_backend`. Returns (checks, record for the manifest)."""
+    None: `lossless_backend`; `exact`: its width-invariant kernels (torch). Returns (checks, record for the manifest)."""
     # The fixed policy verifies every draft, so every round exercises accept and rollback.
     backend = backend or lossless_backend({m.precision for m in manifest.models.values()})
     try:
-        opened = open_build(build_dir, backend=backend, verify=False, verify_policy="fixed")
+        opened = open_build(build_dir, backend=backend, verify=False, verify_policy="fixed", exact=exact)
     except EagleExportError as e:
         if backend != "tensorrt":
             raise
@@ -351,7 +351,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     spec = runtime.generate(prompts, config, speculative=True)
     plain = [r.tokens for r in runtime.generate(prompts, longer, speculative=False)]
     ar = [p[:new_tokens] for p in plain]
-    backend = runtime.backend.name
+    backend = runtime.backend.name + (", exact kernels" if exact else "")
     records = [{"tokens": len(s.tokens), "tau": round(s.stats.tau, 4), **agreement(s.tokens, a)}
                for s, a in zip(spec, ar)]
     tau = sum(r.stats.tau for r in spec) / len(spec)
@@ -491,10 +491,11 @@ class _Checks(list):
         return self
 
 
-def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=None) -> dict:
+def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=None, exact: bool = False) -> dict:
     """Run every check; `reference` = the unquantized (target, drafter) torch modules the build was
     made from, when the caller has them (else they are rebuilt from the recorded sources); `on_check`
-    sees each check as it finishes."""
+    sees each check as it finishes; `exact`: the lossless loop also runs on the torch backend's
+    width-invariant kernels (refused before anything loads where they cannot run)."""
     build_dir = Path(build_dir)
     checks = _Checks(on_check)
     try:
@@ -509,6 +510,8 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
     if contradicting:  # whatever the hashes say, these values cannot run
         checks.append(("manifest values", False, "; ".join(contradicting)))
         return _summary(checks)
+    if exact:
+        check_exact(manifest, "torch")
     quantized = manifest.quantized_roles
     if reference is None:
         changed, unavailable = verify_sources(manifest)
@@ -531,6 +534,8 @@ def validate_build_dir(build_dir, reference=None, quick: bool = False, on_check=
     checks += lossless
     if manifest.engines:  # the engines the build made run the same loop (skipped where they cannot load)
         checks += _lossless(build_dir, manifest, target, *size, backend="tensorrt")[0]
+    if exact:
+        checks += _lossless(build_dir, manifest, target, *size, backend="torch", exact=True)[0]
     return {**_summary(checks), "lossless": record}
 
 
@@ -544,8 +549,8 @@ def _summary(checks) -> dict:
             "checks": [{"name": n, "ok": ok, "status": status[ok], "detail": d} for n, ok, d in checks]}
 
 
-def validate(build_dir, on_check=None) -> dict:
+def validate(build_dir, on_check=None, exact: bool = False) -> dict:
     """The CLI's entry: a missing or unreadable build is an error, failed checks are a report."""
     if not Path(build_dir).is_dir():
         raise EagleExportError(f"{build_dir} is not a directory", "pass a build directory made by `eagle-export build`")
-    return validate_build_dir(build_dir, on_check=on_check)
+    return validate_build_dir(build_dir, on_check=on_check, exact=exact)

@@ -49,8 +49,16 @@ def node_log_prob(q: torch.Tensor) -> torch.Tensor:
     return q.float().clamp(MIN_SCORE_PROB, MAX_SCORE_PROB).log()
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim (the first maximal index on ties): the graphs' `argmax`, which
+    exact mode (runtime.exact) rebinds to the kernel, ties to the lowest index there too."""
+    return logits.argmax(-1)
+
+
 class TargetGraph(nn.Module):
     """Target forward with the greedy argmax fused in, so greedy decoding never moves logits to the host."""
+
+    argmax = staticmethod(greedy)
 
     def __init__(self, target: Target, return_logits: bool):
         super().__init__()
@@ -59,7 +67,7 @@ class TargetGraph(nn.Module):
     def forward(self, input_ids, positions, past_key, past_value, cache_lens, tree_mask):
         logits, aux, new_key, new_value = self.target(input_ids, positions, past_key, past_value, cache_lens,
                                                       tree_mask=tree_mask)
-        greedy_ids = logits.argmax(-1)
+        greedy_ids = self.argmax(logits)
         if self.return_logits:
             return greedy_ids, logits, aux, new_key, new_value
         return greedy_ids, aux, new_key, new_value
@@ -86,6 +94,8 @@ class StaticLevel:
 
 
 class UnrolledDrafter(nn.Module):
+    argmax = staticmethod(greedy)
+
     def __init__(self, drafter: Drafter, speculation: int | Speculation, sampling: bool):
         """speculation: what one call proposes (tree.Speculation; a bare int K is a chain, see `as_tree`)."""
         super().__init__()
@@ -151,7 +161,7 @@ class UnrolledDrafter(nn.Module):
             # searchsorted(cdf, u, right=True) clamped to the last index: count the first Vd-1 entries only
             token = (torch.cumsum(probs, dim=-1)[..., :-1] <= noise).sum(-1)
         elif level.top == 1:
-            token = logits.argmax(-1)
+            token = self.argmax(logits)
         else:  # node j holds its parent's rank-j draft
             q, index = torch.topk(probs, level.top, dim=-1)                           # [B,n,top]
             pick = self._const(level.rank, normed.device)[None, :, None]
@@ -222,7 +232,7 @@ class UnrolledDrafter(nn.Module):
         positions = cache_lens[:, None] + rows[None, :]
         key_pos = torch.cat([slots[None, :].expand(positions.shape[0], -1), positions], dim=-1)  # [B,S+W]
         normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None],
-                                                key_pos)
+                                                key_pos, cache_lens=cache_lens)
         # The last valid row of each sequence, selected by a one-hot sum (exact; plainer to every
         # backend than a gather with a per-sequence index): the root.
         last = (rows[None, :] == (num_valid - 1)[:, None])[:, :, None]                   # [B,W,1]
@@ -237,7 +247,8 @@ class UnrolledDrafter(nn.Module):
             positions = (cache_lens + num_valid - 1 + depth)[:, None].expand(-1, f)
             mask = torch.cat([past_ok.expand(-1, f, -1), row_valid[:, None, :].expand(-1, f, -1), step_mask], dim=-1)
             key_pos = torch.cat([key_pos, positions], dim=-1)
-            out = d.step(tokens, hidden, positions, past_k, past_v, mask[:, None, None], key_pos, (keys, values))
+            out = d.step(tokens, hidden, positions, past_k, past_v, mask[:, None, None], key_pos, (keys, values),
+                         cache_lens)
             keys, values = torch.cat([keys, out[2]], dim=2), torch.cat([values, out[3]], dim=2)
             return out[0], out[1]
 

@@ -29,11 +29,11 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, k_cache, v_cache, mask, prefix_kv=None):
+    def forward(self, embeds, hidden, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None):
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        attn, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv)
+        attn, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv, cache_lens)
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x)), new_k, new_v
 
@@ -83,19 +83,21 @@ class Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step(self, input_ids, hidden, positions, past_k, past_v, mask, key_positions, prefix_kv=None):
+    def step(self, input_ids, hidden, positions, past_k, past_v, mask, key_positions, prefix_kv=None,
+             cache_lens=None):
         """The drafter step every path runs (forward, the unrolled graph, the reference's parallel
         drafts): embed the tokens, RoPE at `positions`, the decoder layer over the cache, final norm.
         input_ids, positions [B,T]; hidden [B,T,H]; past_k, past_v [B,Hkv,S,D]; mask broadcast to
         [B,Hq,T,S(+prefix)+T], which keys are valid; key_positions [B or 1, S(+prefix)+T], the position
         of each of those keys (a sliding-window drafter also hides keys behind its window);
-        prefix_kv: extra keys/values after the cache (see Attention)
+        prefix_kv: extra keys/values after the cache; cache_lens [B]: each sequence's cached slots,
+        None where the cache has no such meaning (see Attention)
         -> (normed state [B,T,H], lm_head's input; feedback state [B,T,H]; new_k, new_v [B,Hkv,T,D])."""
         if self.config.sliding_window is not None:
             mask = mask & in_window(positions, key_positions, self.config.sliding_window)[:, None, None]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq, hidden.dtype)
-        h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv)
+        h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv, cache_lens)
         normed = self.norm(h)
         # The feedback rule: EAGLE-3 feeds back the pre-norm state, EAGLE-3.1 (norm_output) the normed one.
         return normed, (normed if self.config.norm_output else h), new_k, new_v
@@ -109,7 +111,7 @@ class Drafter(nn.Module):
             raise RuntimeError("the drafter has no embedding table: call share_embeddings(target.embed_tokens)")
         mask = attention_mask(positions, cache_lens, k_cache.shape[3])
         normed, feedback, new_k, new_v = self.step(input_ids, hidden, positions, k_cache[0], v_cache[0], mask,
-                                                   key_positions(k_cache.shape[3], positions))
+                                                   key_positions(k_cache.shape[3], positions), cache_lens=cache_lens)
         return self.lm_head(normed), feedback, new_k.unsqueeze(0), new_v.unsqueeze(0)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,34 @@ def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: 
     return mask[:, None, None]
 
 
+def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
+    """The attention core: q [B,Hq,T,D] and the call's new k, v [B,Hkv,T,D] (after RoPE); the cache
+    views k_cache, v_cache [B,Hkv,S,D]; cache_lens [B], each sequence's cached slots (None: no cache
+    semantics); mask [B,1,1,T,S(+E)+T] bool, which of [cache | prefix | new] keys each row sees;
+    prefix_kv: (K, V) [B,Hkv,E,D] between the cache and the call's keys; tap: a module the fp32
+    attention weights [B,Hkv,G,T,keys] pass through (diagnose's hooks) -> out [B,T,Hq*D] in q's dtype."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    keys, values = k, v
+    if prefix_kv is not None:
+        keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
+    # Group the query heads by their KV head instead of repeating K/V, and score the cache and
+    # the new entries separately (concatenating scores, not keys): the cache is never copied.
+    q = q.reshape(b, hkv, hq // hkv, t, d)
+    past_scores = torch.matmul(q, k_cache.to(k.dtype).unsqueeze(2).transpose(-1, -2))
+    new_scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2))
+    scores = torch.cat([past_scores, new_scores], dim=-1) / math.sqrt(d)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    # Cast before the softmax, not via its dtype argument: the ONNX exporter turns that into a
+    # half-precision Softmax followed by a Cast.
+    probs = F.softmax(scores.float(), dim=-1)
+    probs = (tap(probs) if tap is not None else probs).to(q.dtype)
+    past_len = k_cache.shape[2]
+    out = (torch.matmul(probs[..., :past_len], v_cache.to(v.dtype).unsqueeze(2))
+           + torch.matmul(probs[..., past_len:], values.unsqueeze(2)))  # [B,Hkv,G,T,D]
+    return out.reshape(b, hq, t, d).transpose(1, 2).reshape(b, t, -1)
+
+
 class Attention(nn.Module):
     """GQA attention. `in_features` is 2H for the drafter's layer, H for the target's."""
 
@@ -120,10 +148,23 @@ class Attention(nn.Module):
         self.weights_tap = nn.Identity()
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
-    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None):
+    # The attention core, the seam a backend's kernel replaces (assign a function of attend's signature
+    # to `Attention.core`, or to one instance's `core`): everything before it is per-row projection
+    # and RoPE, everything after it the output projection.
+    core = staticmethod(attend)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None):
         """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
         prefix_kv: optional small (K, V) [B,Hkv,E,D] sitting between the cache and the new tokens
-        (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys."""
+        (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys. cache_lens [B]:
+        each sequence's cached slots (None: no cache semantics, the keys are [cache | prefix | new]
+        as the mask says)."""
+        q, k, v = self.project(x, cos, sin)
+        out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
+        return self.o_proj(out), k, v
+
+    def project(self, x, cos, sin):
+        """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D], RoPE applied (and Qwen3's qk-norm before it)."""
         b, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -134,26 +175,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = k, v
-        if prefix_kv is not None:
-            keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
-        # Group the query heads by their KV head instead of repeating K/V, and score the cache and
-        # the new entries separately (concatenating scores, not keys): the cache is never copied.
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, self.num_kv_heads, group, t, self.head_dim)
-        past_scores = torch.matmul(q, k_cache.to(k.dtype).unsqueeze(2).transpose(-1, -2))
-        new_scores = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2))
-        scores = torch.cat([past_scores, new_scores], dim=-1) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        # Cast before the softmax, not via its dtype argument: the ONNX exporter turns that into a
-        # half-precision Softmax followed by a Cast.
-        probs = self.weights_tap(F.softmax(scores.float(), dim=-1)).to(q.dtype)
-        past_len = k_cache.shape[2]
-        out = (torch.matmul(probs[..., :past_len], v_cache.to(v.dtype).unsqueeze(2))
-               + torch.matmul(probs[..., past_len:], values.unsqueeze(2)))  # [B,Hkv,G,T,D]
-        out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out), k, v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class MLP(nn.Module):

@@ -24,8 +24,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, mask):
-        attn, new_k, new_v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, mask, cache_lens=None):
+        attn, new_k, new_v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, mask,
+                                            cache_lens=cache_lens)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), new_k, new_v
 
@@ -69,7 +70,7 @@ class Target(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in self.aux_layer_ids:
                 aux.append(x)
-            x, new_k, new_v = layer(x, cos, sin, k_cache[i], v_cache[i], mask)
+            x, new_k, new_v = layer(x, cos, sin, k_cache[i], v_cache[i], mask, cache_lens)
             new_ks.append(new_k)
             new_vs.append(new_v)
         if len(self.layers) in self.aux_layer_ids:  # "entering" the layer after the last: the final state

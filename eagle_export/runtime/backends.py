@@ -22,6 +22,7 @@ from ..engine.trt_session import TensorRTSession
 from ..errors import REBUILD, EagleExportError
 from ..models import contract as C
 from ..speculation.tree import Speculation, as_tree
+from . import exact as exact_mode
 from .cuda_graphs import CudaGraphCapture, ShapeGraphs
 from .fp4_reference import reference_evaluator
 
@@ -160,6 +161,7 @@ class Backend:
     name = "?"
     device = "cpu"
     cuda_graphs = False  # calls replayed from CUDA graphs: the runtime must keep its caches static
+    exact = False  # bound to the width-invariant kernels (the torch backend's exact mode)
 
     def __init__(self, speculation: int | Speculation, model_dtype: torch.dtype, has_logits: bool,
                  has_sampling: bool, drafter_dtype: torch.dtype | None = None):
@@ -184,13 +186,18 @@ class TorchBackend(Backend):
     """The exported torch modules. `cuda_graphs`: replay each call of at most K+1 tokens (verify,
     plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
     cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
-    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph)."""
+    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph). `exact`: the
+    models bound once to the width-invariant kernels (runtime/exact.py), refused where they cannot hold."""
 
     name = "torch"
 
     def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu",
-                 cuda_graphs: bool = False, capture=None):
+                 cuda_graphs: bool = False, capture=None, exact: bool = False):
         target = target_graph.target
+        self.exact = exact
+        if exact:
+            exact_mode.check_models(str(device), target, drafter_graph.drafter)
+            exact_mode.bind(*(g for g in (target_graph, drafter_graph, drafter_sampling_graph) if g is not None))
         super().__init__(drafter_graph.tree, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device

@@ -128,10 +128,11 @@ def machine_id(device: str) -> str:
 
 
 def cost_key(backend, threads: int | None, static_cache: bool | None = None) -> str:
-    """Costs hold for one backend, library version, thread setting, cache mode and machine."""
+    """Costs hold for one backend, library version, thread setting, cache mode, kernel set and machine."""
     version = {"onnxruntime": package_version("onnxruntime") or package_version("onnxruntime-gpu"),
                "tensorrt": tensorrt_version(), "torch": torch.__version__}.get(backend.name)
     mode = " with CUDA graphs" if backend.cuda_graphs else " with static caches" if static_cache else ""
+    mode += " (exact kernels)" if getattr(backend, "exact", False) else ""
     return f"{backend.name} {version}{mode} on {machine_id(backend.device)}, threads {threads or 'default'}"
 
 

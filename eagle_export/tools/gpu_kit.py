@@ -25,6 +25,14 @@ through the same model passes a build applies. Per shape, each step one record i
     export      the real-width graphs (EXPORT_LAYERS decoder layers) exported to ONNX and run in ONNX
                 Runtime against torch on one prefill
 
+With `--exact` the kit runs exact mode's steps instead (runtime/exact.py, the width-invariant kernels):
+
+    exact lossless   speculative == plain decoding on every prompt, both through the kernels: batch
+                     1, 4 and 16, the random drafter and synthetic acceptance 0.7 and 0.9, a chain and
+                     a dynamic tree, eager and with CUDA graphs
+    exact cost       the plain step (median seconds of a plain decoding round) through the kernels
+                     beside the same step through cuBLAS and torch attention, batch 1 and 16, one run
+
 Random weights say nothing of acceptance (the synthetic drafter supplies that) and everything of
 shapes, memory and time. `--shapes tiny` runs the whole kit on a CPU in seconds (CI does).
 """
@@ -47,10 +55,12 @@ from ..models.config import DrafterConfig, TargetConfig, default_aux_layer_ids
 from ..models.drafter import Drafter
 from ..models.target import Target
 from ..output_dir import write_output
+from ..runtime import exact as exact_mode
 from ..runtime.backends import TorchBackend
 from ..runtime.costs import PAST
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
 from ..speculation.synthetic import SyntheticDrafts, verify_width_continuations
+from ..speculation.tree import DynamicTree
 from .bench import _batches, bench, plot_sweep
 
 DEPTH = 4
@@ -193,18 +203,19 @@ def random_pair(shape: str, device: str, dtype: torch.dtype, layers: int | None 
     return target.eval(), drafter.eval()
 
 
-def make_runtime(target, drafter, device: str, cuda_graphs: bool, max_context: int = 1024) -> SpeculativeRuntime:
-    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False), device=device,
-                           cuda_graphs=cuda_graphs)
+def make_runtime(target, drafter, device: str, cuda_graphs: bool, max_context: int = 1024, speculation=DEPTH,
+                 exact: bool = False) -> SpeculativeRuntime:
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, speculation, False), device=device,
+                           cuda_graphs=cuda_graphs, exact=exact)
     return SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context, verify_policy="fixed",
                                          static_cache=True)
 
 
-def random_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
-    """Ragged prompts of random ids (16 to 96 tokens)."""
+def random_prompts(vocab: int, count: int, seed: int = 0, lengths: tuple[int, int] = (16, 96)) -> list[list[int]]:
+    """Ragged prompts of random ids (16 to 96 tokens, or `lengths`)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
-            for n in torch.randint(16, 97, (count,), generator=gen)]
+            for n in torch.randint(lengths[0], lengths[1] + 1, (count,), generator=gen)]
 
 
 def _first_difference(runtime, prompt, plain, spec) -> dict:
@@ -247,6 +258,70 @@ def lossless(runtime, prompts, new_tokens: int) -> dict:
                 entry["first_difference"] = _first_difference(runtime, prompts[i], plain[i], spec[i])
             record[f"batch {batch}, {'synthetic 0.7' if drafts != 'drafter' else 'random drafter'}"] = entry
     return record
+
+
+EXACT_SPECULATION = {"chain": DEPTH, "dynamic tree": DynamicTree(top_k=4, depth=DEPTH, nodes=8)}
+EXACT_DRAFTS = ("random drafter", 0.7, 0.9)
+
+
+def unbind(runtime) -> None:
+    exact_mode.unbind(*(graph for graph, _ in runtime.backend.graphs.values()))
+
+
+def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new_tokens: int,
+                   batches=(1, 4, 16), drafts=EXACT_DRAFTS, speculations=EXACT_SPECULATION) -> dict:
+    """Exact mode: speculative output against plain decoding, both through the kernels, on every
+    prompt; per speculation, batch and drafter, how many are identical (all, if the kernels hold)."""
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    record, plain = {}, {}
+    for name, speculation in speculations.items():
+        runtime = make_runtime(target, drafter, device, cuda_graphs, speculation=speculation, exact=True)
+        try:
+            for batch in batches:
+                chunks = _batches(prompts, batch)
+                if batch not in plain:  # plain decoding does not depend on the speculation
+                    plain[batch] = [r.tokens for c in chunks for r in runtime.generate(c, config, speculative=False)]
+                for chosen in drafts:
+                    spec, taus = [], []
+                    for chunk in chunks:
+                        synthetic = (None if chosen == "random drafter" else
+                                     SyntheticDrafts.for_prompts(runtime, chunk, config, (chosen,) * runtime.depth))
+                        results = runtime.generate(chunk, config, synthetic=synthetic)
+                        spec += [r.tokens for r in results]
+                        taus += [r.stats.tau for r in results]
+                    same = [p == s for p, s in zip(plain[batch], spec)]
+                    entry = {"identical": sum(same), "of": len(same), "tau": round(sum(taus) / len(taus), 3)}
+                    if not all(same):
+                        i = same.index(False)
+                        entry["first_difference"] = _first_difference(runtime, prompts[i], plain[batch][i], spec[i])
+                    label = "synthetic " + str(chosen) if chosen != "random drafter" else chosen
+                    record[f"{name}, batch {batch}, {label}"] = entry
+        finally:
+            unbind(runtime)
+    return record
+
+
+def exact_cost(target, drafter, device: str, cuda_graphs: bool, prompts, new_tokens: int, batches=(1, 16)) -> dict:
+    """The plain step through the kernels beside the same step through cuBLAS and torch attention, on
+    the same weights and prompts, one after the other: median milliseconds of plain decoding's rounds
+    (each one target call of width 1 and its host work) after one warm-up generate."""
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    out = {}
+    for batch in batches:
+        chunk = (prompts * batch)[:batch]
+        row = {}
+        for name, exact in (("torch_ms", False), ("exact_ms", True)):
+            runtime = make_runtime(target, drafter, device, cuda_graphs, exact=exact)
+            try:
+                runtime.generate(chunk, config, speculative=False)  # warm-up: compiles, captures
+                runtime.generate(chunk, config, speculative=False)
+                steps = sorted(runtime.timings.plain_round_s)
+                row[name] = round(1000 * steps[len(steps) // 2], 3)
+            finally:
+                unbind(runtime)
+        row["exact_over_torch"] = round(row["exact_ms"] / row["torch_ms"], 3)
+        out[f"batch {batch}"] = row
+    return out
 
 
 def costs(runtime, batches=(1, 4, 16), peak: float | None = None, copy: float | None = None) -> dict:
@@ -303,15 +378,19 @@ def export_check(shape: str, out_dir: Path) -> dict:
 
 def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
             dtype: torch.dtype | None = None, export: bool = True, num_prompts: int | None = None,
-            new_tokens: int | None = None, repeat: int = REPEATS) -> dict:
+            new_tokens: int | None = None, repeat: int = REPEATS, exact: bool = False) -> dict:
     """Every step for every shape, in order, until `budget_s` runs out; the report after each step.
     The first shape also runs eagerly in fp32 (on a GPU), which tells the verify width's rounding in
-    bf16 from a bug, and the export check follows it."""
+    bf16 from a bug, and the export check follows it. `exact`: exact mode's steps instead, in bf16
+    (on a CPU through Triton's interpreter, which must be on: the tiny shape in CI)."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    if exact:  # refused here, before any model is made, where the kernels cannot run
+        exact_mode.check(device, {torch.bfloat16})
+        dtype = dtype or torch.bfloat16
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     result = {"device": torch.cuda.get_device_name(0) if cuda else "CPU", "torch": torch.__version__,
-              "dtype": str(dtype).removeprefix("torch."), "depth": DEPTH, "shapes": {},
+              "dtype": str(dtype).removeprefix("torch."), "depth": DEPTH, "exact": exact, "shapes": {},
               "note": "random weights; sweep rows are SYNTHETIC acceptance (the real drafter runs, its drafts "
                       "are replaced)"}
     start = time.perf_counter()
@@ -354,7 +433,8 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
 
         def make():
             t0 = time.perf_counter()
-            pair["models"] = random_pair(shape, device, dtype)
+            # the interpreter runs each kernel program in Python: CI's exact run keeps 2 layers
+            pair["models"] = random_pair(shape, device, dtype, layers=2 if exact and tiny else None)
             target, drafter = pair["models"]
             params = {id(p): p for m in pair["models"] for p in m.parameters()}
             out = {"parameters": sum(p.numel() for p in params.values()),
@@ -365,7 +445,24 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 out["gpu_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             return out
 
-        if step("pair", record, make) is not None:
+        if step("pair", record, make) is not None and exact:
+            target, drafter = pair.pop("models")
+            # CI's run proves the path (the interpreter: ~1 s a call); a GPU run measures
+            prompts = random_prompts(target.config.vocab_size, 2, lengths=(5, 9)) if tiny else \
+                random_prompts(target.config.vocab_size, 16)
+            tokens, batches = (3, (2,)) if tiny else (32, (1, 4, 16))
+            drafts = (0.9,) if tiny else EXACT_DRAFTS
+            speculations = {"chain": 2, "dynamic tree": DynamicTree(top_k=2, depth=2, nodes=3)} if tiny else \
+                EXACT_SPECULATION
+            for mode in ("eager", "cuda_graphs") if cuda else ("eager",):
+                step(f"exact lossless ({mode})", record, lambda: exact_lossless(
+                    target, drafter, device, mode == "cuda_graphs", prompts, tokens, batches, drafts, speculations))
+            step("exact cost", record, lambda: exact_cost(target, drafter, device, cuda, prompts, 2 if tiny else tokens,
+                                                          (1,) if tiny else (1, 16)))
+            target = drafter = None
+            if cuda:
+                torch.cuda.empty_cache()
+        elif pair.get("models") is not None:
             target, drafter = pair.pop("models")
             prompts = random_prompts(target.config.vocab_size, count)
             runtimes = {"eager": make_runtime(target, drafter, device, cuda_graphs=False)} if n == 0 or not cuda else {}
@@ -386,13 +483,13 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
             runtimes = runtime = fast = target = drafter = None  # the GPU memory goes before the next shape
             if cuda:
                 torch.cuda.empty_cache()
-        if n == 0 and cuda and dtype != torch.float32:
+        if n == 0 and cuda and dtype != torch.float32 and not exact:
             def fp32():
                 target32, drafter32 = random_pair(shape, device, torch.float32)
                 return lossless(make_runtime(target32, drafter32, device, cuda_graphs=False), prompts, new_tokens)
             step("lossless (eager, fp32: no bf16 rounding)", record, fp32)
             torch.cuda.empty_cache()
-        if n == 0 and export:
+        if n == 0 and export and not exact:
             with tempfile.TemporaryDirectory() as tmp:
                 step(f"export ({shape}, {EXPORT_LAYERS} layers, fp32, CPU)", result,
                      lambda: export_check(shape, Path(tmp)))
@@ -424,6 +521,13 @@ def step_result(name: str, value) -> str:
                 f"{rec['policies']['fixed']['decode_speedup']:.2f}x" for rec in build["sweep"])
             + f", break-even acceptance {build['break_even_acceptance']}"
             for r in value for build in r["builds"].values())
+    if name.startswith("exact lossless"):
+        same = sum(e["identical"] for e in value.values())
+        return f"identical {same}/{sum(e['of'] for e in value.values())} over {len(value)} runs" + "".join(
+            f"; {run}: {e['identical']}/{e['of']}" for run, e in value.items() if e["identical"] < e["of"])
+    if name == "exact cost":
+        return "; ".join(f"{b}: exact {r['exact_ms']:.2f} ms, torch {r['torch_ms']:.2f} ms ({r['exact_over_torch']:.2f}x)"
+                         for b, r in value.items())
     if name.startswith("export"):
         return (f"greedy ids equal to torch: {'yes' if value['greedy_ids_equal'] else 'NO'}, aux max relative error "
                 f"{value['aux_max_rel_err']:.2g}")

@@ -1,0 +1,52 @@
+"""The torch reference of each kernel in `triton_ops`: the same function, computed by torch's own ops.
+
+The kernels are tested against these within a stated tolerance (their reduction orders differ from
+torch's); what the kernels add is that a row's bits do not depend on the call it sits in, which
+these references do not promise on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N]."""
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as models.layers.RMSNorm computes it: normalized in fp32, cast to
+    x's dtype, then times the gain (none once its gain is folded into the next linear layer)."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: silu(gate) * up, each op rounded to the dtype as torch rounds it."""
+    return F.silu(gate) * up
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention over the keys [cache ; new]: q [B,Hq,T,D]; k/v_cache [B,Hkv,S,D];
+    k/v_new [B,Hkv,N,D]; mask [B,T,S+N] bool, the keys each query row sees -> [B,Hq,T,D] in q's
+    dtype. Scores and softmax in fp32 (a fully masked row gives zeros, as the kernel does)."""
+    b, hq, t, d = q.shape
+    group = hq // k_cache.shape[1]
+    keys = torch.cat([k_cache, k_new], dim=2).float().repeat_interleave(group, dim=1)
+    values = torch.cat([v_cache, v_new], dim=2).float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) / math.sqrt(d)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, values).to(q.dtype)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value along the last dim, the lowest index among equal ones (torch
+    documents the first maximal value) -> int64 [...]."""
+    return x.argmax(-1)

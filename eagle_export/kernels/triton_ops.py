@@ -1,0 +1,262 @@
+"""The width-invariant kernels (Triton). Each computes a row with arithmetic fixed by the layer's
+shape alone: no tile size, split or reduction order is chosen from the call's rows (M = batch x
+tokens), so a row's bits are the same at every call width, batch size and place in the call.
+
+    linear     one tile configuration (BLOCK_M x BLOCK_N x BLOCK_K) for every M, fp32 accumulation
+               along K in one fixed order; no split-K. Rows of one tile never mix: an output element
+               is a dot product of its own row.
+    rms_norm   a fixed number of rows per program (1 on a GPU), each row's sum of squares one
+               reduction of its own along a fixed-shape tile.
+    silu_mul   elementwise: silu(gate) rounded to the dtype, times up (torch's two roundings).
+    attention  each query row reduces over its *own* visible keys, compacted in key order: the
+               cache slots it sees, then the call's new keys it sees (its ancestors and itself in a
+               tree). That is the cache-first layout (the call's K/V at the slots after the cache,
+               each row over its prefix) read through an index: a row of a verify call over past
+               p - j and the one-token step over past p read the same keys at the same logical
+               places, and masked keys are never visited, so they change no sum. The keys are cut
+               into splits of a fixed SIZE (SPLIT_SIZE keys, not a fixed number of splits), each
+               reduced in BLOCK_N blocks in order with an online softmax; the splits are combined
+               in order, empty ones skipped.
+    argmax     one program per row, blocks in order, ties to the lowest index.
+
+Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
+interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
+cores with fp32 accumulation, fp32 in IEEE precision (no TF32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
+# there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
+BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 64) if not INTERPRETED else (64, 256, 128)  # linear's tile
+ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
+ATTN_BLOCK = 16                          # keys per attention block
+SPLIT_SIZE = 256 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
+ARGMAX_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x, w, bias, y, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + rm[:, None] * sym + rn[None, :] * syn, acc.to(y.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    m, k = rows.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _linear_kernel[grid](rows, weight, bias if bias is not None else weight, y, m, n, k,
+                         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+                         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32,
+                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return y.view(*x.shape[:-1], n)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rms_norm_kernel(x, w, y, M, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    cols = tl.arange(0, BLOCK)
+    inside = (rows < M)[:, None] & (cols < H)[None, :]
+    v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    normed = (v * tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)[:, None]).to(y.dtype.element_ty)
+    if HAS_WEIGHT:
+        normed = tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] * normed.to(tl.float32)
+    tl.store(y + rows[:, None] * sy + cols[None, :], normed.to(y.dtype.element_ty), mask=inside)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (also Qwen3's qk-norm over head_dim), one program per row."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    h = rows.shape[1]
+    out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    _rms_norm_kernel[(triton.cdiv(rows.shape[0], ROWS),)](
+        rows, weight if weight is not None else rows, y, rows.shape[0], h, rows.stride(0), y.stride(0), eps,
+        HAS_WEIGHT=weight is not None, R=ROWS, BLOCK=triton.next_power_of_2(h))
+    return y.view(x.shape)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = (rows < M)[:, None] & (cols < width)[None, :]
+    a = tl.load(g + rows[:, None] * sg + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(u + rows[:, None] * su + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    silu = (a / (1.0 + tl.exp(-a))).to(y.dtype.element_ty).to(tl.float32)
+    tl.store(y + rows[:, None] * sy + cols[None, :], (silu * b).to(y.dtype.element_ty), mask=inside)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate and up may be strided views (the halves of a fused gate_up output)."""
+    g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    if g.stride(-1) != 1 or u.stride(-1) != 1:
+        g, u = g.contiguous(), u.contiguous()
+    y = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
+        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), R=ROWS, BLOCK=block)
+    return y.view(gate.shape)
+
+
+@triton.jit(do_not_specialize=["T", "S", "N", "num_splits", "split_size"])
+def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out,
+                            T, S, N, HKV, num_splits, split_size, scale,
+                            sqb, sqh, sqt, skb, skh, sks, snb, snh, sns,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Program (b*HKV + kv head, query row t, split s): the G query heads of one KV head over keys
+    [s*split_size, (s+1)*split_size) of row t's compacted key list -> the split's running max m,
+    sum l and unnormalized output acc (fp32) in the workspace."""
+    bh, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // HKV).to(tl.int64), bh % HKV  # 64-bit: a batch's cache offset can pass 2^31 elements
+    g, d = tl.arange(0, GP), tl.arange(0, DP)
+    gmask, dmask = g < G, d < D
+    qv = tl.load(q + b * sqb + (h * G + g)[:, None] * sqh + t * sqt + d[None, :],
+                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    m = tl.full([GP], -1.0e30, tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    row = b * T + t
+    start = s * split_size
+    end = tl.minimum(start + split_size, tl.load(count + row))
+    for r0 in range(start, end, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        valid = r < end
+        i = tl.load(index + row * (S + N) + r, mask=valid, other=0)
+        cached = valid & (i < S)
+        fresh = valid & (i >= S)
+        kd = dmask[None, :]
+        k = tl.where(cached[:, None],
+                     tl.load(kc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached[:, None] & kd, other=0.0),
+                     tl.load(kn + b * snb + h * snh + (i - S)[:, None] * sns + d[None, :], mask=fresh[:, None] & kd,
+                             other=0.0)).to(tl.float32)
+        v = tl.where(cached[:, None],
+                     tl.load(vc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached[:, None] & kd, other=0.0),
+                     tl.load(vn + b * snb + h * snh + (i - S)[:, None] * sns + d[None, :], mask=fresh[:, None] & kd,
+                             other=0.0)).to(tl.float32)
+        scores = tl.sum(qv[:, None, :] * k[None, :, :], axis=2) * scale           # [GP, BLOCK]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = ((b * HKV + h) * G + g) * T + t                                         # [B,Hq,T] row of each head
+    tl.store(acc_out + (out * num_splits + s)[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_out + (out * num_splits + s) * 2, m, mask=gmask)
+    tl.store(ml_out + (out * num_splits + s) * 2 + 1, lsum, mask=gmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _attention_combine_kernel(acc_in, ml_in, y, num_splits, D: tl.constexpr, DP: tl.constexpr):
+    """Program (one query head's row): the splits combined in order, empty splits (l = 0) skipped."""
+    row = tl.program_id(0)
+    d = tl.arange(0, DP)
+    top = tl.full([], -1.0e30, tl.float32)
+    for s in range(0, num_splits):
+        top = tl.maximum(top, tl.load(ml_in + (row * num_splits + s) * 2))
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
+    for s in range(0, num_splits):
+        m = tl.load(ml_in + (row * num_splits + s) * 2)
+        lsum = tl.load(ml_in + (row * num_splits + s) * 2 + 1)
+        scale = tl.exp(m - top)
+        part = tl.load(acc_in + (row * num_splits + s) * DP + d)
+        total = tl.where(lsum > 0, total + lsum * scale, total)
+        acc = tl.where(lsum > 0, acc + part * scale, acc)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(y + row * D + d, out.to(y.dtype.element_ty), mask=d < D)
+
+
+def compact_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask [B,T,S+N] -> (index [B,T,S+N] int32: each row's visible keys first, in key order; count
+    [B,T] int32). A stable sort of "not visible" keeps the visible keys' order."""
+    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return index.contiguous(), mask.sum(-1, dtype=torch.int32).contiguous()
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor, mask: torch.Tensor, split_size: int = SPLIT_SIZE) -> torch.Tensor:
+    """Grouped-query attention, each row over its own visible keys (see the module's docstring).
+    q [B,Hq,T,D]; k/v_cache [B,Hkv,S,D] (any slot stride); k/v_new [B,Hkv,N,D]; mask [B,T,S+N]
+    -> [B,Hq,T,D] in q's dtype. `split_size` is a constant: the tests plant a per-call one."""
+    b, hq, t, d = q.shape
+    hkv, s, n = k_cache.shape[1], k_cache.shape[2], k_new.shape[2]
+    group = hq // hkv
+    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    index, count = compact_keys(mask)
+    num_splits = max(1, triton.cdiv(s + n, split_size))
+    dp = triton.next_power_of_2(d)
+    acc = torch.empty(b, hq, t, num_splits, dp, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b, hq, t, num_splits, 2, dtype=torch.float32, device=q.device)
+    _attention_split_kernel[(b * hkv, t, num_splits)](
+        q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, t, s, n, hkv, num_splits, split_size,
+        1.0 / math.sqrt(d), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK)
+    y = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
+    _attention_combine_kernel[(b * hq * t,)](acc, ml, y, num_splits, D=d, DP=dp)
+    return y
+
+
+@triton.jit(do_not_specialize=["M"])
+def _argmax_kernel(x, out, M, V, sx, R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    best = tl.full([R], float("-inf"), tl.float32)
+    best_index = tl.zeros([R], tl.int64)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        vals = tl.load(x + rows[:, None] * sx + cols[None, :], mask=(rows < M)[:, None] & (cols < V)[None, :],
+                       other=float("-inf")).to(tl.float32)
+        top = tl.max(vals, axis=1)
+        first = tl.min(tl.where(vals == top[:, None], cols[None, :], V), axis=1).to(tl.int64)
+        better = top > best  # strictly: an equal value in a later block keeps the earlier index
+        best_index = tl.where(better, first, best_index)
+        best = tl.where(better, top, best)
+    tl.store(out + rows, best_index, mask=rows < M)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value along the last dim, ties to the lowest index -> int64 [...]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
+    _argmax_kernel[(triton.cdiv(rows.shape[0], ROWS),)](rows, out, rows.shape[0], rows.shape[1], rows.stride(0),
+                                                         R=ROWS, BLOCK=ARGMAX_BLOCK)
+    return out.view(x.shape[:-1])

@@ -1,0 +1,118 @@
+"""Exact mode: the torch backend's models bound once, at load, to the width-invariant kernels.
+
+vLLM's way of choosing kernels: variants are bound when the model is built, never chosen per call.
+`bind` swaps, in the target and the drafter alike, every plain Linear (lm_head included), every
+RMSNorm (qk-norm included), the MLP's activation, the attention core and the graphs' greedy argmax
+for the kernels in `eagle_export.kernels`. Plain decoding, verification, `bench`'s baseline and
+`validate`'s references then run the same kernels, and a position's logits and K/V have the same
+bits whether it is row 0 of a one-token step or row j of a verify call (bf16, fp16, fp32).
+
+Not swapped, and why that keeps the property: embeddings (a gather), RoPE, residual adds and casts
+(elementwise, so per element the same ops at any width), and the drafter's softmax/top-k over its
+draft vocabulary (they choose drafts, which greedy verification accepts only where they equal the
+target's argmax). A diagnose tap on the attention weights sees nothing in exact mode.
+
+`check` refuses exact mode where it cannot hold (no Triton, no CUDA, a dtype or shape past the
+kernels' limits, a quantized model) before anything loads: one line naming what runs instead. This
+module imports no Triton until `bind` runs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .. import kernels
+from ..errors import EagleExportError
+from ..models.layers import MLP, Attention, RMSNorm
+
+
+def refusal(problems: list[str]) -> EagleExportError:
+    return EagleExportError("exact mode cannot hold here: " + "; ".join(problems),
+                            "run without --exact (exact=False): " + kernels.TIERED)
+
+
+def check(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0, group: int = 1,
+          backend: str = "torch") -> None:
+    """Raise `refusal` unless the kernels can run `backend`'s models of these dtypes, precisions and
+    shapes (the largest head_dim, hidden size and query heads per KV head of target and drafter) on `device`."""
+    problems = [] if backend == "torch" else [
+        f"the {backend} backend runs its own kernels (only the torch backend binds the width-invariant ones)"]
+    quantized = sorted(set(precisions) - {"fp32", "fp16", "bf16"})
+    if quantized:
+        problems.append(f"{', '.join(quantized)} weights (the kernels run unquantized ones)")
+    problems += kernels.problems(str(device), dtypes, head_dim, group, hidden)
+    if problems:
+        raise refusal(problems)
+
+
+def check_models(device: str, target, drafter) -> None:
+    """`check` for loaded models (the Python API's path; the CLI's checks the manifest before loading).
+    A module holding weights of its own that is not a plain Linear, Embedding or RMSNorm (an NVFP4 or
+    ModelOpt-quantized layer) would keep its own kernels: refused, not silently left unbound."""
+    configs = (target.config, drafter.config)
+    known = (nn.Linear, ExactLinear, nn.Embedding, RMSNorm, ExactRMSNorm)
+    other = sorted({type(m).__name__ for model in (target, drafter) for m in model.modules()
+                    if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
+    check(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
+          [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
+          max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
+
+
+class ExactLinear(nn.Linear):
+    def forward(self, x):
+        return kernels.ops().linear(x, self.weight, self.bias)
+
+
+class ExactRMSNorm(RMSNorm):
+    def forward(self, x):
+        return kernels.ops().rms_norm(x, self.weight, self.eps)
+
+
+class ExactMLP(MLP):
+    def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.ops().silu_mul(gate, up))
+
+
+def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
+    """layers.attend's signature on the attention kernel: the call's keys [prefix ; new] after the
+    cache, each row over the keys its mask [B,1,1,T,S+E+T] shows -> [B,T,Hq*D]."""
+    import torch
+
+    keys, values = (k, v) if prefix_kv is None else (torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2))
+    b, _, t, _ = q.shape
+    out = kernels.ops().attention(q, k_cache.to(k.dtype), v_cache.to(v.dtype), keys, values,
+                                  mask.expand(b, 1, 1, t, -1)[:, 0, 0])
+    return out.transpose(1, 2).reshape(b, t, -1)
+
+
+SWAPS = {nn.Linear: ExactLinear, RMSNorm: ExactRMSNorm, MLP: ExactMLP}
+
+
+def bind(*graphs) -> None:
+    """Swap the kernels into the models of `graphs` (a TargetGraph, UnrolledDrafters), in place, once.
+    A module's class is swapped for its exact subclass (same parameters, same state dict); the
+    attention core and each graph's argmax are set on the instances."""
+    ops = kernels.ops()  # no Triton: the one-line error, before anything is changed
+    for graph in graphs:
+        for module in graph.modules():
+            if type(module) in SWAPS:
+                module.__class__ = SWAPS[type(module)]
+            elif isinstance(module, Attention):
+                module.core = attention_core
+        graph.argmax = ops.argmax
+
+
+def unbind(*graphs) -> None:
+    """`bind` undone: torch's kernels again (the GPU kit times both on the same weights)."""
+    plain = {exact: base for base, exact in SWAPS.items()}
+    for graph in graphs:
+        for module in graph.modules():
+            if type(module) in plain:
+                module.__class__ = plain[type(module)]
+            elif isinstance(module, Attention):
+                vars(module).pop("core", None)
+        vars(graph).pop("argmax", None)

@@ -1,0 +1,166 @@
+"""Exact mode (runtime/exact.py): the torch backend's models bound to the width-invariant kernels.
+
+On a CPU through Triton's interpreter (conftest): a position's logits and K/V have the same bits as
+row 0 of a one-token step and as row j of a verify call, in fp32 and bf16, inside a batch too; a planted KV
+split by count fails that check; `--exact` where it cannot hold is one line before any model loads;
+the runtime imports no Triton unless exact mode is asked for.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eagle_export import kernels
+from eagle_export.cli import main
+from eagle_export.errors import EagleExportError
+from eagle_export.export.unrolled import TargetGraph
+from eagle_export.runtime import exact
+from eagle_export.tools import gpu_kit
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+triton = pytest.importorskip("triton", reason="exact mode's tests need triton (pip install '.[test]')")
+
+
+def tiny_graph(dtype=torch.bfloat16):
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", dtype, layers=2)
+    return TargetGraph(target, True), target
+
+
+def decode(graph, target, prompts, widths):
+    """Each prompt but its last sum(widths) tokens prefilled alone, then the rest decoded in calls of
+    `widths` tokens, batched over the prompts (ragged: each at its own length) -> per prompt, the
+    logits and new K of each decoded position."""
+    batch, tail = len(prompts), sum(widths)
+    lens = [len(p) - tail for p in prompts]
+    k, v = target.empty_cache(batch, 64)
+    logits, keys = [[] for _ in prompts], [[] for _ in prompts]
+
+    def call(ids, start, b=slice(None)):  # ids [B,T] at positions start[b]..
+        t = ids.shape[1]
+        kk, vv = k[:, b], v[:, b]
+        positions = torch.tensor(start)[:, None] + torch.arange(t)[None]
+        out = graph(ids, positions, kk, vv, torch.tensor(start), torch.ones(len(start), t, t, dtype=torch.bool).tril())
+        for i, s in enumerate(start):
+            kk[:, i, :, s:s + t], vv[:, i, :, s:s + t] = out[3][:, i], out[4][:, i]
+        return out
+
+    for b, (p, n) in enumerate(zip(prompts, lens)):
+        call(torch.tensor([p[:n]]), [0], slice(b, b + 1))
+    done = 0
+    for w in widths:
+        start = [n + done for n in lens]
+        out = call(torch.tensor([p[s:s + w] for p, s in zip(prompts, start)]), start)
+        for b in range(batch):
+            logits[b] += list(out[1][b])
+            keys[b] += list(out[3][:, b].transpose(0, 2))
+        done += w
+    return logits, keys
+
+
+def mismatches(graph, target, batched: bool = True) -> list[str]:
+    """Positions 14..19 decoded one token at a time at batch 1 against the same positions as rows of
+    verify calls of width 4 and 2 and, `batched`, inside a ragged batch of 2 (widths 2 and 4): the
+    kinds whose logits or K differ in any bit."""
+    gen = torch.Generator().manual_seed(0)
+    prompt, other = (torch.randint(3, 500, (n,), generator=gen).tolist() for n in (20, 15))
+    plain = decode(graph, target, [prompt], [1] * 6)
+    kinds = [("verify 4+2", [prompt], [4, 2])] + ([("batch of 2, verify 2+4", [other, prompt], [2, 4])] if batched else [])
+    found = []
+    for name, prompts, widths in kinds:
+        logits, keys = decode(graph, target, prompts, widths)
+        if not (all(map(torch.equal, logits[-1], plain[0][0])) and all(map(torch.equal, keys[-1], plain[1][0]))):
+            found.append(name)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_bound_target_gives_a_position_the_same_bits_in_every_call(dtype):
+    graph, target = tiny_graph(dtype)
+    exact.bind(graph)
+    assert type(target.lm_head) is exact.ExactLinear and target.layers[0].self_attn.core is exact.attention_core
+    assert mismatches(graph, target) == []
+
+
+@pytest.mark.slow
+def test_a_kv_split_by_count_bound_in_its_place_fails_the_check(monkeypatch):
+    """In fp32, where a reduction order shows in the logits' bits (bf16 rounds most such differences
+    away, which is why the kernels' own planted tests run in fp32 too)."""
+    graph, target = tiny_graph(torch.float32)
+    exact.bind(graph)
+    ops = kernels.ops()
+    real = ops.attention
+    # flash-decoding's occupancy rule: more splits of the cache view for a one-token call
+    monkeypatch.setattr(ops, "attention", lambda q, kc, vc, kn, vn, mask: real(
+        q, kc, vc, kn, vn, mask, split_size=triton.cdiv(kc.shape[2], 8 if q.shape[2] == 1 else 2)))
+    assert mismatches(graph, target, batched=False) == ["verify 4+2"]
+
+
+def test_bound_outputs_match_torch_and_unbind_restores_it():
+    """fp32: the kernels' logits within 1e-4 of torch's (relative to the largest); unbound, torch's own bits."""
+    graph, target = tiny_graph(torch.float32)
+    ids = torch.randint(3, 500, (2, 6))
+    args = (ids, torch.arange(6)[None].expand(2, -1), *target.empty_cache(2, 0), torch.zeros(2, dtype=torch.int64),
+            torch.ones(2, 6, 6, dtype=torch.bool).tril())
+    before = graph(*args)
+    exact.bind(graph)
+    bound = graph(*args)
+    assert torch.equal(bound[0], before[0])
+    for a, b in zip(bound[1:], before[1:]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    exact.unbind(graph)
+    assert all(torch.equal(a, b) for a, b in zip(graph(*args), before))
+    assert type(target.lm_head) is torch.nn.Linear and "core" not in vars(target.layers[0].self_attn)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(device="cuda", dtypes={"bf16"}, backend="onnxruntime"), "onnxruntime backend runs its own kernels"),
+    (dict(device="cuda", dtypes={"bf16"}, precisions={"nvfp4"}), "nvfp4 weights"),
+    (dict(device="cuda", dtypes={torch.float64}), "dtype float64"),
+    (dict(device="cuda", dtypes={"bf16"}, head_dim=512), "head_dim 512"),
+])
+def test_exact_is_refused_where_it_cannot_hold_in_one_line(kwargs, words):
+    with pytest.raises(EagleExportError) as e:
+        exact.check(**kwargs)
+    assert words in e.value.problem and "\n" not in e.value.problem
+    assert "tiered contract" in e.value.fix and "without --exact" in e.value.fix
+
+
+def test_without_the_interpreter_a_cpu_is_refused_before_any_model_is_made(tmp_path):
+    """gpu-kit --exact on a CPU with the interpreter off: the one-line error, no report, no traceback."""
+    code = ("import sys; from eagle_export.cli import main; sys.argv = ['eagle-export', 'gpu-kit', '--shapes', 'tiny', "
+            "'--exact', '--plot', '']; main()")
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "exact mode cannot hold here: the model runs on cpu" in run.stderr + run.stdout
+    assert not (tmp_path / "gpu-kit.json").exists()
+
+
+def test_the_runtime_imports_no_triton_unless_exact_mode_is_asked_for():
+    code = ("import sys, eagle_export.runtime.runtime, eagle_export.builder.build_dir, eagle_export.cli; "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_cli_commands_take_exact():
+    for command in ("run", "bench", "validate", "gpu-kit"):
+        assert "--exact" in CliRunner().invoke(main, [command, "--help"]).output, command
+
+
+def test_a_layer_the_kernels_do_not_cover_is_refused_not_left_unbound():
+    """An NVFP4 or ModelOpt layer keeps its own kernels: exact mode refuses the model, naming it."""
+    class PackedLinear(torch.nn.Module):  # what models.nvfp4.NVFP4Linear looks like to the check
+        def __init__(self):
+            super().__init__()
+            self.packed = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
+    exact.check_models("cpu", target, drafter)  # the interpreter stands in for a GPU
+    target.layers[1].mlp.down_proj = PackedLinear()
+    with pytest.raises(EagleExportError, match="PackedLinear"):
+        exact.check_models("cpu", target, drafter)

@@ -1,0 +1,223 @@
+"""The width-invariant kernels (eagle_export/kernels): each against its torch reference within a stated
+tolerance, and a row's bits the same at every call width, batch size and place in the call. Planted
+variants that choose their arithmetic from the call (a split-K chosen by M, a KV split by count)
+must fail the same invariance checks.
+
+On a CPU these run through Triton's interpreter (conftest sets TRITON_INTERPRET=1 before triton is
+imported; tl.dot's operands are upcast to fp32 there). scripts/gpu_exact.sh runs this file on a GPU
+with TRITON_INTERPRET=0, where bf16 runs on tensor cores: the only place its numerics can be checked.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the kernels' tests need triton (pip install '.[test]')")
+
+from eagle_export import kernels  # noqa: E402
+from eagle_export.kernels import reference as R  # noqa: E402
+from eagle_export.kernels import triton_ops as K  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not kernels.interpreted() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Max error relative to the reference's largest magnitude: fp32 reduction orders differ by a few
+# ulps of the sum; a 16-bit result rounded twice (RMSNorm's normed row, then its gain) can be two of
+# its ulps off wherever the fp32 sums differ (bf16: 2^-7 relative each).
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
+SPLIT = 16  # a small fixed split size, so the tests' short rows span several splits (the GPU's: K.SPLIT_SIZE)
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def close(got, want, dtype):
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)
+    assert err <= TOLERANCE[dtype], f"relative error {float(err):.3g} > {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_kernel_matches_its_torch_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = rand(7, 150, dtype=dtype, gen=gen), rand(90, 150, dtype=dtype, gen=gen), rand(90, dtype=dtype, gen=gen)
+    close(K.linear(x, w, b), R.linear(x, w, b), dtype)
+    close(K.linear(x[None], w), R.linear(x[None], w), dtype)
+    h, gain = rand(3, 2, 100, dtype=dtype, gen=gen), (rand(100, gen=gen).abs() + 0.5).to(dtype)
+    close(K.rms_norm(h, gain, 1e-5), R.rms_norm(h, gain, 1e-5), dtype)
+    close(K.rms_norm(h, None, 1e-6), R.rms_norm(h, None, 1e-6), dtype)
+    qk = rand(2, 3, 5, 16, dtype=dtype, gen=gen).transpose(1, 2)  # qk-norm: a strided [B,H,T,D] view
+    close(K.rms_norm(qk, gain[:16], 1e-6), R.rms_norm(qk, gain[:16], 1e-6), dtype)
+    gate_up = rand(4, 2 * 300, dtype=dtype, gen=gen)
+    gate, up = gate_up.split(300, dim=-1)
+    close(K.silu_mul(gate, up), R.silu_mul(gate, up), dtype)
+    q, kc, vc = rand(2, 4, 3, 16, dtype=dtype, gen=gen), rand(2, 2, 40, 16, dtype=dtype, gen=gen), \
+        rand(2, 2, 40, 16, dtype=dtype, gen=gen)
+    kn, vn = rand(2, 2, 3, 16, dtype=dtype, gen=gen), rand(2, 2, 3, 16, dtype=dtype, gen=gen)
+    mask = _mask(torch.tensor([33, 9]), 40, torch.ones(3, 3, dtype=torch.bool).tril())
+    close(K.attention(q, kc, vc, kn, vn, mask, SPLIT), R.attention(q, kc, vc, kn, vn, mask), dtype)
+    logits = rand(6, 2500, dtype=dtype, gen=gen)
+    assert torch.equal(K.argmax(logits), R.argmax(logits))
+
+
+def test_argmax_breaks_ties_to_the_lowest_index_across_blocks():
+    x = torch.zeros(4, 3 * K.ARGMAX_BLOCK + 5, device=DEVICE)
+    x[0, [7, 9]] = 1.0                                  # in one block
+    x[1, [K.ARGMAX_BLOCK + 3, 2 * K.ARGMAX_BLOCK]] = 2  # in two later blocks
+    x[2, -1] = 3.0                                      # the ragged last block
+    assert K.argmax(x).tolist() == R.argmax(x).tolist() == [7, K.ARGMAX_BLOCK + 3, x.shape[1] - 1, 0]
+
+
+# --- invariance: the same row in calls of every width, batch and place ---------------------------------
+
+WIDTHS = (1, 2, 3, 5, 8)  # 1..K+1 for K = 4, and a tree's width
+
+
+def linear_row_mismatches(fn, dtype=torch.float32) -> list:
+    """Row 0 of x computed alone, then at every place of calls of each width (the other rows random):
+    the (width, place) where its bits differ."""
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = rand(1, 128, dtype=dtype, gen=gen), rand(80, 128, dtype=dtype, gen=gen), rand(80, dtype=dtype, gen=gen)
+    alone = fn(x, w, b)[0]
+    found = []
+    for width in WIDTHS + (16, 21, 70):  # and past one M tile
+        for place in sorted({0, width // 2, width - 1}):
+            call = rand(width, 128, dtype=dtype, gen=gen)
+            call[place] = x[0]
+            if not torch.equal(fn(call, w, b)[place], alone):
+                found.append((width, place))
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_linear_row_is_the_same_at_every_width_and_place(dtype):
+    assert linear_row_mismatches(K.linear, dtype) == []
+
+
+def test_a_split_k_chosen_by_m_fails_the_linear_invariance_check():
+    """cuBLAS splits K for small M: planted, calls of at most 2 rows sum four K quarters."""
+    def split_k_by_m(x, w, b):
+        if x.shape[0] > 2:
+            return K.linear(x, w, b)
+        quarters = [K.linear(xq, wq) for xq, wq in zip(x.chunk(4, -1), w.chunk(4, -1))]
+        return ((quarters[0] + quarters[1]) + quarters[2]) + quarters[3] + b
+    assert linear_row_mismatches(split_k_by_m)
+
+
+def test_an_rms_norm_row_is_the_same_at_every_width_and_place():
+    gen = torch.Generator().manual_seed(2)
+    row, gain = rand(1, 96, dtype=torch.bfloat16, gen=gen), rand(96, dtype=torch.bfloat16, gen=gen)
+    alone = K.rms_norm(row, gain, 1e-5)[0]
+    for width in WIDTHS:
+        call = rand(width, 96, dtype=torch.bfloat16, gen=gen)
+        call[-1] = row[0]
+        assert torch.equal(K.rms_norm(call, gain, 1e-5)[-1], alone), width
+
+
+def _mask(lens, slots, new_mask):
+    """[B,T,S+N]: slots below each sequence's length, then `new_mask` [T,N] or [B,T,N] among the new keys."""
+    t = new_mask.shape[-2]
+    past = torch.arange(slots)[None, None, :] < lens[:, None, None]
+    return torch.cat([past.expand(-1, t, -1), new_mask.expand(len(lens), -1, -1)], dim=-1).to(DEVICE)
+
+
+class Sequence:
+    """One sequence's per-position queries, keys and values (1 KV head, 2 query heads), and the
+    calls that compute its position p: as a one-token step, as row j of a verify call, as a tree
+    node whose ancestors sit among siblings, and inside a batch."""
+
+    def __init__(self, length=64, dtype=torch.float32, gen=None):
+        self.dtype, self.gen = dtype, gen
+        self.q = rand(2, length, 16, dtype=dtype, gen=gen)
+        self.k, self.v = rand(1, length, 16, dtype=dtype, gen=gen), rand(1, length, 16, dtype=dtype, gen=gen)
+
+    def cache(self, length, slots):
+        """A cache view of `slots` slots holding positions 0..length-1; stale garbage after them."""
+        k, v = rand(1, 1, slots, 16, dtype=self.dtype, gen=self.gen), rand(1, 1, slots, 16, dtype=self.dtype, gen=self.gen)
+        k[0, :, :length], v[0, :, :length] = self.k[:, :length], self.v[:, :length]
+        return k, v
+
+    def verify(self, fn, p, width, row, slots=48):
+        """Position p as row `row` of a causal call of `width` tokens over past p - row."""
+        start = p - row
+        kc, vc = self.cache(start, slots)
+        q = torch.cat([self.q[:, start:start + width]], 1)[None]
+        kn, vn = self.k[None, :, start:start + width], self.v[None, :, start:start + width]
+        mask = _mask(torch.tensor([start]), slots, torch.ones(width, width, dtype=torch.bool).tril())
+        return fn(q, kc, vc, kn, vn, mask)[0, :, row]
+
+    def tree(self, fn, p, slots=48):
+        """Position p as node 6 of an 8-node tree over past p - 3 whose path is nodes 0, 2, 3, 6."""
+        path, start = [0, 2, 3, 6], p - 3
+        kc, vc = self.cache(start, slots)
+        kn, vn = rand(1, 1, 8, 16, dtype=self.dtype, gen=self.gen), rand(1, 1, 8, 16, dtype=self.dtype, gen=self.gen)
+        q = rand(1, 2, 8, 16, dtype=self.dtype, gen=self.gen)
+        for depth, node in enumerate(path):
+            kn[0, :, node], vn[0, :, node], q[0, :, node] = self.k[:, start + depth], self.v[:, start + depth], \
+                self.q[:, start + depth]
+        sees = torch.zeros(8, 8, dtype=torch.bool)
+        sees[6, path] = True
+        return fn(q, kc, vc, kn, vn, _mask(torch.tensor([start]), slots, sees))[0, :, 6]
+
+    def batched(self, fn, p, slots=48):
+        """Position p as a one-token step of the middle sequence of a batch of three."""
+        kc, vc = self.cache(p, slots)
+        others = [rand(1, 1, slots, 16, dtype=self.dtype, gen=self.gen) for _ in range(4)]
+        kc, vc = torch.cat([others[0], kc, others[1]]), torch.cat([others[2], vc, others[3]])
+        q = torch.cat([rand(1, 2, 1, 16, dtype=self.dtype, gen=self.gen), self.q[None, :, p:p + 1],
+                       rand(1, 2, 1, 16, dtype=self.dtype, gen=self.gen)])
+        kn = torch.cat([rand(1, 1, 1, 16, dtype=self.dtype, gen=self.gen), self.k[None, :, p:p + 1],
+                        rand(1, 1, 1, 16, dtype=self.dtype, gen=self.gen)])
+        vn = torch.cat([rand(1, 1, 1, 16, dtype=self.dtype, gen=self.gen), self.v[None, :, p:p + 1],
+                        rand(1, 1, 1, 16, dtype=self.dtype, gen=self.gen)])
+        mask = _mask(torch.tensor([5, p, 40]), slots, torch.ones(1, 1, dtype=torch.bool))
+        return fn(q, kc, vc, kn, vn, mask)[1, :, 0]
+
+
+def attention_row_mismatches(fn, dtype=torch.float32) -> list:
+    """Position p = 37 computed as a one-token step, then as every other kind of row: the kinds whose
+    bits differ. Its 38 keys span three splits of SPLIT keys."""
+    seq, p = Sequence(dtype=dtype, gen=torch.Generator().manual_seed(3)), 37
+    plain = seq.verify(fn, p, 1, 0)
+    calls = {"plain step, a wider cache view": lambda: seq.verify(fn, p, 1, 0, slots=64),
+             **{f"verify T={t} row {j}": (lambda t=t, j=j: seq.verify(fn, p, t, j))
+                for t, j in ((2, 1), (3, 2), (5, 4), (5, 0), (5, 2))},
+             "tree node": lambda: seq.tree(fn, p), "batch of 3": lambda: seq.batched(fn, p)}
+    return [name for name, call in calls.items() if not torch.equal(call(), plain)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_attention_row_is_the_same_in_every_call(dtype):
+    assert attention_row_mismatches(lambda *a: K.attention(*a, split_size=SPLIT), dtype) == []
+
+
+def test_a_kv_split_by_count_fails_the_attention_invariance_check():
+    """Flash-decoding's usual choice: a fixed number of splits (4) over the call's keys, so the split
+    size, and every split boundary, moves with the cache view and the call's width."""
+    found = attention_row_mismatches(lambda q, kc, vc, kn, vn, mask: K.attention(
+        q, kc, vc, kn, vn, mask, split_size=triton.cdiv(kc.shape[2] + kn.shape[2], 4)))
+    assert len(found) >= 3, found
+
+
+def test_the_references_are_the_models_arithmetic():
+    """reference.rms_norm is models.layers' RMSNorm bit for bit (the kernels are held to it)."""
+    from eagle_export.models.layers import RMSNorm
+
+    norm = RMSNorm(32, 1e-5).to(torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    assert torch.equal(norm(x), R.rms_norm(x, norm.weight, 1e-5))
+
+
+def test_without_triton_the_error_says_what_runs_instead(monkeypatch):
+    import builtins
+    import sys
+
+    from eagle_export.errors import EagleExportError
+
+    real_import = builtins.__import__
+    monkeypatch.delitem(sys.modules, "eagle_export.kernels.triton_ops", raising=False)
+    monkeypatch.delattr(kernels, "triton_ops", raising=False)
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError("no triton"))
+                        if name == "triton" else real_import(name, *a, **k))
+    with pytest.raises(EagleExportError) as e:
+        kernels.ops()
+    assert "Triton" in e.value.problem and "tiered contract" in e.value.fix
