@@ -665,3 +665,7 @@ def export_checkpoint_command(source, out_dir, fmt, target, precision, embedding
     click.echo(f"readers measured to serve it exactly: {'; '.join(readers['exact']) or 'none'}")
     for line in readers["mis_serve"]:
         click.echo(f"warning: known to mis-serve it: {line}")
+
+
+if __name__ == "__main__":  # python -m eagle_export.cli ARGS: the same command without the installed script
+    main()
