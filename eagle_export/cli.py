@@ -112,9 +112,11 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
         report = inspect_checkpoint(path, target)
     if check:
         from .builder.conformance import check_checkpoint, check_prompts
-        from .data.prompts import prompt_set_name
+        from .data.prompts import ChatTemplate, prompt_set_name
 
         prompts = check_prompts(target, prompt_set_name(prompts), num_prompts)
+        if ChatTemplate(target).note and not as_json:
+            click.echo(f"note: {ChatTemplate(target).note}")
         report["conformance"] = check_checkpoint(path, target, prompts, new_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -144,6 +146,8 @@ def _plain(value) -> str:
 
 
 def _echo_conformance(result: dict) -> None:
+    from .builder.conformance import gate_line
+
     click.echo(f"conformance: teacher-forced acc@1 at steps 0 / 1, and the log-probability of the target's token "
                f"gained over the configured reading (nats per position), over {result['positions']} positions "
                f"of {result['prompts']} prompts (aux ids {result['aux_layer_ids']}, vLLM numbering)")
@@ -155,7 +159,9 @@ def _echo_conformance(result: dict) -> None:
     if not result["matched"]:
         click.echo(f"finding: this drafter matches no convention: acc@1 below {result['min_acc']} under every "
                    "reading (is it trained for this target, and is this config.json its own?)")
-    elif result["ok"]:
+    elif gate_line(result):
+        click.echo(f"finding: {gate_line(result)[2:]}")
+    if result["matched"] and result["ok"]:
         click.echo(f"conformance ok: no alternative reading gives the target's tokens more than {result['min_gain']} "
                    f"nats per position over the config with its {result['level']:.0%} interval above 0")
 
@@ -280,6 +286,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
 
     opened = open_build(build_dir, backend=backend, verify_policy=verify_policy, cuda_graphs=cuda_graphs)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
+    if chat and opened.chat_template().note:
+        click.echo(f"note: {opened.chat_template().note}", err=True)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               eos_ids=opened.eos_ids)
     runtime = opened.runtime

@@ -38,7 +38,7 @@ from .recipe import QUANTIZED, Recipe, resolve_sources
 from .teacher_forced import measure_delta
 from .validate import lossless_backend, validate_build_dir
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 class StageLog:
@@ -119,7 +119,8 @@ def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, sourc
     for finding in result["findings"]:
         echo(f"  warning: {finding['message']}")
     echo(f"  drafter conventions: acc@1 {configured[0]:.3f} / {configured[1]:.3f} at steps 0 / 1 as configured"
-         + ("" if result["ok"] else f"; {len(result['findings'])} field(s) named above"))
+         + ("" if result["ok"] or not result["findings"] else f"; {len(result['findings'])} field(s) named above")
+         + conformance.gate_line(result))
     return result
 
 
@@ -209,6 +210,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             # the model passes run after the conformance check, which reads the models as loaded
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             return_large_blocks_at_once()  # while the build holds these models (to the end of the export stage)
+            if ChatTemplate(target_dir).note:  # every prompt set of the build is read as raw text
+                echo(f"  note: {ChatTemplate(target_dir).note}")
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
                 raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "
