@@ -211,25 +211,55 @@ def doctor(as_json):
 @click.option("--depth", type=int, help=f"Override the speculation depth K (1..{MAX_DEPTH}).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", callback=utf8,
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
-def build(recipe, out_dir, force, target, drafter, depth, sets):
+@click.option("--skip-conformance", is_flag=True,
+              help="Build even when the drafter matches no convention (an untrained drafter, for a pipeline smoke "
+                   "test): the check still runs and says so; the manifest records it and `inspect` prints it.")
+def build(recipe, out_dir, force, target, drafter, depth, sets, skip_conformance):
     """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
     validation, from a recipe."""
-    from .builder.recipe import load_recipe, parse_override, resolve_sources
+    from .builder.recipe import load_recipe, pair_recipe, parse_override, resolve_sources
 
     overrides = dict(parse_override(s) for s in sets)
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
         if value is not None:
             overrides[key] = value
     loaded = load_recipe(recipe, overrides)  # a bad recipe or a missing checkpoint is refused before torch is imported
+    if recipe is None and resolve_sources(loaded) != resolve_sources(load_recipe()):  # not the sample's pair
+        loaded = pair_recipe(target, drafter, overrides)
+        click.echo(f"recipe {loaded['name']}, derived {loaded['derived']} (--recipe FILE to give your own)")
     resolve_sources(loaded)
     from .builder.build import build as run_build
 
-    manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
+    manifest = run_build(loaded, out_dir, force=force, echo=click.echo, skip_conformance=skip_conformance)
     checks = manifest.validation["checks"]
     passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
     click.echo(f"built {out_dir}: {len(manifest.artifacts)} artifacts, backends "
                f"{', '.join(manifest.backends)}; validation {passed}/{len(checks)} checks passed"
                + (f", {skipped} skipped (`eagle-export validate` says why)" if skipped else ""))
+
+
+@main.command("train-drafter")
+@click.option("--target", required=True, type=click.Path(), callback=utf8, help="The target checkpoint directory.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=utf8,
+              help="The drafter directory to write (vLLM's EAGLE-3 layout, as `build --drafter` reads).")
+@click.option("--minutes", default=4.0, show_default=True, type=float,
+              help="Wall-clock budget: data, held-out data and training together.")
+@click.option("--tokens", type=int, help="Stop training after this many training tokens (if before --minutes).")
+@click.option("--version", "eagle_version", type=click.Choice(["3", "3.1"]), default="3.1", show_default=True,
+              help="EAGLE-3 or EAGLE-3.1 (fc_norm, post-norm feedback).")
+@click.option("--force", is_flag=True, help="Replace a drafter an earlier train-drafter wrote.")
+def train_drafter(target, out_dir, minutes, tokens, eagle_version, force):
+    """Train a small EAGLE drafter for TARGET on this machine (CPU) in minutes, and say how good it is
+    (held-out acc@1 and tau). For pipeline work on your own target; a public drafter trained on a GPU
+    for days is far better where one exists."""
+    if minutes <= 0 or (tokens is not None and tokens <= 0):
+        raise click.UsageError("--minutes and --tokens must be positive")
+    from .models.config import read_config_json
+
+    read_config_json(target)  # a directory that is not a checkpoint is refused before the data is read
+    from .samples.train_drafter import train_for_target
+
+    train_for_target(target, out_dir, minutes, tokens, eagle_version, force, echo=click.echo)
 
 
 @main.command()

@@ -94,11 +94,13 @@ def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
 
 
 def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, source_files: dict, target, drafter,
-                      echo) -> dict:
+                      echo, skip_gate: bool = False) -> dict:
     """`inspect --check` on the recipe's pair, run on the build's own loaded models (before the model
-    passes; no second copy of either is loaded): refuse a drafter that matches no convention; report
-    a field an alternative reading names, and go on (the config is the user's). A pair that passed is
-    remembered by its files' hashes and the prompts: a rebuild reuses the result."""
+    passes; no second copy of either is loaded): refuse a drafter that matches no convention (with
+    `skip_gate`, from --skip-conformance: say so and go on, for a pipeline smoke test with an
+    untrained drafter; the record says the gate was skipped); report a field an alternative reading
+    names, and go on (the config is the user's). A pair that passed is remembered by its files'
+    hashes and the prompts: a rebuild reuses the result."""
     prompts = conformance_prompts(recipe, target_dir)
     cached = conformance.cache_file(source_files, prompts)
     result = conformance.read_cached(cached)
@@ -109,13 +111,20 @@ def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, sourc
         if result["matched"]:
             conformance.write_cached(cached, result)
     configured = result["readings"][0]["acc@1"]
-    if not result["matched"]:
+    if skip_gate:
+        result = {**result, "gate_skipped": "--skip-conformance"}
+        if not result["matched"]:
+            echo(f"  warning: the drafter matches no convention (acc@1 {configured[0]:.3f} as configured, below "
+                 f"{result['min_acc']} under every reading): built anyway (--skip-conformance), so its drafts "
+                 "will be rejected; fine for a pipeline smoke test, not for speed")
+    elif not result["matched"]:
         raise EagleExportError(
             f"the drafter {drafter_dir} matches no convention: its teacher-forced acc@1 on {result['positions']} "
             f"positions is below {result['min_acc']} under its config ({configured[0]:.3f}) and under every "
             "alternative reading (aux numbering, norms, feedback, vocabulary map)",
             "check that the drafter was trained for this target and that config.json is its own "
-            "(`eagle-export inspect DRAFTER --target TARGET --check` lists every reading)")
+            "(`eagle-export inspect DRAFTER --target TARGET --check` lists every reading); for a pipeline "
+            "smoke test with an untrained drafter, build with --skip-conformance")
     for finding in result["findings"]:
         echo(f"  warning: {finding['message']}")
     echo(f"  drafter conventions: acc@1 {configured[0]:.3f} / {configured[1]:.3f} at steps 0 / 1 as configured"
@@ -190,7 +199,7 @@ def check_engine_precisions(precision: dict, gpu: dict) -> None:
                                    "or build on a newer GPU")
 
 
-def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
+def build(recipe: Recipe, out_dir, force: bool = False, echo=print, skip_conformance: bool = False) -> dict:
     has_trt, no_trt_reason = tensorrt_available()
     if has_trt:
         check_engine_precisions(recipe["precision"], gpu_info())
@@ -220,7 +229,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                                        "(--set profiles.context.max=N)")
 
         with log("check the drafter's conventions"):
-            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo)
+            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo,
+                                                   skip_conformance)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])
