@@ -376,7 +376,7 @@ def pair_recipe(target: str | None, drafter: str | None, overrides: dict | None 
         "evaluation": {"dataset": dataset},
         "derived": (f"from the pair: context {context} (the target's max_position_embeddings "
                     f"{positions if positions else 'unstated'}, at most 2048), precision {precision} "
-                    f"({'TensorRT and a GPU are here' if engines else 'no TensorRT engines here: ONNX Runtime runs fp32 exactly'}), "
+                    f"({'TensorRT and a GPU are here' if engines else 'no TensorRT here: ONNX Runtime runs fp32 exactly'}), "
                     f"calibration and evaluation on {dataset}"),
     }
     return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"the recipe derived from {data['name']}", Path.cwd(),

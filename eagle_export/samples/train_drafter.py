@@ -503,13 +503,15 @@ def train_for_target(target_dir, out, minutes: float = 4.0, tokens: int | None =
                      force: bool = False, echo=print) -> dict:
     """`eagle-export train-drafter`: a drafter for any supported target in about `minutes`, through
     this script's own `prepare` and `train` (one path): teacher-forced ShareGPT data (a quarter of the
-    budget at most, checked every 16 conversations), held-out data the target answers itself (8 ShareGPT
-    first turns from conversation 1900 on, which training never reads; a tenth of the budget at most), then training for what is left (or for
-    `tokens` training tokens, whichever ends first), starting from the target's last layer. The
-    drafter's quality is measured on the held-out answers: acc@1 (step 0) and the greedy loop's tau
-    replayed at depth 4. Written atomically with its summary (train_summary.json); the data and
-    checkpoints live in the temporary directory and go with it. The draft vocabulary is the tokens
-    the target answers with most often in the prepared data."""
+    budget at most, checked every 16 conversations), held-out data the target answers itself (8
+    ShareGPT first turns from conversation 1900 on, which training never reads; a tenth of the budget
+    at most), then training for what is left (or for `tokens` training tokens, whichever ends first),
+    starting from the target's last layer. The draft vocabulary is the tokens the target answers with
+    most often in the prepared data. The drafter's quality is measured on the held-out answers before
+    and after training: acc@1 (step 0) and the greedy loop's tau replayed at depth 4; the drafter
+    written is the one of the higher tau (`--best-out`: a budget of a few steps can leave the initial
+    drafter the better one). Written atomically with its summary (train_summary.json); the data and
+    checkpoints live in the temporary directory and go with it."""
     import shutil
 
     from eagle_export.models.config import read_config_json
@@ -538,17 +540,25 @@ def train_for_target(target_dir, out, minutes: float = 4.0, tokens: int | None =
         echo(f"train-drafter: training EAGLE-{version} for {left:.1f} min"
              + (f" or {tokens} tokens" if tokens else ""))
         main(["train", "--data", str(data), "--eval-data", str(held_out), "--version", version, "--ckpt", str(ckpt),
-              "--out", str(tmp), "--log", str(log), "--max-minutes", f"{left:.3f}", "--eval-every", "1000000000",
+              "--best-out", str(tmp), "--log", str(log), "--max-minutes", f"{left:.3f}", "--eval-every", "1000000000",
               "--tokens", str(tokens or 10**12), "--draft-vocab", str(min(8192, vocab)),
               "--batch-tokens", "4096", "--threads", str(torch.get_num_threads())])
-        final = json.loads(log.read_text().splitlines()[-1])
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        kept = [r for r in records if "best" in r]  # the drafter --best-out kept
+        if not kept:
+            from eagle_export.errors import EagleExportError
+
+            raise EagleExportError(f"the target answered no held-out prompt within {minutes} min, so the drafter "
+                                   "could not be measured (nothing was written)", "raise --minutes")
+        final = kept[-1]
         summary = {"target": str(target_dir.resolve()), "version": version, "aux_layer_ids": [int(i) for i in aux],
                    "train_tokens": final["train_tokens"], "steps": final["step"],
                    "minutes": round((time.time() - start) / 60, 2), "held_out_positions": final["positions"],
                    "acc@1": final["acc"][0], "acc_by_step": final["acc"], "replay_tau": final["replay_tau"]}
         shutil.rmtree(work)
         (tmp / TRAIN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    echo(f"train-drafter: wrote {out} in {summary['minutes']:.1f} min ({summary['train_tokens']} training tokens); "
+    echo(f"train-drafter: wrote {out} in {summary['minutes']:.1f} min (the drafter after {summary['train_tokens']} "
+         "training tokens, the better of before and after training); "
          f"held-out acc@1 {summary['acc@1']:.3f} (step 0, {summary['held_out_positions']} answer positions), "
          f"tau {summary['replay_tau']} at depth 4 (the greedy loop replayed)"
          + ("; below 0.05: `build` refuses it unless --skip-conformance (train longer: --minutes)"
