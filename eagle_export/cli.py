@@ -245,8 +245,9 @@ def build(recipe, out_dir, force, target, drafter, depth, sets, skip_conformance
 @click.option("--minutes", default=4.0, show_default=True, type=float,
               help="Wall-clock budget: data, held-out data and training together.")
 @click.option("--tokens", type=int, help="Stop training after this many training tokens (if before --minutes).")
-@click.option("--version", "eagle_version", type=click.Choice(["3", "3.1"]), default="3.1", show_default=True,
-              help="EAGLE-3 or EAGLE-3.1 (fc_norm, post-norm feedback).")
+@click.option("--version", "eagle_version", type=click.Choice(["3", "3.1"]), default="3", show_default=True,
+              help="EAGLE-3, whose first step starts as the target's last layer (a usable drafter in minutes on a "
+                   "CPU), or EAGLE-3.1 (fc_norm, post-norm feedback: its normed inputs need longer training).")
 @click.option("--force", is_flag=True, help="Replace a drafter an earlier train-drafter wrote.")
 def train_drafter(target, out_dir, minutes, tokens, eagle_version, force):
     """Train a small EAGLE drafter for TARGET on this machine (CPU) in minutes, and say how good it is

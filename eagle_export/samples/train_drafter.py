@@ -499,7 +499,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(i, 0), num_layers - 1) for i in ids}))
 
 
-def train_for_target(target_dir, out, minutes: float = 4.0, tokens: int | None = None, version: str = "3.1",
+def train_for_target(target_dir, out, minutes: float = 4.0, tokens: int | None = None, version: str = "3",
                      force: bool = False, echo=print) -> dict:
     """`eagle-export train-drafter`: a drafter for any supported target in about `minutes`, through
     this script's own `prepare` and `train` (one path): teacher-forced ShareGPT data (a quarter of the
