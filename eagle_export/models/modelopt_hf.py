@@ -79,27 +79,6 @@ def unify_fused_scales(drafter: Drafter) -> None:
             preprocess_linear_fusion(modules)
 
 
-def snap_fp8_amaxes(drafter: Drafter) -> int:
-    """Give every enabled FP8 quantizer the amax a reader reconstructs from the scale the exporter
-    writes: amax' = fl(fl(amax / 448) * 448). The file stores the scale (amax / 448, fp32), readers
-    quantize with it, and this project's loader sets amax = scale * 448; for about 7% of fp32 amaxes
-    that product is one ulp away from the calibrated amax, so the reloaded model divided by another
-    scale than the exported one and an activation at a rounding midpoint took the neighbouring FP8 code
-    (the sample build's calibration set gave draft logits 0.258 apart). Snapped before export, the
-    exported model and every reader use one scale. Returns how many amaxes moved."""
-    moved = 0
-    for module in drafter.modules():
-        for name in ("weight_quantizer", "input_quantizer"):
-            q = getattr(module, name, None)
-            amax = getattr(q, "amax", None)
-            if q is None or amax is None or not q.is_enabled or getattr(q, "num_bits", None) != (4, 3):
-                continue
-            snapped = (amax.float() / FP8_MAX).float() * FP8_MAX
-            moved += int(not torch.equal(snapped, amax.float()))
-            q.amax = snapped.to(amax.dtype)
-    return moved
-
-
 def export_quantized(drafter: Drafter, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict in the drafter's names, ModelOpt's hf_quant_config) from ModelOpt's exporter, the
     unquantized tensors in `dtype`. The drafter (fp32) is exported in fp32, so ModelOpt computes every

@@ -44,7 +44,7 @@ from ..export.loader import load_pair
 from ..models.checkpoint import DTYPE_NAMES, DTYPES, drafter_state_for_saving, load_drafter, resolve_dtype
 from ..models.config import read_config_json
 from ..models.drafter import Drafter
-from ..models.modelopt_hf import export_quantized, quantization_config, snap_fp8_amaxes, unify_fused_scales
+from ..models.modelopt_hf import export_quantized, quantization_config, unify_fused_scales
 from ..models.nvfp4 import pack_nvfp4
 from ..output_dir import atomic_output_dir, check_output, output_place
 from ..quantize import quantize as Q
@@ -282,7 +282,6 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         Q.quantize(reference, precision, Q.drafter_calibration_batches(target_model, calib_prompts),
                    exclude=tuple(src["keep"]), fake_quant="export")
         unify_fused_scales(reference)
-        snap_fp8_amaxes(reference)  # the scales as written: the exported model and its readers use one
         exported = copy.deepcopy(reference)
         state, hf_quant_config = export_quantized(exported, out_dtype)
         if precision == "nvfp4":  # ModelOpt's NVFP4 quantizers run on CUDA only: compare with the packed form
