@@ -452,7 +452,7 @@ def inspect_build(path: str | Path) -> dict:
         "graphs": sorted(g.file for g in manifest.graphs.values()),
         "engines": manifest.engines_skipped or sorted(e.file for e in manifest.engines),
         "lossless_delta": manifest.delta,
-        "conformance": _conformance_line(manifest.conformance),
+        "drafter_conventions": _conformance_line(manifest.conformance),
         "validation": _validation_line(validation.get("checks", []), validation.get("ok")),
         "warnings": [note for note in [old_format_note(manifest)] if note] + contradictions(manifest),
     }
