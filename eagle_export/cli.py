@@ -155,9 +155,11 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
         report = inspect_checkpoint(path, target)
     if check:
         from .builder.conformance import check_checkpoint, check_prompts
-        from .data.prompts import prompt_set_name
+        from .data.prompts import ChatTemplate, prompt_set_name
 
         prompts = check_prompts(target, prompt_set_name(prompts), num_prompts)
+        if ChatTemplate(target).note and not as_json:
+            click.echo(f"note: {ChatTemplate(target).note}")
         report["conformance"] = check_checkpoint(path, target, prompts, new_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -187,6 +189,8 @@ def _plain(value) -> str:
 
 
 def _echo_conformance(result: dict) -> None:
+    from .builder.conformance import gate_line
+
     click.echo(f"conformance: teacher-forced acc@1 at steps 0 / 1, and the log-probability of the target's token "
                f"gained over the configured reading (nats per position), over {result['positions']} positions "
                f"of {result['prompts']} prompts (aux ids {result['aux_layer_ids']}, vLLM numbering)")
@@ -198,7 +202,9 @@ def _echo_conformance(result: dict) -> None:
     if not result["matched"]:
         click.echo(f"finding: this drafter matches no convention: acc@1 below {result['min_acc']} under every "
                    "reading (is it trained for this target, and is this config.json its own?)")
-    elif result["ok"]:
+    elif gate_line(result):
+        click.echo(f"finding: {gate_line(result)[2:]}")
+    if result["matched"] and result["ok"]:
         click.echo(f"conformance ok: no alternative reading gives the target's tokens more than {result['min_gain']} "
                    f"nats per position over the config with its {result['level']:.0%} interval above 0")
 
@@ -249,10 +255,13 @@ def doctor(as_json):
 @click.option("--depth", type=int, help=f"Override the speculation depth K (1..{MAX_DEPTH}).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", callback=utf8,
               help="Override any recipe key, e.g. --set precision.target=fp8 (repeatable).")
-def build(recipe, out_dir, force, target, drafter, depth, sets):
+@click.option("--skip-conformance", is_flag=True,
+              help="Build even when the drafter matches no convention (an untrained drafter, for a pipeline smoke "
+                   "test): the check still runs and says so; the manifest records it and `inspect` prints it.")
+def build(recipe, out_dir, force, target, drafter, depth, sets, skip_conformance):
     """Build ONNX graphs (and TensorRT engines where TensorRT and a GPU are present), a manifest, and its
     validation, from a recipe."""
-    from .builder.recipe import load_recipe, parse_override, resolve_sources
+    from .builder.recipe import load_recipe, pair_recipe, parse_override, resolve_sources
 
     overrides, flags = dict(parse_override(s) for s in sets), {}
     for key, value in (("target", target), ("drafter", drafter), ("depth", depth)):
@@ -260,15 +269,43 @@ def build(recipe, out_dir, force, target, drafter, depth, sets):
             overrides[key], flags[key] = value, f"--{key} {value}"
     # a bad recipe or a missing checkpoint is refused before torch is imported
     loaded = load_recipe(recipe, overrides, flags)
+    if recipe is None and resolve_sources(loaded) != resolve_sources(load_recipe()):  # not the sample's pair
+        loaded = pair_recipe(target, drafter, overrides, flags)
+        click.echo(f"recipe {loaded['name']}, derived {loaded['derived']} (--recipe FILE to give your own)")
     resolve_sources(loaded)
     from .builder.build import build as run_build
 
-    manifest = run_build(loaded, out_dir, force=force, echo=click.echo)
+    manifest = run_build(loaded, out_dir, force=force, echo=click.echo, skip_conformance=skip_conformance)
     checks = manifest.validation["checks"]
     passed, skipped = sum(c["ok"] is True for c in checks), sum(c["ok"] is None for c in checks)
     click.echo(f"built {out_dir}: {len(manifest.artifacts)} artifacts, backends "
                f"{', '.join(manifest.backends)}; validation {passed}/{len(checks)} checks passed"
                + (f", {skipped} skipped (`eagle-export validate` says why)" if skipped else ""))
+
+
+@main.command("train-drafter")
+@click.option("--target", required=True, type=click.Path(), callback=utf8, help="The target checkpoint directory.")
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=utf8,
+              help="The drafter directory to write (vLLM's EAGLE-3 layout, as `build --drafter` reads).")
+@click.option("--minutes", default=4.0, show_default=True, type=float,
+              help="Wall-clock budget: data, held-out data and training together.")
+@click.option("--tokens", type=int, help="Stop training after this many training tokens (if before --minutes).")
+@click.option("--version", "eagle_version", type=click.Choice(["3", "3.1"]), default="3", show_default=True,
+              help="EAGLE-3, whose first step starts as the target's last layer (a usable drafter in minutes on a "
+                   "CPU), or EAGLE-3.1 (fc_norm, post-norm feedback: its normed inputs need longer training).")
+@click.option("--force", is_flag=True, help="Replace a drafter an earlier train-drafter wrote.")
+def train_drafter(target, out_dir, minutes, tokens, eagle_version, force):
+    """Train a small EAGLE drafter for TARGET on this machine (CPU) in minutes, and say how good it is
+    (held-out acc@1 and tau). For pipeline work on your own target; a public drafter trained on a GPU
+    for days is far better where one exists."""
+    if minutes <= 0 or (tokens is not None and tokens <= 0):
+        raise click.UsageError("--minutes and --tokens must be positive")
+    from .models.config import read_config_json
+
+    read_config_json(target)  # a directory that is not a checkpoint is refused before the data is read
+    from .samples.train_drafter import train_for_target
+
+    train_for_target(target, out_dir, minutes, tokens, eagle_version, force, echo=click.echo)
 
 
 @main.command()
@@ -344,6 +381,8 @@ def run(build_dir, prompt, chat, max_new_tokens, temperature, top_p, backend, cu
     if old:
         click.echo(f"note: {old}", err=True)
     requests = [opened.chat_prompt(c) for c in chat] or [opened.encode(p) for p in prompt]
+    if chat and opened.chat_template().note:
+        click.echo(f"note: {opened.chat_template().note}", err=True)
     config = replace(config, eos_ids=opened.eos_ids)
     runtime = opened.runtime
     for ids in requests:  # a refused run writes nothing (not even the cost cache)

@@ -244,3 +244,47 @@ def test_a_rebuild_of_the_same_pair_reuses_the_conformance_result(tmp_path, monk
         with pytest.raises(EagleExportError, match="matches no convention"):
             stage(files)
     assert len(calls) == 5
+
+
+def row(acc, gain, interval):
+    return {"reading": "last aux id L-4 (Edge-LLM)", "field": "eagle_aux_hidden_state_layer_ids", "value": [2, 15, 26],
+            "acc@1": acc, "gain": gain, "interval": interval}
+
+
+def test_a_reading_with_lower_acc_is_never_named_whatever_its_log_probability():
+    """The sample's own figures (8 prompts): L-4 gains +0.019 nats at step 1 with its interval above 0, and
+    its acc@1 is lower at both steps (0.574 / 0.570 against 0.580 / 0.576): not a better reading. The
+    same gain with acc@1 at least the configured one's is named. Planted: the rule without the acc@1
+    condition (the previous one) names the sample's L-4 reading."""
+    from eagle_export.builder.conformance import MIN_GAIN, named
+
+    configured = [0.5799, 0.5759]
+    sample = row([0.574, 0.57], [0.0048, 0.0192], [[-0.0089, 0.0174], [0.0058, 0.0314]])
+    assert not named(sample, configured)
+    assert named(row([0.5799, 0.58], [0.0048, 0.0192], [[-0.0089, 0.0174], [0.0058, 0.0314]]), configured)
+    assert not named(row([0.6, 0.6], [0.0048, MIN_GAIN / 2], [[-0.0089, 0.0174], [0.001, 0.01]]), configured)
+
+    def previous_rule(r, configured):
+        return any(r["interval"][k][0] > 0 and r["gain"][k] > MIN_GAIN for k in range(2))
+
+    assert previous_rule(sample, configured)  # the planted rule fails this test's first assertion
+
+
+def test_the_gate_says_which_reading_passed_it():
+    """acc@1 0.045 as configured is below MIN_ACC (0.05); an alternative at 0.06 clears it: the gate
+    passes, names that reading, and the line says so (it said nothing before). A configured reading
+    that clears the gate is the one named, whatever an alternative reaches."""
+    from eagle_export.builder.conformance import MIN_ACC, gate, gate_line
+
+    rows = [row([0.045, 0.04], [0, 0], [[0, 0], [0, 0]]), row([0.06, 0.05], [0.1, 0.1], [[0.05, 0.2], [0.05, 0.2]]),
+            row([0.02, 0.02], [-1, -1], [[-2, -1], [-2, -1]])]
+    rows[0]["reading"], rows[1]["reading"] = "as configured", "aux ids one higher"
+    assert gate(rows) is rows[1]
+    result = {"readings": rows, "min_acc": MIN_ACC, "matched_by": {"reading": "aux ids one higher", "acc@1": 0.06}}
+    line = gate_line(result)
+    assert "0.045 as configured is below 0.05" in line and "passed by the reading \"aux ids one higher\" (acc@1 0.060)" in line
+    rows[0]["acc@1"] = [0.05, 0.04]
+    assert gate(rows) is rows[0]
+    assert gate_line({**result, "matched_by": {"reading": "as configured", "acc@1": 0.05}}) == ""
+    rows[0]["acc@1"], rows[1]["acc@1"] = [0.01, 0.0], [0.049, 0.0]
+    assert gate(rows) is None

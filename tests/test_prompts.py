@@ -128,3 +128,51 @@ def test_a_missing_prompt_file_is_reported_as_not_found_with_every_set_listed(tm
     (tmp_path / "there.txt").write_text("w1\n")
     assert prompts.prompt_set(str(tmp_path / "there.txt")) == str(tmp_path / "there.txt")
     assert prompts.prompt_set("mtbench") == "mt-bench" and prompts.prompt_set("long") == "long"
+
+
+MESSAGES = [{"role": "user", "content": "w4 w5"}]
+
+
+def test_chat_templates_are_read_as_transformers_reads_them(tmp_path):
+    """chat_template.jinja (transformers 5's save_pretrained) wins over tokenizer_config.json's key; the key
+    may be a string or a list of named templates, of which "default" is used; a list without one, or
+    a template that does not render, is refused naming the file and the fix."""
+    from tiny_models import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path, 16)
+    config = tmp_path / "tokenizer_config.json"
+    assert prompts.ChatTemplate(tmp_path).encode_chat(MESSAGES) == [1, 4, 5, 2, 3]
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "w9 {{ messages[0].content }}"},
+                                                    {"name": "default", "template": "w8 {{ messages[0].content }}"}]}))
+    assert prompts.ChatTemplate(tmp_path).encode_chat(MESSAGES) == [8, 4, 5]
+    (tmp_path / "chat_template.jinja").write_text("w7 {{ messages[0].content }}")
+    template = prompts.ChatTemplate(tmp_path)
+    assert template.encode_chat(MESSAGES) == [7, 4, 5] and template.source.name == "chat_template.jinja"
+    assert template.note is None
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
+    with pytest.raises(EagleExportError, match="chat_template.jinja") as e:
+        prompts.ChatTemplate(tmp_path).encode_chat(MESSAGES)
+    assert "chat_template.jinja" in e.value.fix
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content.nope() }}")  # parses, fails to render
+    with pytest.raises(EagleExportError, match="chat_template.jinja does not render") as e:
+        prompts.ChatTemplate(tmp_path).encode_chat(MESSAGES)
+    (tmp_path / "chat_template.jinja").unlink()
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "w9"}]}))
+    with pytest.raises(EagleExportError, match="none named \"default\"") as e:
+        prompts.ChatTemplate(tmp_path)
+    assert "tokenizer_config.json" in e.value.problem
+
+
+def test_a_base_model_reads_prompts_as_raw_text(tmp_path):
+    """No template anywhere: the messages' text, joined by a blank line, one more where the assistant
+    answers next; a one-line note says so; every prompt set renders."""
+    from tiny_models import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path, 16)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "w2"}}))
+    template = prompts.ChatTemplate(tmp_path)
+    assert template.raw_text and "no chat template" in template.note and "\n" not in template.note
+    assert template.render(MESSAGES) == "w4 w5\n\n"
+    assert template.render(MESSAGES + [{"role": "assistant", "content": "w6"}]) == "w4 w5\n\nw6"
+    assert template.encode_chat(MESSAGES) == [4, 5]
+    assert len(list(prompts.chat_prompts(template, "mt-bench", 3))) == 3

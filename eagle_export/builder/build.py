@@ -38,7 +38,7 @@ from .recipe import QUANTIZED, Recipe, resolve_sources
 from .teacher_forced import measure_delta
 from .validate import lossless_backend, validate_build_dir
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 class StageLog:
@@ -94,11 +94,13 @@ def conformance_prompts(recipe: Recipe, target_dir: Path) -> list[list[int]]:
 
 
 def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, source_files: dict, target, drafter,
-                      echo) -> dict:
+                      echo, skip_gate: bool = False) -> dict:
     """`inspect --check` on the recipe's pair, run on the build's own loaded models (before the model
-    passes; no second copy of either is loaded): refuse a drafter that matches no convention; report
-    a field an alternative reading names, and go on (the config is the user's). A pair that passed is
-    remembered by its files' hashes and the prompts: a rebuild reuses the result."""
+    passes; no second copy of either is loaded): refuse a drafter that matches no convention (with
+    `skip_gate`, from --skip-conformance: say so and go on, for a pipeline smoke test with an
+    untrained drafter; the record says the gate was skipped); report a field an alternative reading
+    names, and go on (the config is the user's). A pair that passed is remembered by its files'
+    hashes and the prompts: a rebuild reuses the result."""
     prompts = conformance_prompts(recipe, target_dir)
     cached = conformance.cache_file(source_files, prompts)
     result = conformance.read_cached(cached)
@@ -109,17 +111,25 @@ def conformance_stage(recipe: Recipe, target_dir: Path, drafter_dir: Path, sourc
         if result["matched"]:
             conformance.write_cached(cached, result)
     configured = result["readings"][0]["acc@1"]
-    if not result["matched"]:
+    if skip_gate:
+        result = {**result, "gate_skipped": "--skip-conformance"}
+        if not result["matched"]:
+            echo(f"  warning: the drafter matches no convention (acc@1 {configured[0]:.3f} as configured, below "
+                 f"{result['min_acc']} under every reading): built anyway (--skip-conformance), so its drafts "
+                 "will be rejected; fine for a pipeline smoke test, not for speed")
+    elif not result["matched"]:
         raise EagleExportError(
             f"the drafter {drafter_dir} matches no convention: its teacher-forced acc@1 on {result['positions']} "
             f"positions is below {result['min_acc']} under its config ({configured[0]:.3f}) and under every "
             "alternative reading (aux numbering, norms, feedback, vocabulary map)",
             "check that the drafter was trained for this target and that config.json is its own "
-            "(`eagle-export inspect DRAFTER --target TARGET --check` lists every reading)")
+            "(`eagle-export inspect DRAFTER --target TARGET --check` lists every reading); for a pipeline "
+            "smoke test with an untrained drafter, build with --skip-conformance")
     for finding in result["findings"]:
         echo(f"  warning: {finding['message']}")
     echo(f"  drafter conventions: acc@1 {configured[0]:.3f} / {configured[1]:.3f} at steps 0 / 1 as configured"
-         + ("" if result["ok"] else f"; {len(result['findings'])} field(s) named above"))
+         + ("" if result["ok"] or not result["findings"] else f"; {len(result['findings'])} field(s) named above")
+         + conformance.gate_line(result))
     return result
 
 
@@ -189,7 +199,7 @@ def check_engine_precisions(precision: dict, gpu: dict) -> None:
                                    "or build on a newer GPU")
 
 
-def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
+def build(recipe: Recipe, out_dir, force: bool = False, echo=print, skip_conformance: bool = False) -> dict:
     has_trt, no_trt_reason = tensorrt_available()
     if has_trt:
         check_engine_precisions(recipe["precision"], gpu_info())
@@ -209,6 +219,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
             # the model passes run after the conformance check, which reads the models as loaded
             target, drafter = load_pair(target_dir, drafter_dir, target_dtype, passes=(), drafter_dtype=drafter_dtype)
             return_large_blocks_at_once()  # while the build holds these models (to the end of the export stage)
+            if ChatTemplate(target_dir).note:  # every prompt set of the build is read as raw text
+                echo(f"  note: {ChatTemplate(target_dir).note}")
             positions = target.config.max_position_embeddings
             if recipe["profiles"]["context"]["max"] > positions:  # an opened build refuses it too
                 raise EagleExportError(f"profiles.context.max {recipe['profiles']['context']['max']} exceeds the "
@@ -217,7 +229,8 @@ def build(recipe: Recipe, out_dir, force: bool = False, echo=print) -> dict:
                                        "(--set profiles.context.max=N)")
 
         with log("check the drafter's conventions"):
-            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo)
+            conformance_record = conformance_stage(recipe, target_dir, drafter_dir, source_files, target, drafter, echo,
+                                                   skip_conformance)
 
         with log("model passes"):
             skip = set(recipe["passes"]["skip"])

@@ -38,8 +38,9 @@ class OpenBuild:
 
     def chat_template(self) -> ChatTemplate:
         if not (self.path / "tokenizer_config.json").is_file():
-            raise EagleExportError(f"{self.path} has no chat template", "pass --prompt instead of --chat")
-        return ChatTemplate(self.path)
+            raise EagleExportError(f"{self.path} has no tokenizer_config.json to read a chat template from",
+                                   "pass --prompt instead of --chat")
+        return ChatTemplate(self.path)  # a base model's: the raw text (its note says so)
 
     def chat_prompt(self, text: str) -> list[int]:
         return self.chat_template().encode_chat([{"role": "user", "content": text}])

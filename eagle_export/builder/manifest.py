@@ -558,7 +558,8 @@ def inspect_build(path: str | Path) -> dict:
     speculation = manifest.speculation
     validation = manifest.validation or {}
     report = {
-        "kind": "build", "path": str(path), "recipe": manifest.recipe.get("name"), "created": manifest.created,
+        "kind": "build", "path": str(path), "recipe": manifest.recipe.get("name") + (f" (derived {manifest.recipe['derived']})"
+                                                 if manifest.recipe.get("derived") else ""), "created": manifest.created,
         "target": f"{manifest.target.source} ({manifest.target.precision})",
         "drafter": f"{manifest.drafter.source} ({manifest.drafter.precision})",
         "speculation": describe(speculation), "depth": manifest.depth, "nodes": speculation.num_nodes,
@@ -567,10 +568,24 @@ def inspect_build(path: str | Path) -> dict:
         "graphs": sorted(g.file for g in manifest.graphs.values()),
         "engines": manifest.engines_skipped or sorted(e.file for e in manifest.engines),
         "lossless_delta": manifest.delta,
+        "drafter_conventions": _conformance_line(manifest.conformance),
         "validation": _validation_line(validation.get("checks", []), validation.get("ok")),
         "warnings": [note for note in [old_format_note(manifest, path)] if note] + contradictions(manifest),
     }
     return report
+
+
+def _conformance_line(result: dict | None) -> str:
+    """What the build's check of the drafter's conventions found, and whether its gate was skipped."""
+    if not result:
+        return "not recorded"
+    acc = result["readings"][0]["acc@1"]
+    line = (f"acc@1 {acc[0]:.3f} / {acc[1]:.3f} at steps 0 / 1 as configured; "
+            + ("matches no convention" if not result.get("matched") else
+               f"{len(result.get('findings', []))} field(s) named" if result.get("findings") else "no field named"))
+    if result.get("gate_skipped"):
+        line += f"; gate skipped ({result['gate_skipped']}: a pipeline smoke test, not a drafter to serve)"
+    return line
 
 
 def _validation_line(checks: list[dict], ok) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import EagleExportError
-from ..files import is_dir, read_text
+from ..files import is_dir, read_json, read_text
 from ..models.contract import MAX_DEPTH, MAX_TREE_NODES
 from ..speculation.tree import DynamicTree, Speculation, TreeShape
 
@@ -36,6 +36,7 @@ SAMPLE_RECIPE = RECIPES_DIR / "smollm2-135m-eagle3.1.yaml"
 # key -> (type, default, check) ; nested mappings are dicts of the same shape.
 SCHEMA = {
     "name": (str, None, None),
+    "derived": (str, None, None),  # how a recipe derived from its pair was made (pair_recipe); None when written
     "target": (str, None, None),
     "drafter": (str, None, None),
     "depth": (int, 4, lambda v: 1 <= v <= MAX_DEPTH or f"must be between 1 and {MAX_DEPTH}"),
@@ -344,6 +345,49 @@ def parse_override(text: str) -> tuple[str, object]:
         raise EagleExportError(f"--set {shown(text)}: the value is not a plain YAML scalar "
                                f"({'; '.join(e.problems)})",
                                "write a plain value, e.g. --set precision.target=fp8") from None
+
+
+def pair_recipe(target: str | None, drafter: str | None, overrides: dict | None = None,
+                flags: dict | None = None) -> Recipe:
+    """The recipe of a pair the user names with --target/--drafter and no --recipe, derived from the
+    pair itself rather than inherited from the sample's: its name from the checkpoints' directory
+    names; profiles.context from the target's max_position_embeddings (capped at the schema's 2048:
+    the KV caches a CPU build allocates); precision fp32 where no TensorRT and GPU can build engines
+    (ONNX Runtime on CPU runs fp32 exactly), else fp16; calibration and evaluation on one prompt set
+    (mt-bench unless --set calibration.dataset names another), its prompts cut at half the context.
+    `derived` records all of this in the manifest, where `inspect` shows it. A target or drafter left
+    out is the sample's."""
+    from ..environment import nvidia_driver_loaded, tensorrt_version
+
+    sample = load_recipe()
+    names = {"target": target or sample["target"], "drafter": drafter or sample["drafter"]}
+    dirs = {role: Path(sample.resolve_path(value)) for role, value in names.items()}
+    if names["target"] == "sample":
+        from ..data.sample import sample_target_dir
+
+        dirs["target"] = sample_target_dir()
+    config = read_json(dirs["target"] / "config.json", "pass a Hugging Face checkpoint directory with its config.json") \
+        if os.path.lexists(dirs["target"] / "config.json") else {}
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    context = min(positions, 2048) if isinstance(positions, int) and positions > 8 else 2048
+    engines = tensorrt_version() is not None and nvidia_driver_loaded()
+    precision = "fp16" if engines else "fp32"
+    dataset = (overrides or {}).get("calibration.dataset", "mt-bench")
+    data = {
+        "name": f"{dirs['target'].name}+{dirs['drafter'].name}",
+        "target": str(names["target"] if names["target"] == "sample" else dirs["target"].resolve()),
+        "drafter": str(dirs["drafter"].resolve()),
+        "precision": {"target": precision, "drafter": precision},
+        "profiles": {"context": {"min": min(16, context), "opt": min(512, context), "max": context}},
+        "calibration": {"dataset": dataset, "num_samples": 16, "max_tokens": max(8, min(256, context // 2))},
+        "evaluation": {"dataset": dataset},
+        "derived": (f"from the pair: context {context} (the target's max_position_embeddings "
+                    f"{positions if positions else 'unstated'}, at most 2048), precision {precision} "
+                    f"({'TensorRT and a GPU are here' if engines else 'no TensorRT here: ONNX Runtime runs fp32 exactly'}), "
+                    f"calibration and evaluation on {dataset}"),
+    }
+    return parse_recipe(yaml.safe_dump(data, sort_keys=False), f"the recipe derived from {data['name']}", Path.cwd(),
+                        overrides, flags)
 
 
 def resolve_sources(recipe: Recipe) -> tuple[Path, Path]:

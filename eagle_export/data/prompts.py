@@ -188,8 +188,41 @@ def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
                 yield messages
 
 
+RAW_TEXT_SEPARATOR = "\n\n"
+
+
+def find_chat_template(model_dir: Path) -> tuple[str | None, Path]:
+    """(the chat template, the file it came from) as transformers reads them: `chat_template.jinja`
+    beside the tokenizer (transformers 5's save_pretrained writes it; it wins over the key), else
+    tokenizer_config.json's `chat_template`, a string or a list of named templates
+    ({"name", "template"}) of which "default" is the one used. (None, tokenizer_config.json) where
+    there is none: a base model."""
+    jinja, config_file = model_dir / "chat_template.jinja", model_dir / "tokenizer_config.json"
+    if os.path.lexists(jinja):
+        return read_text(jinja, "restore chat_template.jinja from the checkpoint (UTF-8 text)"), jinja
+    config = read_json(config_file, "restore the file from the checkpoint")
+    if not isinstance(config, dict):
+        raise EagleExportError(f"{config_file} holds a JSON {type(config).__name__}, not an object of keys",
+                               "restore the file from the checkpoint")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise EagleExportError(f"{config_file}: chat_template lists named templates "
+                                   f"({', '.join(map(str, named)) or 'none'}) but none named \"default\", the one "
+                                   "transformers uses", "name the chat template to use \"default\" in that file")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise EagleExportError(f"{config_file}: chat_template is a {type(template).__name__}, not a template",
+                               "restore the checkpoint's chat_template (a string, or a list of {name, template})")
+    return template or None, config_file
+
+
 class ChatTemplate:
-    """A checkpoint's chat template (tokenizer_config.json) and tokenizer (tokenizer.json)."""
+    """A checkpoint's chat template (see `find_chat_template`) and tokenizer (tokenizer.json).
+
+    A base model has no template: its prompts are the raw text of the messages, joined by a blank
+    line (`raw_text`), tokenized as `run --prompt` tokenizes text; `note` says so in one line."""
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -197,51 +230,60 @@ class ChatTemplate:
         if not os.path.lexists(config_file) or not os.path.lexists(tokenizer_file):
             raise EagleExportError(f"{model_dir} lacks tokenizer_config.json or tokenizer.json",
                                    "pass the target checkpoint directory with its tokenizer files")
-        config = read_json(config_file, "restore the file from the checkpoint")
-        if not isinstance(config, dict):
-            raise EagleExportError(f"{config_file} holds a JSON {type(config).__name__}, not an object of keys",
-                                   "restore the file from the checkpoint")
-        template = config.get("chat_template")
-        if not template:
-            raise EagleExportError(f"{config_file} has no chat_template", "use a chat (instruct) checkpoint")
+        template, self.source = find_chat_template(model_dir)
+        self.raw_text = template is None
+        self.note = (f"{model_dir} has no chat template (a base model): prompts are the messages' raw text"
+                     if self.raw_text else None)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message):
-            raise EagleExportError(f"the chat template refused the messages: {message}",
+            raise EagleExportError(f"the chat template in {self.source} refused the messages: {message}",
                                    "pass the turns this template accepts (most alternate user and assistant, "
                                    "with at most one system turn first)")
 
         env.globals["raise_exception"] = raise_exception
         try:
-            self.template = env.from_string(template)
+            self.template = None if template is None else env.from_string(template)
         except jinja2.TemplateError as e:
-            raise EagleExportError(f"{config_file}: the chat template does not parse ({e})",
-                                   "restore the checkpoint's chat_template") from None
-        self.special_tokens = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+            raise EagleExportError(f"{self.source}: the chat template does not parse ({e})",
+                                   f"restore the checkpoint's chat template in {self.source.name}") from None
+        config = read_json(config_file, "restore the file from the checkpoint")
+        self.special_tokens = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.tokenizer = load_tokenizer(tokenizer_file)
 
     def render(self, messages: list[dict], add_generation_prompt: bool | None = None) -> str:
         """The conversation as the model reads it. The generation prompt (the header of the
         assistant's turn) follows by default where the conversation waits for the assistant, i.e.
         its last turn is the user's: a finished conversation, such as a ShareGPT one that ends with
-        the assistant's turn, renders as the text it is, without an empty assistant turn after it."""
+        the assistant's turn, renders as the text it is, without an empty assistant turn after it.
+        Without a template (a base model): the contents joined by a blank line, and one more after a
+        conversation that waits for the assistant."""
         if add_generation_prompt is None:
             add_generation_prompt = bool(messages) and messages[-1]["role"] == "user"
+        if self.template is None:
+            text = RAW_TEXT_SEPARATOR.join(m["content"] for m in messages)
+            return text + RAW_TEXT_SEPARATOR if add_generation_prompt and messages else text
+        fix = f"fix or restore the chat template in {self.source} (the checkpoint's original renders)"
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **{k: v or "" for k, v in self.special_tokens.items()})
         except jinja2.exceptions.SecurityError as e:  # the sandbox blocked what the template tried
-            raise EagleExportError(f"the chat template tried something the sandbox blocks ({e})",
-                                   "use the checkpoint's original chat_template; templates run sandboxed") from None
-        except jinja2.TemplateError as e:
-            raise EagleExportError(f"the chat template failed on these messages ({e})",
-                                   "use the checkpoint's original chat_template") from None
+            raise EagleExportError(f"the chat template in {self.source} tried something the sandbox blocks ({e})",
+                                   f"{fix}; templates run sandboxed") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise EagleExportError(f"the chat template in {self.source} does not render these messages "
+                                   f"({type(e).__name__}: {e})", fix) from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool | None = None) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt))
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken's {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def user_turns(prompts: list[str], system: str | None = None) -> list[list[dict]]:

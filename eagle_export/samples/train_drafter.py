@@ -36,7 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from drafter_data import Dataset, prepare_self_distilled, prepare_teacher_forced, read_meta, text_token_counts
+
+if __package__:  # eagle_export.samples.train_drafter, as `eagle-export train-drafter` imports it
+    from .drafter_data import Dataset, prepare_self_distilled, prepare_teacher_forced, read_meta, text_token_counts
+else:  # the script, or its directory on sys.path
+    from drafter_data import Dataset, prepare_self_distilled, prepare_teacher_forced, read_meta, text_token_counts
 
 from eagle_export.data.prompts import ChatTemplate
 from eagle_export.data.sample import sample_target_dir
@@ -480,7 +484,89 @@ def plot(args) -> None:
     print(f"wrote {args.out}")
 
 
-def main():
+TRAIN_SUMMARY = "train_summary.json"
+
+
+def is_trained_drafter(path: Path) -> bool:
+    """A drafter `eagle-export train-drafter` wrote (what its --force may replace)."""
+    return (path / TRAIN_SUMMARY).is_file() and (path / "config.json").is_file()
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The target's default capture (2, L//2, L-3), each id moved into the layers a shallow target has
+    (0..L-1) and duplicates dropped: a 2-layer target's is (0, 1)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in ids}))
+
+
+def train_for_target(target_dir, out, minutes: float = 4.0, tokens: int | None = None, version: str = "3",
+                     force: bool = False, echo=print) -> dict:
+    """`eagle-export train-drafter`: a drafter for any supported target in about `minutes`, through
+    this script's own `prepare` and `train` (one path): teacher-forced ShareGPT data (a quarter of the
+    budget at most, checked every 16 conversations), held-out data the target answers itself (8
+    ShareGPT first turns from conversation 1900 on, which training never reads; a tenth of the budget
+    at most), then training for what is left (or for `tokens` training tokens, whichever ends first),
+    starting from the target's last layer. The draft vocabulary is the tokens the target answers with
+    most often in the prepared data. The drafter's quality is measured on the held-out answers before
+    and after training: acc@1 (step 0) and the greedy loop's tau replayed at depth 4; the drafter
+    written is the one of the higher tau (`--best-out`: a budget of a few steps can leave the initial
+    drafter the better one). Written atomically with its summary (train_summary.json); the data and
+    checkpoints live in the temporary directory and go with it."""
+    import shutil
+
+    from eagle_export.models.config import read_config_json
+    from eagle_export.output_dir import atomic_output_dir
+
+    target_dir, start = Path(target_dir), time.time()
+    layers = int(read_config_json(target_dir).get("num_hidden_layers", 0))
+    aux = [str(i) for i in default_aux_layer_ids(layers)]
+    vocab = int(read_config_json(target_dir).get("vocab_size", 8192))
+    kind = ("a drafter written by eagle-export train-drafter", is_trained_drafter)
+    with atomic_output_dir(out, kind, force, inputs=(target_dir,), warn=echo) as tmp:
+        work = tmp / "work"
+        data, held_out, ckpt, log = work / "data", work / "held-out", work / "ckpt", work / "log.jsonl"
+        echo(f"train-drafter: preparing teacher-forced data from {target_dir} (aux layers {', '.join(aux)})")
+        main(["prepare", "--target", str(target_dir), "--out", str(data), "--aux-layer-ids", *aux, "--chunk", "16",
+              "--max-minutes", f"{minutes / 4:.3f}", "--tokens", "400000", "--threads", str(torch.get_num_threads())])
+        # The draft vocabulary: the tokens this target answers with most often in the data (no ShareGPT
+        # text counts: a target's own answers are what its drafter must produce, and counting 20M
+        # tokens of text would take minutes of the budget).
+        np.save(data / "text_counts.npy", np.zeros(vocab, dtype=np.int64))
+        echo("train-drafter: held-out data: the target answers ShareGPT prompts training never reads")
+        main(["prepare", "--self-distill", "--target", str(target_dir), "--out", str(held_out), "--aux-layer-ids", *aux,
+              "--conversations", "1900:2000", "--max-prompts", "8", "--batch", "8", "--max-new-tokens", "64",
+              "--max-minutes", f"{minutes / 10:.3f}", "--threads", str(torch.get_num_threads())])
+        left = max(minutes - (time.time() - start) / 60, 0.2)
+        echo(f"train-drafter: training EAGLE-{version} for {left:.1f} min"
+             + (f" or {tokens} tokens" if tokens else ""))
+        main(["train", "--data", str(data), "--eval-data", str(held_out), "--version", version, "--ckpt", str(ckpt),
+              "--best-out", str(tmp), "--log", str(log), "--max-minutes", f"{left:.3f}", "--eval-every", "1000000000",
+              "--tokens", str(tokens or 10**12), "--draft-vocab", str(min(8192, vocab)),
+              "--batch-tokens", "4096", "--threads", str(torch.get_num_threads())])
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        kept = [r for r in records if "best" in r]  # the drafter --best-out kept
+        if not kept:
+            from eagle_export.errors import EagleExportError
+
+            raise EagleExportError(f"the target answered no held-out prompt within {minutes} min, so the drafter "
+                                   "could not be measured (nothing was written)", "raise --minutes")
+        final = kept[-1]
+        summary = {"target": str(target_dir.resolve()), "version": version, "aux_layer_ids": [int(i) for i in aux],
+                   "train_tokens": final["train_tokens"], "steps": final["step"],
+                   "minutes": round((time.time() - start) / 60, 2), "held_out_positions": final["positions"],
+                   "acc@1": final["acc"][0], "acc_by_step": final["acc"], "replay_tau": final["replay_tau"]}
+        shutil.rmtree(work)
+        (tmp / TRAIN_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    echo(f"train-drafter: wrote {out} in {summary['minutes']:.1f} min (the drafter after {summary['train_tokens']} "
+         "training tokens, the better of before and after training); "
+         f"held-out acc@1 {summary['acc@1']:.3f} (step 0, {summary['held_out_positions']} answer positions), "
+         f"tau {summary['replay_tau']} at depth 4 (the greedy loop replayed)"
+         + ("; below 0.05: `build` refuses it unless --skip-conformance (train longer: --minutes)"
+            if summary["acc@1"] < 0.05 else ""))
+    return summary
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="run the target over chat text and cache its states (resumable)")
@@ -553,7 +639,7 @@ def main():
     g.add_argument("--title", default="")
     g.add_argument("--depth", type=int, default=4)
     g.add_argument("--dpi", type=int, default=80)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     {"prepare": prepare, "train": train, "coverage": coverage, "plot": plot}[args.command](args)
 
 
