@@ -1,6 +1,7 @@
 """The goodput verify policy's decisions on given costs, and the cost model's cache."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -130,6 +131,130 @@ def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
     honest = GoodputDepth(K, costs)
     good = replay(honest, costs, 1, (0.9,) * K, prompts=2, new_tokens=256)
     assert good["drafted"] == good["rounds"] and good["speedup"] > 2 and honest.trust.min() == 1.0
+
+
+def worked_by_hand(policy, claims, right, draft=0.1, slope=0.25):
+    """Drive `policy` (greedy, chains) as the runtime does, round after round, and check each round's
+    trust, calibrated menu and choice against the module's formulas worked here in plain floats (not
+    the policy's code). claims[b]: sequence b's draft probabilities (the same every round); right[b][r]:
+    how many of its drafts in round r the target's own tokens follow (the target emits n + 1 at position
+    n; a wrong draft is token 0). A drafted chain's outcome is known once the tokens emitted since it
+    was drafted number min(right + 1, K) (hindsight: whatever depth was verified): depths 1..min(right +
+    1, K) were checked there, 1..right reached, depth d promised with claims[b][d - 1]. A, P, N: per
+    depth, the sums of reached, promised, checked, decayed by TRUST_DECAY in each round where an outcome
+    became known. Each round: m = P/N, A' = A + TRUST_PRIOR m, P' = P + TRUST_PRIOR m,
+    t = max(A'/P', min(1, (A' + TRUST_Z sqrt(A + 1)) / P')) (1 where N = 0), E'[j] = 1 + sum over d <= j
+    of min(1, t_1 ... t_d reach_d), and the entry j with the most batch tokens, (sum + B min) / 2, per
+    unit of round cost (draft + 1 + slope j; the first round a probe: j >= 1) is chosen. An assertion
+    fails on the first disagreement (trust and menu to rel 1e-5: the policy keeps float32 tensors).
+    -> (choices, face-value choices, most depths a hindsight outcome checked beyond the entry verified,
+    least trust seen)."""
+    batch, rounds = len(claims), len(right[0])
+    policy.start(batch)
+    live = torch.ones(batch, dtype=torch.bool)
+    parents = torch.arange(-1, K - 1).expand(batch, -1)
+    menu, reach_t = nested_subtrees(parents, torch.tensor(claims), K, by_depth=False)
+    widths = (1 + menu.sum(-1).amax(-1)).tolist()
+    reach = [[math.prod(c[:d + 1]) for d in range(K)] for c in claims]
+    A, P, N = [0.0] * K, [0.0] * K, [0.0] * K
+    pos, waiting = [0] * batch, [[] for _ in range(batch)]  # waiting: (position drafted at, right, verified)
+    chosen, face, beyond, least = [], [], 0, 1.0
+
+    def best(E, at_least):
+        tokens = [(sum(e[j] for e in E) + batch * min(e[j] for e in E)) / 2 for j in range(K + 1)]
+        return max(range(at_least, K + 1), key=lambda j: tokens[j] / (draft + 1 + slope * j))
+
+    for r in range(rounds):
+        trust = []
+        for d in range(K):
+            m = P[d] / N[d] if N[d] else 0.0
+            a, p = A[d] + GoodputDepth.TRUST_PRIOR * m, P[d] + GoodputDepth.TRUST_PRIOR * m
+            trust.append(max(a / p, min(1.0, (a + GoodputDepth.TRUST_Z * math.sqrt(A[d] + 1)) / p)) if N[d] else 1.0)
+        path = [math.prod(trust[:d + 1]) for d in range(K)]
+        calibrated = [[1 + sum(min(1.0, path[d] * c[d]) for d in range(j)) for j in range(K + 1)] for c in reach]
+        j = best(calibrated, int(r == 0))
+        chosen.append(j)
+        face.append(best([[1 + sum(c[:j]) for j in range(K + 1)] for c in reach], int(r == 0)))
+        least = min(least, *trust)
+        assert policy.should_draft(live), r
+        nodes = torch.tensor([[n + d + 1 if d < right[b][r] else 0 for d in range(K)] for b, n in enumerate(pos)])
+        assert policy.choose(reach_t, live, widths, (nodes, parents)) == j, (r, trust)
+        assert policy.trust.tolist() == pytest.approx(trust, rel=1e-5), r
+        assert policy._calibrated().tolist() == [pytest.approx(e, rel=1e-5) for e in calibrated], r
+        accepted = [min(right[b][r], j) for b in range(batch)]
+        policy.observe(j, torch.tensor(accepted), live, True,
+                       [list(range(n + 1, n + a + 2)) for n, a in zip(pos, accepted)])
+        new = [[0.0] * K for _ in range(3)]  # reached, promised, checked by the outcomes this round resolved
+        for b in range(batch):
+            waiting[b].append((pos[b], right[b][r], j))
+            pos[b] += accepted[b] + 1
+            for start, ok, verified in list(waiting[b]):
+                if pos[b] - start >= min(ok + 1, K):  # the target's tokens left the chain, or followed all of it
+                    waiting[b].remove((start, ok, verified))
+                    checked = min(ok + 1, K)
+                    beyond = max(beyond, checked - verified)
+                    for d in range(checked):
+                        new[0][d] += d < ok
+                        new[1][d] += claims[b][d]
+                        new[2][d] += 1
+        if any(new[2]):  # the sums decay in each round that resolved an outcome
+            decay = GoodputDepth.TRUST_DECAY
+            A = [decay * s + x for s, x in zip(A, new[0])]
+            P = [decay * s + x for s, x in zip(P, new[1])]
+            N = [decay * s + x for s, x in zip(N, new[2])]
+    return chosen, face, beyond, least
+
+
+CASES = {  # claims per sequence, drafts right per sequence and round: deep drafts wrong, then all right
+    "batch 1": ([[0.9] * K], [[1] * 6 + [4] * 6]),
+    "batch 2": ([[0.9] * K, [0.7, 0.9, 0.9, 0.9]], [[1] * 6 + [4] * 6, [2, 1, 1, 0, 1, 1] + [4] * 6]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_calibration_below_full_trust_matches_the_formula_worked_by_hand(case):
+    """issue 45: a calibration wrong whenever trust < 1 passed every test. Here trust falls to ~0.4 at
+    the deep depths (the drafter says 0.9 per draft, the target follows its first draft only), the
+    policy leaves depth 4 for 1 where the claims at face value keep 4, and climbs back once the deep
+    drafts are right again, which only hindsight sees (depths beyond the one verified); every round's
+    trust, menu and choice must be the module's formulas worked in `worked_by_hand`."""
+    claims, right = CASES[case]
+    costs = curves(draft=0.1, verify_slope=0.25, batch=len(claims))
+    chosen, face, beyond, least = worked_by_hand(GoodputDepth(K, costs), claims, right)
+    assert least < 0.5 and chosen != face and min(chosen) == 1 and chosen[-1] == K
+    assert beyond > 0  # an outcome checked depths the round did not verify
+
+
+class _TimesE(GoodputDepth):  # planted: the menu's E scaled by the path's trust, not each depth's reach
+    def _calibrated(self):
+        return self._trust_path[-1] * (1 + self._reach.sum(-1))
+
+
+class _DepthAlone(GoodputDepth):  # planted: t_d alone, not t_1 ... t_d
+    def _calibrate(self, *args):
+        found = super()._calibrate(*args)
+        self._trust_path = self.trust
+        return found
+
+
+class _SqrtA(GoodputDepth):  # planted: the optimistic bound's sqrt(A + 1) written sqrt(A) (the rest as `trust`)
+    @property
+    def trust(self):
+        prior = self.TRUST_PRIOR * self._promised_reach / self._seen.clamp(min=1e-9)
+        reached, promised = self._reached + prior, (self._promised_reach + prior).clamp(min=1e-9)
+        optimistic = (reached + self.TRUST_Z * self._reached.sqrt()) / promised
+        return torch.where(self._seen > 0, torch.maximum(reached / promised, optimistic.clamp(max=1.0)), 1.0)
+
+
+class _VerifiedOnly(GoodputDepth):  # planted: no hindsight, only the depths verified say anything
+    HINDSIGHT = False
+
+
+@pytest.mark.parametrize("planted", [_TimesE, _DepthAlone, _SqrtA, _VerifiedOnly], ids=lambda c: c.__name__[1:])
+def test_calibration_worked_by_hand_catches_planted_bugs(planted):
+    claims, right = CASES["batch 1"]
+    with pytest.raises(AssertionError):
+        worked_by_hand(planted(K, curves(draft=0.1, verify_slope=0.25)), claims, right)
 
 
 def test_each_stream_starts_afresh_whatever_came_before():
