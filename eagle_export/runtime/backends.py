@@ -21,6 +21,7 @@ import torch
 from ..engine.trt_session import TensorRTSession
 from ..errors import EagleExportError
 from ..models import contract as C
+from ..models.layers import row_invariant_linears
 from ..speculation.tree import Speculation, as_tree
 from .cuda_graphs import CudaGraphCapture, ShapeGraphs
 from .fp4_reference import reference_evaluator
@@ -184,7 +185,11 @@ class TorchBackend(Backend):
     """The exported torch modules. `cuda_graphs`: replay each call of at most K+1 tokens (verify,
     plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
     cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
-    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph)."""
+    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph).
+
+    On the CPU the modules' Linears become row-invariant (`layers.row_invariant_linears`), and with
+    the attention core's layout (`layers.attend`) a position gets the same bits as row 0 of a plain
+    step and as row j of a verify call, at any batch (DESIGN.md: width invariance)."""
 
     name = "torch"
 
@@ -194,6 +199,10 @@ class TorchBackend(Backend):
         super().__init__(drafter_graph.tree, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
+        if torch.device(device).type == "cpu":
+            for graph in (target_graph, drafter_graph, drafter_sampling_graph):
+                if graph is not None:
+                    row_invariant_linears(graph)
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
         self.graphs = {None: (target_graph,
                               C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))}
