@@ -157,6 +157,18 @@ def test_planted_linear_choosing_its_kernel_by_rows_fails():
     assert differing_rows(target) > 0
 
 
+@pytest.mark.parametrize("features", [(576, 192), (576, 1536), (1536, 576)])
+def test_row_linear_gives_a_row_the_same_bits_in_calls_of_any_row_count(features):
+    """At real shapes (the sample's k/v, gate and down projections), where MKL picks its kernel by M
+    and one bmm over 3 chunks gave other bits than over 1."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(features[1], features[0], generator=g), torch.randn(24, features[0], generator=g)
+    full = layers.row_linear(x, w)
+    for rows in (1, 3, 5, 8, 15):
+        assert torch.equal(layers.row_linear(x[:rows], w), full[:rows]), rows
+    assert torch.equal(layers.row_linear(x[7:12], w), full[7:12])
+
+
 def test_row_linear_equals_linear_within_rounding():
     """row_linear is x @ W^T + b (fp32 tolerance 1e-5 relative: only the GEMM's blocking differs)."""
     g = torch.Generator().manual_seed(0)

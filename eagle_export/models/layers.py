@@ -111,18 +111,17 @@ KEY_BLOCK = 64  # a multiple of 32: elementwise kernels then run every element t
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
-    (all leading axes flattened) are padded to a multiple of LINEAR_ROWS and multiplied in GEMMs of
-    exactly LINEAR_ROWS rows, one bmm over the chunks, so neither the call's width nor its batch nor
-    the row's place chooses the kernel. In an ONNX export it is F.linear (the graph's own MatMul)."""
+    (all leading axes flattened) are padded to a multiple of LINEAR_ROWS and multiplied by one GEMM
+    call per chunk of exactly LINEAR_ROWS rows, so neither the call's width nor its batch nor the
+    row's place chooses the kernel (not one bmm over the chunks: MKL's batched GEMM gave other bits
+    with 3 chunks than with 1 at 576x192). In an ONNX export it is F.linear (the graph's MatMul)."""
     if torch.onnx.is_in_onnx_export():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    chunks = -(-m // LINEAR_ROWS)
-    rows = F.pad(rows, (0, 0, 0, chunks * LINEAR_ROWS - m)).view(chunks, LINEAR_ROWS, -1)
-    w = weight.t().expand(chunks, -1, -1)
-    out = torch.bmm(rows, w) if bias is None else torch.baddbmm(bias.expand(chunks, LINEAR_ROWS, -1), rows, w)
-    return out.view(chunks * LINEAR_ROWS, -1)[:m].view(*x.shape[:-1], -1)
+    rows = F.pad(rows, (0, 0, 0, -(-m // LINEAR_ROWS) * LINEAR_ROWS - m))
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
+    return out[:m].view(*x.shape[:-1], -1)
 
 
 class RowLinear(nn.Linear):
