@@ -127,6 +127,7 @@ def test_drafter_row_is_the_same_bits_at_every_width_batch_and_place(dtype):
     assert differing_rows(tiny_drafter(tiny_target(dtype))) == 0
 
 
+@pytest.mark.slow  # 92 s at load 12 on 2 cores (ModelOpt quantizes every activation)
 def test_nvfp4_target_row_is_the_same_bits_at_every_width_batch_and_place():
     """NVFP4 weights and activations: the activations' blocks of 16 lie within a row and their global
     scale is the calibrated constant, so quantization couples no rows either."""
