@@ -11,7 +11,9 @@ scores a row's keys as [cache view | the call's new keys] and sums probs.V as a 
 call part, so which of a row's keys come from the cache and which from the call (its row, the call's
 past length, the view's masked slots) changes the order of its fp32 sums. An FP8 quantizer absorbs
 most such last-bit differences, not all; `position_variance` measures, per build, whether any row
-of the runtime's layouts gets other bits (README: the lossless contract). What parts speculative
+of the runtime's layouts gets other bits (README: the lossless contract). The torch backend on a CPU
+is width-invariant (`layers.attend`, `layers.row_linear`): no row differs there, at width 1 either,
+so its speculative output is plain decoding's and T2 finds nothing to explain. What parts speculative
 output from width-1 decoding is explained here (T2):
 
     d = the first position where the two outputs differ. The speculative token at d must be

@@ -99,12 +99,114 @@ def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: 
     return mask[:, None, None]
 
 
+# Width invariance (DESIGN.md): each row's arithmetic must not depend on the call's width, its batch
+# or the row's place in the call. CPU BLAS picks its kernel by shape (MKL: a row of x @ W^T comes out
+# other bits at M = 1, 5 and 64), so every product below runs at one shape per weight: rows in GEMMs
+# of exactly LINEAR_ROWS rows, attention queries in blocks of QUERY_BLOCK rows per KV head against
+# keys in blocks of KEY_BLOCK slots. Within one shape a row's result does not depend on its place.
+LINEAR_ROWS = 8
+QUERY_BLOCK = 8
+KEY_BLOCK = 64  # a multiple of 32: elementwise kernels then run every element through their vector path
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
+    (all leading axes flattened) are padded to a multiple of LINEAR_ROWS and multiplied by one GEMM
+    call per chunk of exactly LINEAR_ROWS rows, so neither the call's width nor its batch nor the
+    row's place chooses the kernel (not one bmm over the chunks: MKL's batched GEMM gave other bits
+    with 3 chunks than with 1 at 576x192). In an ONNX export it is F.linear (the graph's MatMul)."""
+    if torch.onnx.is_in_onnx_export():
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    rows = F.pad(rows, (0, 0, 0, -(-m // LINEAR_ROWS) * LINEAR_ROWS - m))
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
+    return out[:m].view(*x.shape[:-1], -1)
+
+
+class RowLinear(nn.Linear):
+    """nn.Linear through `row_linear` (`width_invariant` turns a model's Linears into these)."""
+
+    def forward(self, x):
+        return row_linear(x, self.weight, self.bias)
+
+
+def width_invariant(model: nn.Module) -> nn.Module:
+    """Bind `model` (in place, weights untouched) to the width-invariant forms, the torch CPU
+    backend's: every plain nn.Linear a RowLinear, every module with a `row_invariant` switch
+    (NVFP4Linear) through `row_linear`, every Attention's core `attend`. Returns the model."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowLinear
+        elif hasattr(module, "row_invariant"):
+            module.row_invariant = True
+        elif isinstance(module, Attention):
+            module.core = attend
+    return model
+
+
 def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
     """The attention core: q [B,Hq,T,D] and the call's new k, v [B,Hkv,T,D] (after RoPE); the cache
     views k_cache, v_cache [B,Hkv,S,D]; cache_lens [B], each sequence's cached slots (None: no cache
     semantics); mask [B,1,1,T,S(+E)+T] bool, which of [cache | prefix | new] keys each row sees;
     prefix_kv: (K, V) [B,Hkv,E,D] between the cache and the call's keys; tap: a module the fp32
-    attention weights [B,Hkv,G,T,keys] pass through (diagnose's hooks) -> out [B,T,Hq*D] in q's dtype."""
+    attention weights [B,Hkv,G,T,keys] pass through (diagnose's hooks) -> out [B,T,Hq*D] in q's dtype.
+
+    Width-invariant layout (DESIGN.md): the call's E+T keys are written into a copy of the cache view
+    at each sequence's length (slot cache_lens[b] + i; without cache_lens after the view), so a key's
+    slot is its position whichever call brought it; each row then reduces over that one buffer, in
+    fp32, in blocks of KEY_BLOCK slots counted from slot 0: scores by fixed-shape GEMMs, the row's max
+    (exact in any order), exp, and per block sum(p) and p.V, the blocks added in slot order (cumsum).
+    A masked slot adds an exact 0 and blocks past a row's prefix add 0s at the end, so neither the
+    view's length nor the keys the call brings nor the row's place changes a row's bits.
+    In an ONNX export: `attend_graph`, the graph's [cache | call] form."""
+    if torch.onnx.is_in_onnx_export():
+        return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    keys, values = k, v
+    if prefix_kv is not None:
+        keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
+    e = keys.shape[2]
+    n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
+    nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
+    nq = tq // QUERY_BLOCK
+    start = cache_lens.view(b, 1) if cache_lens is not None else torch.full((b, 1), s, device=q.device)
+    slots = start + torch.arange(e, device=q.device)                                       # [B,E]
+
+    def place(cache, new):  # [B,Hkv,n,D] fp32: the view, then the call's keys at their slots
+        buffer = F.pad(cache.float(), (0, 0, 0, n - s))
+        return buffer.scatter(2, slots[:, None, :, None].expand(b, hkv, e, d), new.float())
+
+    key_buf, value_buf = place(k_cache, keys), place(v_cache, values)
+    mask = mask.expand(b, 1, 1, t, s + e)[:, 0, 0]                                         # [B,T,S+E]
+    seen = F.pad(mask[..., :s], (0, n - s)).scatter(2, slots[:, None].expand(b, t, e), mask[..., s:])
+    seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, nq, QUERY_BLOCK, nk, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
+    seen = seen[:, :, :, :, None]                                                          # [B,1,nq,nk,1,QB,KB]
+    queries = F.pad(q.float().reshape(b, hkv, g, t, d), (0, 0, 0, tq - t))
+    queries = queries.view(b, hkv, g, nq, QUERY_BLOCK, d).transpose(2, 3).reshape(b, hkv, nq, 1, g * QUERY_BLOCK, d)
+    key_blocks = key_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)
+    scores = torch.matmul(queries, key_blocks.transpose(-1, -2)) / math.sqrt(d)          # [B,Hkv,nq,nk,G*QB,KB]
+    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(~seen, -math.inf)
+    top = scores.amax(dim=(3, 6), keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # all-masked rows: finite
+    p = torch.where(seen, torch.exp(scores - top), 0.0)
+    total = p.sum(-1, keepdim=True).cumsum(3)[:, :, :, -1:].clamp_min(1.0)  # >= 1 (the max's term) where any key is seen
+    probs = p / total                                                                      # [B,Hkv,nq,nk,G,QB,KB]
+    if tap is not None:  # the weights as [B,Hkv,G,T,slots], through the tap and back
+        tapped = tap(probs.permute(0, 1, 4, 2, 5, 3, 6).reshape(b, hkv, g, tq, n)[:, :, :, :t])
+        probs = F.pad(tapped, (0, 0, 0, tq - t)).view(b, hkv, g, nq, QUERY_BLOCK, nk, KEY_BLOCK)
+        probs = probs.permute(0, 1, 3, 5, 2, 4, 6)
+    probs = probs.reshape(b, hkv, nq, nk, g * QUERY_BLOCK, KEY_BLOCK)
+    out = torch.matmul(probs, value_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)).cumsum(3)[:, :, :, -1]  # [B,Hkv,nq,G*QB,D]
+    out = out.view(b, hkv, nq, g, QUERY_BLOCK, d).permute(0, 2, 4, 1, 3, 5).reshape(b, tq, hq * d)
+    return out[:, :t].to(q.dtype)
+
+
+def attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv=None, tap=None):
+    """`attend` as the exported graphs compute it: scores over [cache view | the call's keys] (the
+    cache is never copied), one Softmax, probs.V as a cache MatMul plus a call MatMul (README: the
+    lossless contract, for what that layout costs ONNX Runtime's T1)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     keys, values = k, v
@@ -148,10 +250,12 @@ class Attention(nn.Module):
         self.weights_tap = nn.Identity()
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
 
-    # The attention core, the seam a backend's kernel replaces (assign a function of attend's signature
-    # to `Attention.core`, or to one instance's `core`): everything before it is per-row projection
-    # and RoPE, everything after it the output projection.
-    core = staticmethod(attend)
+    # The attention core, the seam a backend binds once at load (an instance's `core`, a function of
+    # attend's signature: `attend` on the torch CPU backend through `width_invariant`, the Triton
+    # kernels in exact mode): everything before it is per-row projection and RoPE, everything after it
+    # the output projection. Unbound (None): the exported graphs' form, `attend_graph`, which copies no
+    # cache (the torch backend on a GPU, the models' own references, the export).
+    core = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None):
         """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
@@ -160,7 +264,10 @@ class Attention(nn.Module):
         each sequence's cached slots (None: no cache semantics, the keys are [cache | prefix | new]
         as the mask says)."""
         q, k, v = self.project(x, cos, sin)
-        out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
+        if self.core is None:
+            out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap)
+        else:
+            out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
         return self.o_proj(out), k, v
 
     def project(self, x, cos, sin):

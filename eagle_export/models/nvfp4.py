@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EagleExportError
+from .layers import row_linear
 
 NVFP4_BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -102,6 +103,7 @@ class NVFP4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         # ModelOpt's activation global scale: amax / (E2M1 max * E4M3 max).
         self.input_global_scale = None if input_amax is None else float(input_amax) / (E2M1_MAX * E4M3_MAX)
+        self.row_invariant = False  # layers.width_invariant: multiply through layers.row_linear
 
     @classmethod
     def from_packed(cls, codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
@@ -123,6 +125,7 @@ class NVFP4Linear(nn.Module):
             block_sizes={-1: NVFP4_BLOCK}).to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.input_global_scale = None if input_global_scale is None else float(input_global_scale)
+        self.row_invariant = False
         return self
 
     def forward(self, x):
@@ -132,8 +135,9 @@ class NVFP4Linear(nn.Module):
             if self.input_global_scale is not None:
                 x = _NVFP4Activation.apply(x, self.input_global_scale)
         elif self.input_global_scale is not None:
+            # Per row: blocks of 16 along the row, under the static calibrated global scale.
             x = nvfp4_qdq(x, torch.tensor(self.input_global_scale, dtype=torch.float32))
-        return F.linear(x, weight, self.bias)
+        return (row_linear if self.row_invariant else F.linear)(x, weight, self.bias)
 
 
 def pack_nvfp4(model: nn.Module) -> nn.Module:

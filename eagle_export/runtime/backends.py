@@ -21,6 +21,7 @@ import torch
 from ..engine.trt_session import TensorRTSession
 from ..errors import REBUILD, EagleExportError
 from ..models import contract as C
+from ..models.layers import width_invariant
 from ..speculation.tree import Speculation, as_tree
 from . import exact as exact_mode
 from .cuda_graphs import CudaGraphCapture, ShapeGraphs
@@ -187,7 +188,11 @@ class TorchBackend(Backend):
     plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
     cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
     keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph). `exact`: the
-    models bound once to the width-invariant kernels (runtime/exact.py), refused where they cannot hold."""
+    models bound once to the width-invariant kernels (runtime/exact.py), refused where they cannot hold.
+
+    On the CPU the modules are bound to the width-invariant forms (`layers.width_invariant`: Linears
+    in fixed-shape GEMMs, the attention core `layers.attend`), so a position gets the same bits as row 0 of a plain
+    step and as row j of a verify call, at any batch (DESIGN.md: width invariance)."""
 
     name = "torch"
 
@@ -201,6 +206,10 @@ class TorchBackend(Backend):
         super().__init__(drafter_graph.tree, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
+        if torch.device(device).type == "cpu" and not exact:  # (exact mode binds its own kernels)
+            for graph in (target_graph, drafter_graph, drafter_sampling_graph):
+                if graph is not None:
+                    width_invariant(graph)
         # Each graph with the contract spec it is exported by: inputs and outputs bind by its names.
         self.graphs = {None: (target_graph,
                               C.target_graph(target.config, len(target.aux_layer_ids), target_graph.return_logits))}

@@ -1,0 +1,201 @@
+"""Width invariance on the torch CPU backend (DESIGN.md): a position's logits and new K/V are the
+same bits as row 0 of a one-token call over past p (plain decoding) and as row j of a wider call over
+past p-j (a verify call that accepted j drafts), whatever the batch around it and the masked slots
+its cache view shows. Tolerance: none, bit for bit. The planted variants (the graphs' [cache | call]
+attention with two reductions; Linears left to pick their GEMM kernel by M) must fail the same check."""
+
+import pytest
+import torch
+from tiny_models import tiny_drafter_config, tiny_target_config
+
+from eagle_export.models import layers
+from eagle_export.models.config import DrafterConfig, TargetConfig
+from eagle_export.models.drafter import Drafter
+from eagle_export.models.nvfp4 import NVFP4Linear
+from eagle_export.models.target import Target
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+WIDTH = 5      # K+1
+PROMPT = 9     # positions every call shares (one prefill)
+POSITIONS = 8  # positions compared after it
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def tiny_target(dtype=torch.float32, seed=0) -> Target:
+    torch.manual_seed(seed)
+    target = Target(TargetConfig.from_hf(tiny_target_config("llama")))
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return layers.width_invariant(target.to(dtype).eval())
+
+
+def tiny_drafter(target: Target, seed=0) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.from_hf(tiny_drafter_config()))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    drafter.share_embeddings(target.embed_tokens)
+    return layers.width_invariant(drafter.to(target.embed_tokens.weight.dtype).eval())
+
+
+class Sequences:
+    """B sequences through one model's forward (target, or drafter with per-position hidden states):
+    each call takes its tokens at each sequence's own length, over a cache view of `slots` slots whose
+    slots past the length hold stale values (as a runtime's reused cache does)."""
+
+    def __init__(self, model, batch: int, length: int, seed: int):
+        self.model, self.drafter = model, isinstance(model, Drafter)
+        dtype = model.embed_tokens.weight.dtype
+        # each sequence drawn from its own generator: sequence 0 is the same in every batch
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
+        self.tokens = torch.stack([torch.randint(3, 320, (length,), generator=g) for g in gens])
+        self.hidden = torch.stack([torch.randn(length, model.config.hidden_size, generator=g) for g in gens]).to(dtype)
+        g = gens[-1]
+        layers_, heads, dim = ((1, model.config.num_kv_heads, model.config.head_dim) if self.drafter else
+                               (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim))
+        self.key = torch.randn(layers_, batch, heads, length + 64, dim, generator=g).to(dtype)  # stale everywhere
+        self.value = torch.randn_like(self.key)
+        self.lens = torch.zeros(batch, dtype=torch.long)
+
+    def call(self, rows: torch.Tensor, slots: int, commit: torch.Tensor):
+        """rows [B]: how many tokens each sequence brings (the call is max(rows) wide, padded with its
+        next tokens); commit [B]: how many of them join its cache. -> (logits [B,T,V], new K, new V)."""
+        t = int(rows.max())
+        positions = self.lens[:, None] + torch.arange(t)
+        ids = self.tokens.gather(1, positions)
+        view = (self.key[:, :, :, :slots], self.value[:, :, :, :slots])
+        if self.drafter:
+            hidden = self.hidden.gather(1, positions[..., None].expand(-1, -1, self.hidden.shape[2]))
+            logits, _, new_k, new_v = self.model(ids, hidden, positions, *view, self.lens)
+        else:
+            logits, _, new_k, new_v = self.model(ids, positions, *view, self.lens)
+        for b in range(len(self.lens)):
+            n, at = int(commit[b]), int(self.lens[b])
+            self.key[:, b, :, at:at + n], self.value[:, b, :, at:at + n] = new_k[:, b, :, :n], new_v[:, b, :, :n]
+        self.lens = self.lens + commit
+        return logits, new_k, new_v
+
+
+def plain_rows(model, batch=1, seed=0):
+    """Plain decoding: a prefill of PROMPT tokens, then one-token calls over views of exactly the
+    cached slots. -> per position p >= PROMPT of sequence 0: (logits, K, V) of its row."""
+    seqs = Sequences(model, batch, PROMPT + POSITIONS + WIDTH, seed)
+    full = torch.full((batch,), PROMPT)
+    seqs.call(full, PROMPT, full)
+    rows = {}
+    for p in range(PROMPT, PROMPT + POSITIONS):
+        one = torch.ones(batch, dtype=torch.long)
+        logits, k, v = seqs.call(one, p, one)
+        rows[p] = (logits[0, 0], k[:, 0, :, 0], v[:, 0, :, 0])
+    return rows
+
+
+def differing_rows(model, batch=3, seed=0) -> int:
+    """How many (p, j) rows of sequence 0, computed as row j of a WIDTH-wide call over past p-j in a
+    batch of `batch` ragged sequences over a view with masked slots, differ from plain decoding's."""
+    reference = plain_rows(model, seed=seed)
+    differing = 0
+    for j in range(WIDTH):
+        seqs = Sequences(model, batch, PROMPT + POSITIONS + WIDTH, seed)
+        prompt = torch.full((batch,), PROMPT)
+        prompt[1:] -= torch.arange(1, batch)  # ragged: the other sequences are shorter
+        seqs.call(prompt, PROMPT + 3, prompt)
+        for p in range(PROMPT + j, PROMPT + POSITIONS):
+            # bring sequence 0 to past p - j one token at a time, then the call that puts p at row j
+            while int(seqs.lens[0]) < p - j:
+                one = torch.ones(batch, dtype=torch.long)
+                seqs.call(one, int(seqs.lens.max()) + 2, one)
+            wide = torch.full((batch,), WIDTH)
+            logits, k, v = seqs.call(wide, int(seqs.lens.max()) + WIDTH + 7, torch.zeros(batch, dtype=torch.long))
+            ref_logits, ref_k, ref_v = reference[p]
+            same = (torch.equal(logits[0, j], ref_logits) and torch.equal(k[:, 0, :, j], ref_k)
+                    and torch.equal(v[:, 0, :, j], ref_v))
+            differing += not same
+    return differing
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_target_row_is_the_same_bits_at_every_width_batch_and_place(dtype):
+    assert differing_rows(tiny_target(dtype)) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_drafter_row_is_the_same_bits_at_every_width_batch_and_place(dtype):
+    assert differing_rows(tiny_drafter(tiny_target(dtype))) == 0
+
+
+@pytest.mark.slow  # 92 s at load 12 on 2 cores (ModelOpt quantizes every activation)
+def test_nvfp4_target_row_is_the_same_bits_at_every_width_batch_and_place():
+    """NVFP4 weights and activations: the activations' blocks of 16 lie within a row and their global
+    scale is the calibrated constant, so quantization couples no rows either."""
+    target = tiny_target()
+    for name, module in list(target.named_modules()):
+        for child, linear in list(module.named_children()):
+            if type(linear) is layers.RowLinear and child != "lm_head":
+                setattr(module, child, NVFP4Linear(linear.weight, linear.bias, input_amax=4.0))
+    layers.width_invariant(target)
+    assert differing_rows(target) == 0
+
+
+def test_planted_two_reduction_attention_fails():
+    """The graphs' attention ([cache | call] scored apart, probs.V as two MatMuls added) run in torch."""
+    def graph_form(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
+        return layers.attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
+
+    target = tiny_target()
+    for module in target.modules():
+        if isinstance(module, layers.Attention):
+            module.core = graph_form
+    assert differing_rows(target) > 0
+
+
+def test_planted_linear_choosing_its_kernel_by_rows_fails():
+    target = tiny_target()
+    for module in target.modules():
+        if type(module) is layers.RowLinear:
+            module.__class__ = torch.nn.Linear
+    assert differing_rows(target) > 0
+
+
+@pytest.mark.parametrize("features", [(576, 192), (576, 1536), (1536, 576)])
+def test_row_linear_gives_a_row_the_same_bits_in_calls_of_any_row_count(features):
+    """At real shapes (the sample's k/v, gate and down projections), where MKL picks its kernel by M
+    and one bmm over 3 chunks gave other bits than over 1."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(features[1], features[0], generator=g), torch.randn(24, features[0], generator=g)
+    full = layers.row_linear(x, w)
+    for rows in (1, 3, 5, 8, 15):
+        assert torch.equal(layers.row_linear(x[:rows], w), full[:rows]), rows
+    assert torch.equal(layers.row_linear(x[7:12], w), full[7:12])
+
+
+def test_row_linear_equals_linear_within_rounding():
+    """row_linear is x @ W^T + b (fp32 tolerance 1e-5 relative: only the GEMM's blocking differs)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(3, 11, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    for b in (None, bias):
+        torch.testing.assert_close(layers.row_linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_attend_equals_the_graph_form_within_rounding():
+    """The width-invariant core and the exported graphs' form compute the same attention (fp32,
+    1e-5), on a ragged batch with masked cache slots and a prefix between cache and call."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, t, s, e, d = 3, 4, 2, 5, 70, 2, 16
+    q, k, v = torch.randn(b, hq, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), \
+        torch.randn(b, hkv, t, d, generator=g)
+    k_cache, v_cache = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    prefix = torch.randn(b, hkv, e, d, generator=g), torch.randn(b, hkv, e, d, generator=g)
+    lens = torch.tensor([0, 33, 70])
+    past = torch.arange(s)[None, None] < lens[:, None, None]
+    mask = torch.cat([past.expand(-1, t, -1), torch.ones(b, t, e, dtype=torch.bool),
+                      layers.causal_mask(b, t)], dim=-1)[:, None, None]
+    got = layers.attend(q, k, v, k_cache, v_cache, lens, mask, prefix)
+    expected = layers.attend_graph(q, k, v, k_cache, v_cache, mask, prefix)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    no_cache_semantics = layers.attend(q, k, v, k_cache, v_cache, None, mask, prefix)
+    torch.testing.assert_close(no_cache_semantics, expected, rtol=1e-5, atol=1e-5)
