@@ -529,6 +529,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
+    if plot_file:  # a missing matplotlib fails now, not after the bench (this imports torch: only with --plot)
+        from .tools.bench import pyplot
+
+        pyplot()
     for build_dir in build_dirs:
         require_build(build_dir)
     from .builder.build_dir import open_build
@@ -538,8 +542,6 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
     from .tools.bench import SWEEP, cost_disagreements, plot, plot_sweep, pyplot
     from .tools.bench import bench as run_bench
 
-    if plot_file:
-        pyplot()  # a missing matplotlib fails now, not after the bench
     opened = {}
     for build_dir in build_dirs:
         name = build_dir if build_dir not in opened else f"{build_dir} ({len(opened) + 1})"

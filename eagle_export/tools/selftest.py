@@ -245,7 +245,7 @@ def tree_vs_chain(state) -> tuple:
     tau, verify width and speedup per build and batch; every output must equal plain decoding. Where a
     wide verify call costs about what a narrow one does, the tree's higher tau is speed."""
     manifest = check_build(state["build_dir"])
-    recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation")}
+    recipe = {k: v for k, v in manifest.recipe.items() if k not in ("depth", "speculation") and v is not None}
     recipe.update(target=manifest.target.source, drafter=manifest.drafter.source)
     tree_dir = state["scratch"] / "tree"
     run_build(parse_recipe(yaml.safe_dump(recipe), "selftest tree twin", overrides={"speculation": TREE, "sampling": False}),
