@@ -203,11 +203,13 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     return out[:, :t].to(q.dtype)
 
 
-def attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv=None, tap=None):
+def attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv=None, tap=None, head_dim: int | None = None):
     """`attend` as the exported graphs compute it: scores over [cache view | the call's keys] (the
     cache is never copied), one Softmax, probs.V as a cache MatMul plus a call MatMul (README: the
-    lossless contract, for what that layout costs ONNX Runtime's T1)."""
+    lossless contract, for what that layout costs ONNX Runtime's T1). `head_dim`: the module's own int
+    (a traced shape would reach math.sqrt as a tensor: a TracerWarning in every export)."""
     b, hq, t, d = q.shape
+    d = head_dim or d
     hkv = k.shape[1]
     keys, values = k, v
     if prefix_kv is not None:
@@ -265,7 +267,7 @@ class Attention(nn.Module):
         as the mask says)."""
         q, k, v = self.project(x, cos, sin)
         if self.core is None:
-            out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap)
+            out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap, self.head_dim)
         else:
             out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
         return self.o_proj(out), k, v
