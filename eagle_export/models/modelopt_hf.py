@@ -79,6 +79,28 @@ def unify_fused_scales(drafter: Drafter) -> None:
             preprocess_linear_fusion(modules)
 
 
+def amax_from_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The amax an FP8 scale reads back as (the loader's): scale x 448, in fp32."""
+    return scale.float() * FP8_MAX
+
+
+def snap_fp8_amaxes(drafter: Drafter) -> None:
+    """Set every enabled FP8 quantizer's amax to the one its written scale reads back as.
+
+    The checkpoint stores scale = fl(amax / 448) and the loader sets amax' = fl(scale x 448); in fp32
+    amax' != amax for about 9% of amaxes (one ulp apart). ModelOpt's fake quantization multiplies by
+    fl(448 / amax) before rounding to E4M3, so one ulp of amax moves values across code boundaries and
+    the model loaded back is not the model exported (the sample build's q/k/v input amax: draft
+    logits 0.236 apart). fl(amax' / 448) == fl(amax / 448) for every fp32 amax, so the written scales
+    are unchanged; only the exported model now computes with the amaxes a reader gets. Call it after
+    the last change to an amax (unify_fused_scales) and before the export."""
+    for _, module in drafter.named_modules():
+        for quantizer in (getattr(module, name, None) for name in ("input_quantizer", "weight_quantizer")):
+            if quantizer is not None and quantizer.is_enabled and quantizer.amax is not None:
+                assert quantizer.num_bits == (4, 3) and quantizer.block_sizes is None, "per-tensor FP8 only"
+                quantizer.amax = amax_from_scale(quantizer.amax.float() / FP8_MAX)
+
+
 def export_quantized(drafter: Drafter, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict in the drafter's names, ModelOpt's hf_quant_config) from ModelOpt's exporter, the
     unquantized tensors in `dtype`. The drafter (fp32) is exported in fp32, so ModelOpt computes every
@@ -159,8 +181,8 @@ def restore_quantized(drafter: Drafter, precision: str, quantized: dict[str, dic
         mtq.quantize(drafter, config, None)  # no forward: the amaxes come from the checkpoint
     for module, t in quantized.items():
         m = drafter.get_submodule(module)
-        m.weight_quantizer.amax = t["weight_scale"].float() * FP8_MAX
+        m.weight_quantizer.amax = amax_from_scale(t["weight_scale"])
         if "input_scale" in t:
-            m.input_quantizer.amax = t["input_scale"].float() * FP8_MAX
+            m.input_quantizer.amax = amax_from_scale(t["input_scale"])
         else:
             m.input_quantizer.disable()

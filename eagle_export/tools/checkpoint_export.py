@@ -45,7 +45,7 @@ from ..export.loader import load_pair
 from ..models.checkpoint import DTYPE_NAMES, DTYPES, drafter_state_for_saving, load_drafter, resolve_dtype
 from ..models.config import read_config_json
 from ..models.drafter import Drafter
-from ..models.modelopt_hf import export_quantized, quantization_config, unify_fused_scales
+from ..models.modelopt_hf import export_quantized, quantization_config, snap_fp8_amaxes, unify_fused_scales
 from ..models.nvfp4 import pack_nvfp4
 from ..output_dir import atomic_output_dir, check_output, output_place
 from ..quantize import quantize as Q
@@ -201,7 +201,10 @@ def weight_names(fmt: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 @torch.no_grad()
 def round_trip(reference: Drafter, path: Path, target, batches) -> float:
-    """Max abs difference of step-0 and step-1 draft logits: `reference` vs `path` loaded back, in fp32."""
+    """Max abs difference of step-0 and step-1 draft logits: `reference` vs `path` loaded back, in fp32.
+    First every FP8 quantizer's amax must read back exactly: an amax one ulp off changes codes only
+    where a value lies near a code boundary, which the check prompts may miss (the sample build's
+    export missed it or not depending on the torch thread count)."""
     loaded = load_drafter(path, target=target, dtype=reference.fc.weight.dtype)
     read, written = loaded.config, reference.config
     for key in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual", "draft_vocab_size",
@@ -212,6 +215,16 @@ def round_trip(reference: Drafter, path: Path, target, batches) -> float:
     if read.resolved_aux_layer_ids(target.config) != written.resolved_aux_layer_ids(target.config):
         raise EagleExportError("the exported config.json reads back with other aux layers "
                                f"({read.resolved_aux_layer_ids(target.config)})", "this is a bug in export-checkpoint")
+    for name, module in reference.named_modules():  # logits can hide a wrong amax (see snap_fp8_amaxes)
+        for attr in ("input_quantizer", "weight_quantizer"):
+            written = getattr(module, attr, None)
+            if written is None or not written.is_enabled or written.amax is None:
+                continue
+            read = getattr(loaded.get_submodule(name), attr, None)
+            if read is None or not read.is_enabled or not torch.equal(read.amax.float(), written.amax.float()):
+                got = "none" if read is None or not read.is_enabled else f"{read.amax.float().max().item()!r}"
+                raise EagleExportError(f"{name}.{attr} loads back with amax {got}, the exported model computes with "
+                                       f"{written.amax.float().max().item()!r}", "this is a bug in export-checkpoint")
     worst = 0.0
     for ids, aux in batches:
         next_ids = torch.cat([ids, ids[:, -1:]], dim=1)
@@ -301,6 +314,8 @@ def export_checkpoint(source, out_dir, fmt: str = "vllm", target=None, precision
         Q.quantize(reference, precision, batches, exclude=tuple(src["keep"]), fake_quant="export")
         progress(f"calibrated in {time.perf_counter() - start:.0f} s")
         unify_fused_scales(reference)
+        if precision == "fp8":  # the exported model computes with the amaxes the written scales read back as
+            snap_fp8_amaxes(reference)
         exported = copy.deepcopy(reference)
         state, hf_quant_config = export_quantized(exported, out_dtype)
         if precision == "nvfp4":  # ModelOpt's NVFP4 quantizers run on CUDA only: compare with the packed form
