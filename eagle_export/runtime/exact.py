@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import EagleExportError
-from ..models.layers import MLP, Attention, RMSNorm
+from ..models.layers import MLP, Attention, RMSNorm, RowLinear
 
 
 def refusal(problems: list[str]) -> EagleExportError:
@@ -50,7 +50,7 @@ def check_models(device: str, target, drafter) -> None:
     A module holding weights of its own that is not a plain Linear, Embedding or RMSNorm (an NVFP4 or
     ModelOpt-quantized layer) would keep its own kernels: refused, not silently left unbound."""
     configs = (target.config, drafter.config)
-    known = (nn.Linear, ExactLinear, nn.Embedding, RMSNorm, ExactRMSNorm)
+    known = (nn.Linear, RowLinear, ExactLinear, nn.Embedding, RMSNorm, ExactRMSNorm)
     other = sorted({type(m).__name__ for model in (target, drafter) for m in model.modules()
                     if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
     check(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
@@ -99,7 +99,9 @@ def bind(*graphs) -> None:
     ops = kernels.ops()  # no Triton: the one-line error, before anything is changed
     for graph in graphs:
         for module in graph.modules():
-            if type(module) in SWAPS:
+            if type(module) is RowLinear:  # the torch CPU backend's form of a plain Linear (layers.width_invariant)
+                module.__class__ = ExactLinear
+            elif type(module) in SWAPS:
                 module.__class__ = SWAPS[type(module)]
             elif isinstance(module, Attention):
                 module.core = attention_core
