@@ -285,7 +285,7 @@ def build(recipe, out_dir, force, target, drafter, depth, sets, skip_conformance
 
 @main.command("train-drafter")
 @click.option("--target", required=True, type=click.Path(), callback=utf8, help="The target checkpoint directory.")
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=utf8,
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(), callback=output_directory,
               help="The drafter directory to write (vLLM's EAGLE-3 layout, as `build --drafter` reads).")
 @click.option("--minutes", default=4.0, show_default=True, type=float,
               help="Wall-clock budget: data, held-out data and training together.")

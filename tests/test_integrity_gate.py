@@ -36,7 +36,7 @@ READS_BUILD = {
     "export-checkpoint": ["{build}", "-o", "{tmp}/out"],
     "selftest": ["--build", "{build}", "--report", "{tmp}/r.json"],
 }
-TAKES_NO_BUILD = {"build", "doctor", "export", "gpu-kit", "passes", "quantize", "sample-target"}
+TAKES_NO_BUILD = {"build", "doctor", "export", "gpu-kit", "passes", "quantize", "sample-target", "train-drafter"}
 # Where validate differs: it reports the mismatch as its failed first check (exit 1), not a refusal.
 REPORTS = {"validate"}
 

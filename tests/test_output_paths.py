@@ -18,7 +18,7 @@ from eagle_export.output_dir import write_output
 # Path options that name what a command reads; every other path option is an output and must be checked.
 INPUT_PATHS = {("inspect", "target"), ("build", "recipe"), ("diagnose", "target"), ("export", "target_dir"),
                ("export", "drafter_dir"), ("quantize", "target_dir"), ("quantize", "drafter_dir"),
-               ("export-checkpoint", "target"), ("selftest", "build_dir")}
+               ("export-checkpoint", "target"), ("selftest", "build_dir"), ("train-drafter", "target")}
 CHECKS = (output_file, output_directory)
 
 
