@@ -87,7 +87,7 @@ def test_installed_command_runs_from_an_empty_directory(installed, tmp_path):
     shipped = json.loads(run([cli, "inspect", "--json", Path(samples) / "eagle3.1-smollm2-135m"], cwd=empty))
     assert shipped["kind"] == "drafter" and shipped["eagle_version"] == "3.1", shipped
 
-    # The default recipe (shipped in the package) with the tiny checkpoints in place of the sample's.
+    # The tiny checkpoints with no recipe: the build derives one from the pair (not the sample's).
     # The drafter is trained briefly on the prompts the build checks conventions on (a random one
     # matches no convention and is refused).
     sources = tmp_path / "sources"
@@ -99,5 +99,7 @@ def test_installed_command_runs_from_an_empty_directory(installed, tmp_path):
                "--set", "profiles.context.opt=64", "--set", "profiles.context.max=96"], cwd=empty)
     assert "built b:" in log, log
     manifest = json.loads((empty / "b" / "manifest.json").read_text())
-    assert manifest["recipe"]["name"] == "smollm2-135m-eagle3.1" and manifest["validation"]["ok"]
+    # a pair other than the sample's gets its own recipe, derived from the pair (named for its checkpoints)
+    assert manifest["recipe"]["name"] == "target+drafter" and manifest["recipe"]["derived"], manifest["recipe"]
+    assert manifest["validation"]["ok"]
     assert sorted(os.listdir(empty)) == ["b"]
