@@ -87,9 +87,21 @@ def linear_row_mismatches(fn, dtype=torch.float32) -> list:
     return found
 
 
+SPLIT_CONFIG = (32, 32, 3, 4, 1)  # K = 128 in three splits of 64 (the last one short), summed in order
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_linear_row_is_the_same_at_every_width_and_place(dtype):
     assert linear_row_mismatches(K.linear, dtype) == []
+    assert linear_row_mismatches(lambda x, w, b: K.linear(x, w, b, SPLIT_CONFIG), dtype) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_linear_split_along_k_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = rand(5, 128, dtype=dtype, gen=gen), rand(70, 128, dtype=dtype, gen=gen), rand(70, dtype=dtype, gen=gen)
+    close(K.linear(x, w, b, SPLIT_CONFIG), R.linear(x, w, b), dtype)
+    close(K.linear(x, w, None, SPLIT_CONFIG), R.linear(x, w), dtype)
 
 
 def test_a_split_k_chosen_by_m_fails_the_linear_invariance_check():

@@ -26,6 +26,7 @@ cores with fp32 accumulation, fp32 in IEEE precision (no TF32).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -44,40 +45,86 @@ ARGMAX_BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, bias, y, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x, w, bias, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
+                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
+    steps, in order; one split writes y, several write fp32 partials that _sum_splits adds in order."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + rk
-        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
-        b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < k_hi)[None, :], other=0.0)
+        b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < k_hi)[:, None], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    inside = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rm[:, None] * sym + rn[None, :] * syn, acc.to(y.dtype.element_ty), mask=inside)
+    else:
+        tl.store(part + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=inside)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(part, bias, y, M, N, sym, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, N block): the K splits' partial sums added in split order (+ bias), cast once."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < N
+    acc = tl.load(part + row * N + cols, mask=inside, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + (s * M + row) * N + cols, mask=inside, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y + rm[:, None] * sym + rn[None, :] * syn, acc.to(y.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+        acc += tl.load(bias + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y + row * sym + cols, acc.to(y.dtype.element_ty), mask=inside)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype."""
+@functools.lru_cache(maxsize=None)
+def linear_config(n: int, k: int, device=None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, K splits, warps, stages) of a linear layer with weight [n, k]: chosen from the
+    layer's shape and the card (its count of SMs), never from the call's rows. Decode GEMMs read their
+    weight once and are bandwidth-bound: enough programs to keep every SM streaming, so a layer with
+    few N tiles splits K into a fixed number of parts (each a whole number of BLOCK_K steps)."""
+    if INTERPRETED:
+        return BLOCK_N, BLOCK_K, 1, 4, 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bn, bk = BLOCK_N, BLOCK_K
+    split = 1
+    while triton.cdiv(n, bn) * split < 2 * sms and k // (2 * split) >= 8 * bk:
+        split *= 2
+    return bn, bk, split, 4, 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype. `config`: linear_config's tuple
+    (the tests and the GPU probe pass their own)."""
     rows = x.reshape(-1, x.shape[-1])
     m, k = rows.shape
     n = weight.shape[0]
+    bn, bk, split, warps, stages = config or linear_config(n, k, x.device.index)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _linear_kernel[grid](rows, weight, bias if bias is not None else weight, y, m, n, k,
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, bn), split)
+    _linear_kernel[grid](rows, weight, bias if bias is not None else weight, y, part, m, n, k, k_split,
                          rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-                         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32,
-                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split,
+                         BM=BLOCK_M, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    if split > 1:
+        block = 1024 if not INTERPRETED else 4096
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else weight, y, m, n, y.stride(0),
+                                                         HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,0 +1,164 @@
+"""GPU probe for the width-invariant kernels' speed (issues 43/44): two measurements a kernel engineer
+wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON and text.
+
+    linear   each real Llama-3.1-8B linear shape (qkv, o, gate_up, down, lm_head) at M = 1, 16, 80,
+             bf16: cuBLAS (F.linear) beside the Triton linear kernel in a grid of fixed configurations
+             (BLOCK_N, BLOCK_K, K splits, warps, stages), each timed as one CUDA graph streaming enough
+             copies of the weight to pass the L2 cache (what a decode step does), in ms and GB/s;
+             and whether a row's bits match between M = 1 and M = 16 for every configuration timed.
+    profile  one plain decoding round of the 8B shape, eager, through the torch backend and through
+             exact mode: the GPU time of each kernel, summed, top 25 (where a step's time goes).
+
+Usage: python scripts/gpu_probe.py linear|profile [--budget-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OUT = Path(os.environ.get("OUT") or "gpu-probe")
+# Llama-3.1-8B: weight [N, K] and how many a step reads
+SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32), "down": (4096, 14336, 32),
+          "lm_head": (128256, 4096, 1)}
+STREAM_BYTES = 384 << 20  # copies of a weight until a graph streams this much: past the H200's 50 MB L2
+
+
+def graph_ms(fn, reps: int = 7) -> float:
+    """Median ms of one replay of a CUDA graph of fn()."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+def configs():
+    grid = [(bn, bk, split, 4, 4) for bn in (32, 64, 128) for bk in (64, 128, 256) for split in (1, 2, 4)]
+    return grid + [(64, 128, 1, 8, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 6), (64, 256, 1, 4, 3),
+                   (32, 128, 1, 2, 4), (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (32, 512, 1, 4, 3)]
+
+
+def linear(budget_s: float) -> dict:
+    from eagle_export.kernels import triton_ops as K
+
+    start = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "shapes": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k, per_step) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(1, math.ceil(STREAM_BYTES / nbytes))
+        weights = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        rec = result["shapes"][name] = {"n": n, "k": k, "per_step": per_step, "copies": copies,
+                                        "default_config": list(K.linear_config(n, k, 0)), "m": {}}
+        for m in (1, 16, 80):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            row = rec["m"][m] = {}
+            ms = graph_ms(lambda: [F.linear(x, w) for w in weights]) / copies
+            row["cublas"] = {"ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1)}
+            for cfg in configs() if m != 80 else [tuple(rec["default_config"])]:
+                if time.perf_counter() - start > budget_s:
+                    row["stopped"] = "budget"
+                    break
+                key = "x".join(map(str, cfg))
+                try:
+                    ms = graph_ms(lambda: [K.linear(x, w, None, cfg) for w in weights]) / copies
+                    entry = {"ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1)}
+                    if m == 16:  # row 3 of a 16-row call against the same row alone
+                        entry["row_invariant"] = bool(torch.equal(K.linear(x, weights[0], None, cfg)[3],
+                                                                  K.linear(x[3:4], weights[0], None, cfg)[0]))
+                    row[key] = entry
+                except Exception as e:  # a configuration that does not compile here is a finding
+                    row[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            best = min(((c, v) for c, v in row.items() if isinstance(v, dict) and "ms" in v and c != "cublas"),
+                       key=lambda cv: cv[1]["ms"], default=None)
+            if best:
+                row["best"] = best[0]
+            print(f"{name} [{n}x{k}] M={m}: cublas {row['cublas']['ms']:.4f} ms ({row['cublas']['gb_s']} GB/s); "
+                  f"best {best[0] if best else '-'} {best[1]['ms'] if best else 0:.4f} ms "
+                  f"({best[1]['gb_s'] if best else 0} GB/s); default {row.get('x'.join(map(str, rec['default_config'])), {}).get('ms')}",
+                  flush=True)
+        del weights
+        torch.cuda.empty_cache()
+        _save("linear", result)
+    # a step's linear layers, each at its best configuration and at the default, beside cuBLAS (M = 1 and 16)
+    for m in (1, 16):
+        total = {"cublas": 0.0, "best": 0.0, "default": 0.0}
+        for name, rec in result["shapes"].items():
+            row = rec["m"][m]
+            total["cublas"] += rec["per_step"] * row["cublas"]["ms"]
+            total["best"] += rec["per_step"] * row[row["best"]]["ms"] if "best" in row else math.nan
+            default = row.get("x".join(map(str, rec["default_config"])), {}).get("ms", math.nan)
+            total["default"] += rec["per_step"] * default
+        result[f"step_linear_ms_m{m}"] = {k: round(v, 3) for k, v in total.items()}
+        print(f"a step's linear layers at M={m}: {result[f'step_linear_ms_m{m}']}", flush=True)
+    _save("linear", result)
+    return result
+
+
+def profile() -> dict:
+    from eagle_export.runtime.runtime import GenerationConfig
+    from eagle_export.tools.gpu_kit import make_runtime, random_pair, random_prompts, unbind
+
+    target, drafter = random_pair("llama-3.1-8b", "cuda", torch.bfloat16)
+    prompt = random_prompts(target.config.vocab_size, 1)[0]
+    result = {}
+    for exact in (False, True):
+        runtime = make_runtime(target, drafter, "cuda", cuda_graphs=False, exact=exact)
+        try:
+            runtime.generate([prompt], GenerationConfig(max_new_tokens=4), speculative=False)
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                runtime.generate([prompt], GenerationConfig(max_new_tokens=9), speculative=False)
+                torch.cuda.synchronize()
+            name = "exact" if exact else "torch"
+            table = None
+            for key in ("self_device_time_total", "self_cuda_time_total"):
+                try:
+                    table = prof.key_averages().table(sort_by=key, row_limit=40)
+                    break
+                except Exception:  # the older name
+                    continue
+            result[name] = {"table": table, "note": "a prefill and 8 plain rounds, eager"}
+            print(f"--- {name}: a prefill and 8 plain rounds, eager", flush=True)
+            print(table, flush=True)
+        finally:
+            unbind(runtime)
+    _save("profile", result)
+    return result
+
+
+def _save(name: str, result: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"probe-{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=("linear", "profile"))
+    parser.add_argument("--budget-s", type=float, default=150.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("the probe needs a CUDA GPU")
+    linear(args.budget_s) if args.what == "linear" else profile()
