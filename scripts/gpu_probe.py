@@ -96,9 +96,10 @@ def linear(budget_s: float) -> dict:
                 row["best"] = best[0]
             print(f"{name} [{n}x{k}] M={m}: cublas {row['cublas']['ms']:.4f} ms ({row['cublas']['gb_s']} GB/s); "
                   f"best {best[0] if best else '-'} {best[1]['ms'] if best else 0:.4f} ms "
-                  f"({best[1]['gb_s'] if best else 0} GB/s); default {row.get('x'.join(map(str, rec['default_config'])), {}).get('ms')}",
+                  f"({best[1]['gb_s'] if best else 0} GB/s); "
+                  f"default {row.get('x'.join(map(str, rec['default_config'])), {}).get('ms')}",
                   flush=True)
-        del weights
+        weights = None  # noqa: F841 (the GPU memory, before the next shape)
         torch.cuda.empty_cache()
         _save("linear", result)
     # a step's linear layers, each at its best configuration and at the default, beside cuBLAS (M = 1 and 16)
