@@ -425,6 +425,10 @@ def _measure_costs(runtime) -> None:
     click.echo(f"measured in {time.perf_counter() - start:.1f} s", err=True)
 
 
+# gpu-kit's steps by the names --steps takes (tools/gpu_kit.step_key names each step of the report so)
+KIT_STEPS = ("lossless", "eager", "fp32", "cost", "costs", "sweep", "export")
+
+
 @main.command("gpu-kit")
 @click.option("--shapes", default="llama-3.2-1b,llama-3.1-8b,qwen3-8b", show_default=True,
               help="Real configs to make with random weights (llama-3.2-1b, llama-3.1-8b, qwen3-8b), or tiny (a CPU run).")
@@ -444,17 +448,26 @@ def _measure_costs(runtime) -> None:
 @click.option("--exact", is_flag=True,
               help="Run exact mode's steps instead (width-invariant Triton kernels): bf16 speculative == plain on every "
                    "prompt at batch 1, 4, 16 (synthetic 0.7 and 0.9 and the random drafter, chain and dynamic tree, "
-                   "eager and CUDA graphs), and the exact plain step's cost beside cuBLAS's at batch 1 and 16.")
-def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens, repeats, exact):
+                   "eager and CUDA graphs), the exact plain step's cost beside cuBLAS's at batch 1 and 16, and the "
+                   "cost curves and sweep through the kernels, in bf16.")
+@click.option("--steps", default="all", show_default=True,
+              help="The steps to run, comma-separated, of " + ", ".join(KIT_STEPS) + " (lossless: with CUDA graphs; eager: "
+              "lossless eagerly; fp32: the first shape's fp32 lossless row; cost: exact mode's plain step beside "
+              "cuBLAS's): a GPU sitting picks what its minutes allow.")
+@click.option("--sweep", "sweep_values", help="Uniform synthetic acceptances of the sweep, comma-separated (vLLM CI's "
+              "per-depth 0.73/0.52/0.35/0.25 is always added)  [default: 0,0.2,0.4,0.6,0.8,0.9; tiny: 0,0.9]")
+def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens, repeats, exact, steps, sweep_values):
     """Real-size shapes on a GPU with nothing but this package and torch: random-weight Llama-3.2-1B,
     Llama-3.1-8B and Qwen3-8B targets with EAGLE-3 drafters of the real shape, made on the machine;
     lossless at batch 1 and 4 (eager and CUDA graphs), cost curves at batch 1, 4, 16, the synthetic
     acceptance sweep, and the real-width graphs exported to ONNX. One JSON, one PNG."""
     import torch
 
-    from .tools.gpu_kit import check_shapes, run_kit
+    from .tools.gpu_kit import check_acceptances, check_shapes, check_steps, run_kit
 
     chosen = check_shapes(shapes)
+    chosen_steps = check_steps(steps, KIT_STEPS)
+    values = check_acceptances(sweep_values) if sweep_values else None
     if chosen != ["tiny"] and not torch.cuda.is_available():
         click.echo("gpu-kit: no CUDA GPU here, so nothing was run (the real-size shapes need one); "
                    "--shapes tiny runs every step on this CPU")
@@ -466,8 +479,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
         pyplot()  # a missing matplotlib fails now, not after the kit
         plot = Path(plot_file)
     run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export, num_prompts=num_prompts,
-            new_tokens=new_tokens, repeat=repeats,
-            exact=exact)
+            new_tokens=new_tokens, repeat=repeats, exact=exact, steps=chosen_steps, values=values)
     click.echo(f"wrote {report}" + (f" and {plot_file}" if plot else ""))
 
 

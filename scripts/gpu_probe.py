@@ -2,7 +2,8 @@
 wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON and text.
 
     linear   each real Llama-3.1-8B linear shape (qkv, o, gate_up, down, lm_head) at M = 1, 16, 80,
-             bf16: cuBLAS (F.linear) beside the Triton linear kernel in a grid of fixed configurations
+             bf16: cuBLAS (F.linear) beside the Triton linear kernel in linear_config's choice and (unless
+             --default-only) a grid of fixed configurations
              (BLOCK_N, BLOCK_K, K splits, warps, stages), each timed as one CUDA graph streaming enough
              copies of the weight to pass the L2 cache (what a decode step does), in ms and GB/s;
              and whether a row's bits match between M = 1 and M = 16 for every configuration timed.
@@ -58,7 +59,7 @@ def configs():
                    (32, 128, 1, 2, 4), (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (32, 512, 1, 4, 3)]
 
 
-def linear(budget_s: float) -> dict:
+def linear(budget_s: float, only_default: bool = False) -> dict:
     from eagle_export.kernels import triton_ops as K
 
     start = time.perf_counter()
@@ -76,7 +77,7 @@ def linear(budget_s: float) -> dict:
             row = rec["m"][m] = {}
             ms = graph_ms(lambda: [F.linear(x, w) for w in weights]) / copies
             row["cublas"] = {"ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1)}
-            for cfg in configs() if m != 80 else [tuple(rec["default_config"])]:
+            for cfg in configs() if m != 80 and not only_default else [tuple(rec["default_config"])]:
                 if time.perf_counter() - start > budget_s:
                     row["stopped"] = "budget"
                     break
@@ -84,9 +85,10 @@ def linear(budget_s: float) -> dict:
                 try:
                     ms = graph_ms(lambda: [K.linear(x, w, None, cfg) for w in weights]) / copies
                     entry = {"ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1)}
-                    if m == 16:  # row 3 of a 16-row call against the same row alone
-                        entry["row_invariant"] = bool(torch.equal(K.linear(x, weights[0], None, cfg)[3],
-                                                                  K.linear(x[3:4], weights[0], None, cfg)[0]))
+                    if m > 1:  # rows at three places of the call, each against the same row alone
+                        wide = K.linear(x, weights[0], None, cfg)
+                        entry["row_invariant"] = all(torch.equal(wide[r], K.linear(x[r:r + 1], weights[0], None, cfg)[0])
+                                                     for r in (3, m // 2, m - 1))
                     row[key] = entry
                 except Exception as e:  # a configuration that does not compile here is a finding
                     row[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -159,7 +161,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=("linear", "profile"))
     parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument("--default-only", action="store_true", help="linear: cuBLAS and linear_config's choice only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("the probe needs a CUDA GPU")
-    linear(args.budget_s) if args.what == "linear" else profile()
+    linear(args.budget_s, args.default_only) if args.what == "linear" else profile()

@@ -40,6 +40,7 @@ shapes, memory and time. `--shapes tiny` runs the whole kit on a CPU in seconds 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -334,10 +335,16 @@ def costs(runtime, batches=(1, 4, 16), peak: float | None = None, copy: float | 
     return out
 
 
-def sweep(runtime, prompts, new_tokens: int, values=SWEEP, batches=(1, 4), repeat: int = REPEATS) -> list[dict]:
+def sweep(runtime, prompts, new_tokens: int, values=SWEEP, batches=(1, 4), repeat: int = REPEATS,
+          deadline: float = math.inf) -> list[dict]:
+    """`bench` at each synthetic setting, batch by batch; no batch starts past `deadline` (perf_counter)."""
     settings = [(a,) * DEPTH for a in values] + [REAL_ACCEPTANCE]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    runs = [bench({"kit": runtime}, prompts, b, config, acceptances=settings, repeat=repeat) for b in batches]
+    runs = []
+    for b in batches:
+        if time.perf_counter() > deadline and runs:
+            break
+        runs.append(bench({"kit": runtime}, prompts, b, config, acceptances=settings, repeat=repeat))
     for run in runs:
         for record in run["builds"]["kit"]["sweep"]:
             for policy in record["policies"].values():
@@ -376,13 +383,45 @@ def export_check(shape: str, out_dir: Path) -> dict:
             "aux_max_rel_err": float((aux - ref[1]).abs().max() / ref[1].abs().max())}
 
 
+def step_key(name: str) -> str:
+    """A report step's name as `--steps` names it: lossless (with CUDA graphs, or eager on a CPU), eager,
+    fp32, cost (exact mode's plain step beside cuBLAS's), costs, sweep, export; pair always runs."""
+    name = name.removeprefix("exact ")
+    if name.startswith("lossless"):
+        return "fp32" if "fp32" in name else "eager" if "(eager)" in name and torch.cuda.is_available() else "lossless"
+    return name.split(" (")[0]
+
+
+def check_steps(text: str, known) -> set[str]:
+    chosen = set(known) if text.strip() == "all" else {s.strip() for s in text.split(",") if s.strip()}
+    unknown = sorted(chosen - set(known))
+    if not chosen or unknown:
+        raise EagleExportError(f"unknown kit step(s) {unknown or text!r}", f"choose from all, {', '.join(known)}")
+    return chosen
+
+
+def check_acceptances(text: str) -> tuple[float, ...]:
+    """--sweep's comma-separated uniform acceptances, each in [0, 1]."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(not math.isfinite(v) or not 0 <= v <= 1 for v in values):
+        raise EagleExportError(f"--sweep {text!r} is not a comma-separated list of acceptances in [0, 1]",
+                               "give e.g. --sweep 0,0.6,0.9")
+    return values
+
+
 def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
             dtype: torch.dtype | None = None, export: bool = True, num_prompts: int | None = None,
-            new_tokens: int | None = None, repeat: int = REPEATS, exact: bool = False) -> dict:
+            new_tokens: int | None = None, repeat: int = REPEATS, exact: bool = False, steps=None,
+            values: tuple[float, ...] | None = None) -> dict:
     """Every step for every shape, in order, until `budget_s` runs out; the report after each step.
     The first shape also runs eagerly in fp32 (on a GPU), which tells the verify width's rounding in
     bf16 from a bug, and the export check follows it. `exact`: exact mode's steps instead, in bf16
-    (on a CPU through Triton's interpreter, which must be on: the tiny shape in CI)."""
+    (on a CPU through Triton's interpreter, which must be on: the tiny shape in CI), the cost curves
+    and the sweep through the kernels. `steps`: the step_key names to run (None: all); `values`: the
+    sweep's uniform acceptances (None: SWEEP)."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if exact:  # refused here, before any model is made, where the kernels cannot run
@@ -396,6 +435,8 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
     start = time.perf_counter()
 
     def step(name, record, fn):
+        if steps is not None and name != "pair" and step_key(name) not in steps:
+            return None
         if time.perf_counter() - start > budget_s:
             record[name] = {"skipped": "the kit's time budget ran out"}
             echo(f"  {name}: skipped (budget)")
@@ -415,8 +456,8 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
 
     tiny = shapes == ["tiny"]
     # CI's CPU run keeps every step and shrinks the work; a GPU run measures
-    count, values = (num_prompts or 2, (0.0, 0.9)) if tiny else (num_prompts or PROMPTS, SWEEP)
-    new_tokens = new_tokens or (8 if tiny else NEW_TOKENS)
+    count, values = (num_prompts or 2, values or (0.0, 0.9)) if tiny else (num_prompts or PROMPTS, values or SWEEP)
+    asked_tokens, new_tokens = new_tokens, new_tokens or (8 if tiny else NEW_TOKENS)
     result["cells"] = {"prompts": count, "new_tokens": new_tokens, "repeats": repeat}
     peak = peak_bandwidth(result["device"])
     result["peak_bandwidth_gb_s"] = None if peak is None else peak / 1e9
@@ -449,8 +490,8 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
             target, drafter = pair.pop("models")
             # CI's run proves the path (the interpreter: ~1 s a call); a GPU run measures
             prompts = random_prompts(target.config.vocab_size, 2, lengths=(5, 9)) if tiny else \
-                random_prompts(target.config.vocab_size, 16)
-            tokens, batches = (3, (2,)) if tiny else (32, (1, 4, 16))
+                random_prompts(target.config.vocab_size, max(16, num_prompts or 16))
+            tokens, batches = (3, (2,)) if tiny else (asked_tokens or 32, (1, 4, 16))
             drafts = (0.9,) if tiny else EXACT_DRAFTS
             speculations = {"chain": 2, "dynamic tree": DynamicTree(top_k=2, depth=2, nodes=3)} if tiny else \
                 EXACT_SPECULATION
@@ -459,6 +500,15 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                     target, drafter, device, mode == "cuda_graphs", prompts, tokens, batches, drafts, speculations))
             step("exact cost", record, lambda: exact_cost(target, drafter, device, cuda, prompts, 2 if tiny else tokens,
                                                           (1,) if tiny else (1, 16)))
+            # the interpreter takes ~1 s a call: CI's tiny kit runs these steps without --exact
+            if not tiny and (steps is None or steps & {"costs", "sweep"}):
+                fast = make_runtime(target, drafter, device, cuda, exact=True)
+                step("costs", record, lambda: costs(fast, (1, 4, 16), peak, copy))
+                record["sweep dtype"], record["sweep kernels"] = str(dtype).removeprefix("torch."), "exact"
+                step("sweep", record, lambda: sweep(fast, prompts[:count], new_tokens, values, (1, 4, 16), repeat,
+                                                    deadline=start + budget_s))
+                unbind(fast)
+                fast = None
             target = drafter = None
             if cuda:
                 torch.cuda.empty_cache()
@@ -472,7 +522,7 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
                 step(f"lossless ({mode})", record, lambda: lossless(runtime, prompts, new_tokens))
             fast = runtimes.get("cuda_graphs", runtimes.get("eager"))
             step("costs", record, lambda: costs(fast, (1, 4) if tiny else (1, 4, 16), peak, copy))
-            if dtype != SWEEP_DTYPE:  # synthetic drafts need the verify width's text to match (see SWEEP_DTYPE)
+            if dtype != SWEEP_DTYPE and (steps is None or "sweep" in steps):  # see SWEEP_DTYPE
                 del runtimes, fast, runtime, target, drafter
                 if cuda:
                     torch.cuda.empty_cache()
