@@ -22,7 +22,7 @@ total=${1:-400}
 shapes=${2:-llama-3.1-8b,qwen3-8b}
 mkdir -p "$out"
 start=$SECONDS
-kit() { python3 -c "from eagle_export.cli import main; main()" gpu-kit --exact --plot "" "$@"; }
+kit="python3 -m eagle_export.cli gpu-kit --exact --plot \"\""
 for m in click onnx_ir pytest pluggy iniconfig; do
     python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .gpu-wheels/$m*.whl 2>&1 | tail -1
 done
@@ -39,11 +39,11 @@ echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
 timeout 60 python3 scripts/gpu_probe.py linear --default-only --budget-s 45 2>&1 | tee "$out/linear.txt"
 
 left=$((total - (SECONDS - start)))
-timeout $((left * 2 / 3)) kit --shapes "$shapes" --steps lossless,cost --new-tokens 16 \
+timeout $((left * 2 / 3)) python3 -m eagle_export.cli gpu-kit --exact --plot "" --shapes "$shapes" --steps lossless,cost --new-tokens 16 \
     --budget-s $((left * 2 / 3 - 60)) --report "$out/kit-lossless.json" 2>&1 | tee "$out/kit-lossless.txt"
 echo "lossless and cost: after $((SECONDS - start)) s" | tee -a "$out/kit-lossless.txt"
 
 left=$((total - (SECONDS - start)))
-timeout "$left" kit --shapes llama-3.1-8b --steps costs,sweep --sweep 0 --new-tokens 64 --repeats 1 \
+timeout "$left" python3 -m eagle_export.cli gpu-kit --exact --plot "" --shapes llama-3.1-8b --steps costs,sweep --sweep 0 --new-tokens 64 --repeats 1 \
     --budget-s $((left - 50)) --report "$out/kit-sweep.json" 2>&1 | tee "$out/kit-sweep.txt"
 echo "done after $((SECONDS - start)) s" | tee -a "$out/kit-sweep.txt"

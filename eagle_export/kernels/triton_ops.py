@@ -38,7 +38,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
 # there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
 BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 128) if not INTERPRETED else (16, 256, 128)  # linear's tile
-MAX_TILES = 4  # row tiles a linear program computes against one load of its weight tile
+SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 SM has 227 KB)
+MAX_TILES = 1  # row tiles a linear program computes against one load of its weight tile
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
 ATTN_BLOCK = 16                          # keys per attention block
 SPLIT_SIZE = 256 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
@@ -148,6 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = rows.shape
     n = weight.shape[0]
     bn, bk, split, warps, stages = config or linear_config(n, k, x.device.index)
+    stages = max(1, min(stages, SHARED_BYTES // ((bn + BLOCK_M * MAX_TILES) * bk * x.element_size())))  # fp32: fewer
     tiles = min(MAX_TILES, triton.cdiv(m, BLOCK_M))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
