@@ -94,8 +94,8 @@ def test_a_kv_split_by_count_bound_in_its_place_fails_the_check(monkeypatch):
     ops = kernels.ops()
     real = ops.attention
     # flash-decoding's occupancy rule: more splits of the cache view for a one-token call
-    monkeypatch.setattr(ops, "attention", lambda q, kc, vc, kn, vn, mask: real(
-        q, kc, vc, kn, vn, mask, split_size=triton.cdiv(kc.shape[2], 8 if q.shape[2] == 1 else 2)))
+    monkeypatch.setattr(ops, "attention", lambda q, kc, vc, kn, vn, mask, keys=None: real(
+        q, kc, vc, kn, vn, mask, split_size=triton.cdiv(kc.shape[2], 8 if q.shape[2] == 1 else 2), keys=keys))
     assert mismatches(graph, target, batched=False) == ["verify 4+2"]
 
 

@@ -42,7 +42,8 @@ SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 S
 MAX_TILES = 1  # row tiles a linear program computes against one load of its weight tile
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
 ATTN_BLOCK = 16                          # keys per attention block
-SPLIT_SIZE = 256 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
+SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
+COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
 ARGMAX_BLOCK = 1024
 
 
@@ -218,93 +219,103 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["T", "S", "N", "num_splits", "split_size"])
 def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out,
                             T, S, N, HKV, num_splits, split_size, scale,
-                            sqb, sqh, sqt, skb, skh, sks, snb, snh, sns,
+                            sqb, sqh, sqt, skb, skh, sks, snb, snh, sns, svb, svh, svs,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BLOCK: tl.constexpr):
     """Program (b*HKV + kv head, query row t, split s): the G query heads of one KV head over keys
     [s*split_size, (s+1)*split_size) of row t's compacted key list -> the split's running max m,
-    sum l and unnormalized output acc (fp32) in the workspace."""
+    sum l and unnormalized output acc (fp32) in the workspace. A split past the row's keys exits."""
     bh, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV  # 64-bit: a batch's cache offset can pass 2^31 elements
-    g, d = tl.arange(0, GP), tl.arange(0, DP)
-    gmask, dmask = g < G, d < D
-    qv = tl.load(q + b * sqb + (h * G + g)[:, None] * sqh + t * sqt + d[None, :],
-                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    m = tl.full([GP], -1.0e30, tl.float32)
-    lsum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
     row = b * T + t
     start = s * split_size
     end = tl.minimum(start + split_size, tl.load(count + row))
-    for r0 in range(start, end, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        valid = r < end
-        i = tl.load(index + row * (S + N) + r, mask=valid, other=0)
-        cached = valid & (i < S)
-        fresh = valid & (i >= S)
-        kd = dmask[None, :]
-        k = tl.where(cached[:, None],
-                     tl.load(kc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached[:, None] & kd, other=0.0),
-                     tl.load(kn + b * snb + h * snh + (i - S)[:, None] * sns + d[None, :], mask=fresh[:, None] & kd,
-                             other=0.0)).to(tl.float32)
-        v = tl.where(cached[:, None],
-                     tl.load(vc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached[:, None] & kd, other=0.0),
-                     tl.load(vn + b * snb + h * snh + (i - S)[:, None] * sns + d[None, :], mask=fresh[:, None] & kd,
-                             other=0.0)).to(tl.float32)
-        scores = tl.sum(qv[:, None, :] * k[None, :, :], axis=2) * scale           # [GP, BLOCK]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
-    out = ((b * HKV + h) * G + g) * T + t                                         # [B,Hq,T] row of each head
-    tl.store(acc_out + (out * num_splits + s)[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
-    tl.store(ml_out + (out * num_splits + s) * 2, m, mask=gmask)
-    tl.store(ml_out + (out * num_splits + s) * 2 + 1, lsum, mask=gmask)
+    if start < end:
+        g, d = tl.arange(0, GP), tl.arange(0, DP)
+        gmask, dmask = g < G, d < D
+        qv = tl.load(q + b * sqb + (h * G + g)[:, None] * sqh + t * sqt + d[None, :],
+                     mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        m = tl.full([GP], -1.0e30, tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for r0 in range(start, end, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            valid = r < end
+            i = tl.load(index + row * (S + N) + r, mask=valid, other=0)
+            cached = (valid & (i < S))[:, None] & dmask[None, :]
+            fresh = (valid & (i >= S))[:, None] & dmask[None, :]
+            k = tl.where(cached, tl.load(kc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached, other=0.0),
+                         tl.load(kn + b * snb + h * snh + (i - S)[:, None] * sns + d[None, :], mask=fresh,
+                                 other=0.0)).to(tl.float32)
+            v = tl.where(cached, tl.load(vc + b * skb + h * skh + i[:, None] * sks + d[None, :], mask=cached, other=0.0),
+                         tl.load(vn + b * svb + h * svh + (i - S)[:, None] * svs + d[None, :], mask=fresh,
+                                 other=0.0)).to(tl.float32)
+            scores = tl.sum(qv[:, None, :] * k[None, :, :], axis=2) * scale           # [GP, BLOCK]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = ((b * HKV + h) * G + g) * T + t                                     # [B,Hq,T] row of each head
+        tl.store(acc_out + (out * num_splits + s)[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_out + (out * num_splits + s) * 2, m, mask=gmask)
+        tl.store(ml_out + (out * num_splits + s) * 2 + 1, lsum, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _attention_combine_kernel(acc_in, ml_in, y, num_splits, D: tl.constexpr, DP: tl.constexpr):
-    """Program (one query head's row): the splits combined in order, empty splits (l = 0) skipped."""
+@triton.jit(do_not_specialize=["T", "num_splits", "split_size"])
+def _attention_combine_kernel(acc_in, ml_in, count, y, T, HQ, num_splits, split_size,
+                              D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr):
+    """Program (one query head's row, [B,Hq,T] order): the row's splits that hold keys (the first
+    cdiv(count, split_size): the same for a position in every call) combined SB at a time in split
+    order, each block one fixed-shape reduction; written to y laid out [B,T,Hq,D]."""
     row = tl.program_id(0)
+    b, h, t = row // (HQ * T), (row // T) % HQ, row % T
+    active = tl.cdiv(tl.load(count + b * T + t), split_size)
     d = tl.arange(0, DP)
     top = tl.full([], -1.0e30, tl.float32)
-    for s in range(0, num_splits):
-        top = tl.maximum(top, tl.load(ml_in + (row * num_splits + s) * 2))
+    for s0 in range(0, active, SB):
+        s = s0 + tl.arange(0, SB)
+        top = tl.maximum(top, tl.max(tl.load(ml_in + (row * num_splits + s) * 2, mask=s < active, other=-1.0e30)))
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([DP], tl.float32)
-    for s in range(0, num_splits):
-        m = tl.load(ml_in + (row * num_splits + s) * 2)
-        lsum = tl.load(ml_in + (row * num_splits + s) * 2 + 1)
-        scale = tl.exp(m - top)
-        part = tl.load(acc_in + (row * num_splits + s) * DP + d)
-        total = tl.where(lsum > 0, total + lsum * scale, total)
-        acc = tl.where(lsum > 0, acc + part * scale, acc)
+    for s0 in range(0, active, SB):
+        s = s0 + tl.arange(0, SB)
+        inside = s < active
+        m = tl.load(ml_in + (row * num_splits + s) * 2, mask=inside, other=-1.0e30)
+        lsum = tl.load(ml_in + (row * num_splits + s) * 2 + 1, mask=inside, other=0.0)
+        weight = tl.where(inside, tl.exp(m - top), 0.0)
+        part = tl.load(acc_in + (row * num_splits + s)[:, None] * DP + d[None, :], mask=inside[:, None], other=0.0)
+        total += tl.sum(lsum * weight)
+        acc += tl.sum(part * weight[:, None], axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(y + row * D + d, out.to(y.dtype.element_ty), mask=d < D)
+    tl.store(y + ((b * T + t) * HQ + h) * D + d, out.to(y.dtype.element_ty), mask=d < D)
 
 
 def compact_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """mask [B,T,S+N] -> (index [B,T,S+N] int32: each row's visible keys first, in key order; count
-    [B,T] int32). A stable sort of "not visible" keeps the visible keys' order."""
+    [B,T] int32). A stable sort of "not visible" keeps the visible keys' order. One per forward: every
+    layer of a call sees the same mask (runtime/exact.py keeps the last)."""
     index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return index.contiguous(), mask.sum(-1, dtype=torch.int32).contiguous()
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-              v_new: torch.Tensor, mask: torch.Tensor, split_size: int = SPLIT_SIZE) -> torch.Tensor:
+              v_new: torch.Tensor, mask: torch.Tensor, split_size: int = SPLIT_SIZE,
+              keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Grouped-query attention, each row over its own visible keys (see the module's docstring).
-    q [B,Hq,T,D]; k/v_cache [B,Hkv,S,D] (any slot stride); k/v_new [B,Hkv,N,D]; mask [B,T,S+N]
-    -> [B,Hq,T,D] in q's dtype. `split_size` is a constant: the tests plant a per-call one."""
+    q [B,Hq,T,D]; k/v_cache [B,Hkv,S,D] (any slot stride); k/v_new [B,Hkv,N,D]; q, k_new and v_new may
+    be strided views (the last dim dense); mask [B,T,S+N]; keys: compact_keys(mask) when the caller
+    has it -> [B,Hq,T,D] in q's dtype, a view of [B,T,Hq,D] memory (so [B,T,Hq*D] is a free reshape).
+    `split_size` is a constant: the tests plant a per-call one."""
     b, hq, t, d = q.shape
     hkv, s, n = k_cache.shape[1], k_cache.shape[2], k_new.shape[2]
     group = hq // hkv
-    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+    q, k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_new, v_new))
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    index, count = compact_keys(mask)
+    index, count = keys if keys is not None else compact_keys(mask)
     num_splits = max(1, triton.cdiv(s + n, split_size))
     dp = triton.next_power_of_2(d)
     acc = torch.empty(b, hq, t, num_splits, dp, dtype=torch.float32, device=q.device)
@@ -312,11 +323,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     _attention_split_kernel[(b * hkv, t, num_splits)](
         q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, t, s, n, hkv, num_splits, split_size,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
-        G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK)
-    y = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
-    _attention_combine_kernel[(b * hq * t,)](acc, ml, y, num_splits, D=d, DP=dp)
-    return y
+        k_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
+        v_new.stride(2), G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK)
+    y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    _attention_combine_kernel[(b * hq * t,)](acc, ml, count, y, t, hq, num_splits, split_size, D=d, DP=dp, SB=COMBINE_BLOCK)
+    return y.transpose(1, 2)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -77,15 +77,30 @@ class ExactMLP(MLP):
         return self.down_proj(kernels.ops().silu_mul(gate, up))
 
 
+class _Keys:
+    """The last mask's compacted key lists (kernels' compact_keys): every layer of a forward gets the
+    same mask object, so the sort runs once a forward, not once a layer (and once in a CUDA graph).
+    Holding the mask keeps its id from being reused by another tensor."""
+    mask = keys = None
+
+    @classmethod
+    def of(cls, mask, rows):
+        if mask is not cls.mask:
+            cls.mask, cls.keys = mask, kernels.ops().compact_keys(rows)
+        return cls.keys
+
+
 def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
     """layers.attend's signature on the attention kernel: the call's keys [prefix ; new] after the
-    cache, each row over the keys its mask [B,1,1,T,S+E+T] shows -> [B,T,Hq*D]."""
+    cache, each row over the keys its mask [B,1,1,T,S+E+T] shows -> [B,T,Hq*D] (the kernel writes it
+    laid out so, no copy)."""
     import torch
 
     keys, values = (k, v) if prefix_kv is None else (torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2))
     b, _, t, _ = q.shape
-    out = kernels.ops().attention(q, k_cache.to(k.dtype), v_cache.to(v.dtype), keys, values,
-                                  mask.expand(b, 1, 1, t, -1)[:, 0, 0])
+    rows = mask.expand(b, 1, 1, t, -1)[:, 0, 0]
+    out = kernels.ops().attention(q, k_cache.to(k.dtype), v_cache.to(v.dtype), keys, values, rows,
+                                  keys=_Keys.of(mask, rows))
     return out.transpose(1, 2).reshape(b, t, -1)
 
 
