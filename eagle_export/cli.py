@@ -61,10 +61,11 @@ class _Group(click.Group):
 
 # --exact, one option for every command that runs a build
 exact_option = click.option(
-    "--exact", is_flag=True,
-    help="Torch backend on a CUDA GPU (Triton): bind the target and drafter once to width-invariant kernels, so "
-         "speculative output is bit-identical to plain decoding in bf16, fp16 and fp32. Refused, before any model "
-         "loads, where that cannot hold. Default off: cuBLAS and torch attention, under the tiered contract.")
+    "--exact/--no-exact", default=None,
+    help="Torch backend on a CUDA GPU (Triton): the target and drafter bound once to width-invariant kernels, so "
+         "speculative output is bit-identical to plain decoding in bf16, fp16 and fp32. Default: on wherever the "
+         "kernels hold (one note: line says why not where they do not); --exact insists (refused, before any model "
+         "loads, where it cannot hold); --no-exact runs cuBLAS and torch attention, under the tiered contract.")
 
 
 def utf8(ctx, param, value):

@@ -164,3 +164,24 @@ def test_a_layer_the_kernels_do_not_cover_is_refused_not_left_unbound():
     target.layers[1].mlp.down_proj = PackedLinear()
     with pytest.raises(EagleExportError, match="PackedLinear"):
         exact.check_models("cpu", target, drafter)
+
+
+def test_the_default_binds_the_kernels_on_a_gpu_wherever_they_hold(capsys):
+    """exact=None (the torch backend's default): on CUDA the kernels wherever they hold, else torch's with
+    one note naming why and the tiered contract; on a CPU the CPU layout, silently. True insists."""
+    class PackedLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.packed = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.bfloat16, layers=2)
+    assert exact.resolve(None, "cuda", target, drafter) is True  # (the interpreter stands in for the GPU)
+    assert exact.resolve(None, "cpu", target, drafter) is False
+    assert exact.resolve(False, "cuda", target, drafter) is False
+    assert capsys.readouterr().err == ""
+    target.layers[1].mlp.down_proj = PackedLinear()
+    assert exact.resolve(None, "cuda", target, drafter) is False
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and "exact mode off (PackedLinear" in note and "tiered contract" in note
+    with pytest.raises(EagleExportError, match="PackedLinear"):
+        exact.resolve(True, "cuda", target, drafter)

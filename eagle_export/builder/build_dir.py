@@ -80,9 +80,10 @@ def check_exact(manifest: Manifest, backend: str) -> None:
 
 
 def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,
-                 cuda_graphs: bool | None = None, allow_changed_sources: bool = False, exact: bool = False):
+                 cuda_graphs: bool | None = None, allow_changed_sources: bool = False, exact: bool | None = None):
     """cuda_graphs (torch backend): None replays CUDA graphs whenever it runs on CUDA; True insists.
-    exact: the torch backend bound to the width-invariant kernels (refused elsewhere, before loading)."""
+    exact: the torch backend bound to the width-invariant kernels: True insists (refused elsewhere,
+    before loading), False never, None on a CUDA GPU wherever they hold (runtime.exact.resolve)."""
     if backend not in BACKENDS:
         raise EagleExportError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
     if exact:
@@ -138,7 +139,7 @@ def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | No
 def open_build(path: str | Path, backend: str = "auto", threads: int | None = None,
                verify: bool = True, verify_policy: str = "goodput", cuda_graphs: bool | None = None,
                static_cache: bool | None = None, allow_changed_sources: bool = False,
-               exact: bool = False) -> OpenBuild:
+               exact: bool | None = None) -> OpenBuild:
     """Open a build for generation; `verify` passes it through the integrity gate first (`check_build`:
     a corrupt file or an edited manifest is named; only the build's own writer skips it).
     `verify_policy`: "goodput" (drafts per round chosen from the measured costs, which are cached in
@@ -148,7 +149,8 @@ def open_build(path: str | Path, backend: str = "auto", threads: int | None = No
     `allow_changed_sources`: the torch backend rebuilds the models from checkpoints that changed since
     the build (said on stderr) instead of refusing; `exact`: the torch backend's width-invariant kernels
     (README, "Exactness per backend and dtype"): speculative output bit-identical to plain decoding in
-    bf16/fp16/fp32 on a GPU; refused, before any model loads, where it cannot hold."""
+    bf16/fp16/fp32 on a GPU. True insists (refused, before any model loads, where it cannot hold); None,
+    the default, binds them on a CUDA GPU wherever they hold; False keeps cuBLAS and torch attention."""
     path = Path(path)
     manifest = check_build(path) if verify else Manifest.from_json(read_manifest(path), path / MANIFEST)
     rebuild = rebuild_hint(path, manifest.recipe, {r: m.source for r, m in manifest.models.items()})

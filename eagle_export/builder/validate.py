@@ -351,7 +351,7 @@ def _lossless(build_dir: Path, manifest: Manifest, target, prompts_count: int, n
     spec = runtime.generate(prompts, config, speculative=True)
     plain = [r.tokens for r in runtime.generate(prompts, longer, speculative=False)]
     ar = [p[:new_tokens] for p in plain]
-    backend = runtime.backend.name + (", exact kernels" if exact else "")
+    backend = runtime.backend.name + (", exact kernels" if getattr(runtime.backend, "exact", False) else "")
     records = [{"tokens": len(s.tokens), "tau": round(s.stats.tau, 4), **agreement(s.tokens, a)}
                for s, a in zip(spec, ar)]
     tau = sum(r.stats.tau for r in spec) / len(spec)

@@ -188,7 +188,9 @@ class TorchBackend(Backend):
     plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
     cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
     keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph). `exact`: the
-    models bound once to the width-invariant kernels (runtime/exact.py), refused where they cannot hold.
+    models bound once to the width-invariant kernels (runtime/exact.py): True insists (refused where they
+    cannot hold), False keeps torch's kernels, None (the default) binds them on a CUDA GPU wherever
+    they hold and says in one line why not where they do not (`exact.resolve`).
 
     On the CPU the modules are bound to the width-invariant forms (`layers.width_invariant`: Linears
     in fixed-shape GEMMs, the attention core `layers.attend`), so a position gets the same bits as row 0 of a plain
@@ -197,16 +199,15 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, target_graph, drafter_graph, drafter_sampling_graph=None, device: str = "cpu",
-                 cuda_graphs: bool = False, capture=None, exact: bool = False):
+                 cuda_graphs: bool = False, capture=None, exact: bool | None = None):
         target = target_graph.target
-        self.exact = exact
-        if exact:
-            exact_mode.check_models(str(device), target, drafter_graph.drafter)
+        self.exact = exact_mode.resolve(exact, str(device), target, drafter_graph.drafter)
+        if self.exact:
             exact_mode.bind(*(g for g in (target_graph, drafter_graph, drafter_sampling_graph) if g is not None))
         super().__init__(drafter_graph.tree, target.embed_tokens.weight.dtype, target_graph.return_logits,
                          drafter_sampling_graph is not None, drafter_graph.drafter.fc.weight.dtype)
         self.device = device
-        if torch.device(device).type == "cpu" and not exact:  # (exact mode binds its own kernels)
+        if torch.device(device).type == "cpu" and not self.exact:  # (exact mode binds its own kernels)
             for graph in (target_graph, drafter_graph, drafter_sampling_graph):
                 if graph is not None:
                     width_invariant(graph)

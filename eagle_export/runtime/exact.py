@@ -19,6 +19,9 @@ module imports no Triton until `bind` runs.
 
 from __future__ import annotations
 
+import sys
+
+import torch
 from torch import nn
 
 from .. import kernels
@@ -31,31 +34,59 @@ def refusal(problems: list[str]) -> EagleExportError:
                             "run without --exact (exact=False): " + kernels.TIERED)
 
 
-def check(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0, group: int = 1,
-          backend: str = "torch") -> None:
-    """Raise `refusal` unless the kernels can run `backend`'s models of these dtypes, precisions and
-    shapes (the largest head_dim, hidden size and query heads per KV head of target and drafter) on `device`."""
-    problems = [] if backend == "torch" else [
+def problems(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0, group: int = 1,
+             backend: str = "torch") -> list[str]:
+    """Why the kernels cannot run `backend`'s models of these dtypes, precisions and shapes (the largest
+    head_dim, hidden size and query heads per KV head of target and drafter) on `device`; [] when they can."""
+    found = [] if backend == "torch" else [
         f"the {backend} backend runs its own kernels (only the torch backend binds the width-invariant ones)"]
     quantized = sorted(set(precisions) - {"fp32", "fp16", "bf16"})
     if quantized:
-        problems.append(f"{', '.join(quantized)} weights (the kernels run unquantized ones)")
-    problems += kernels.problems(str(device), dtypes, head_dim, group, hidden)
-    if problems:
-        raise refusal(problems)
+        found.append(f"{', '.join(quantized)} weights (the kernels run unquantized ones)")
+    return found + kernels.problems(str(device), dtypes, head_dim, group, hidden)
 
 
-def check_models(device: str, target, drafter) -> None:
-    """`check` for loaded models (the Python API's path; the CLI's checks the manifest before loading).
+def check(*args, **kwargs) -> None:
+    """Raise `refusal` where `problems` finds any (exact mode asked for: --exact, exact=True)."""
+    found = problems(*args, **kwargs)
+    if found:
+        raise refusal(found)
+
+
+def model_problems(device: str, target, drafter) -> list[str]:
+    """`problems` for loaded models (the Python API's path; the CLI's checks the manifest before loading).
     A module holding weights of its own that is not a plain Linear, Embedding or RMSNorm (an NVFP4 or
-    ModelOpt-quantized layer) would keep its own kernels: refused, not silently left unbound."""
+    ModelOpt-quantized layer) would keep its own kernels: a problem, never silently left unbound."""
     configs = (target.config, drafter.config)
     known = (nn.Linear, RowLinear, ExactLinear, nn.Embedding, RMSNorm, ExactRMSNorm)
     other = sorted({type(m).__name__ for model in (target, drafter) for m in model.modules()
                     if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
-    check(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
-          [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
-          max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
+    return problems(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
+                    [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
+                    max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
+
+
+def check_models(device: str, target, drafter) -> None:
+    found = model_problems(device, target, drafter)
+    if found:
+        raise refusal(found)
+
+
+def resolve(exact: bool | None, device: str, target, drafter) -> bool:
+    """Whether the torch backend binds the kernels. True: it must (`refusal` where it cannot); False:
+    torch's kernels; None, the default: on a CUDA GPU wherever the kernels hold (their plain step
+    measured no slower than cuBLAS + torch attention: README "Exact mode"), else torch's with one
+    `note:` line saying why and that outputs are then tiered; on a CPU the torch CPU backend's own
+    width-invariant layout (models/layers.py), no note."""
+    if exact:
+        check_models(device, target, drafter)
+        return True
+    if exact is False or torch.device(device).type != "cuda":
+        return False
+    found = model_problems(device, target, drafter)
+    if found:
+        print(f"note: exact mode off ({'; '.join(found)}): {kernels.TIERED}", file=sys.stderr)
+    return not found
 
 
 class ExactLinear(nn.Linear):
