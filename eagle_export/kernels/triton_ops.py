@@ -37,9 +37,8 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
 # there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
-BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 128) if not INTERPRETED else (16, 256, 128)  # linear's tile
+BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 128) if not INTERPRETED else (64, 256, 128)  # linear's tile
 SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 SM has 227 KB)
-MAX_TILES = 1  # row tiles a linear program computes against one load of its weight tile
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
 ATTN_BLOCK = 16                          # keys per attention block
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
@@ -47,19 +46,28 @@ COMBINE_BLOCK = 16                       # attention splits the combine reduces 
 ARGMAX_BLOCK = 1024
 
 
-@triton.jit
-def _linear_tile(x, rm, kk, k_hi, M, sxm, sxk, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc += x[rm, kk] @ b: one BLOCK_M-row tile's step along K (the same instructions for every tile)."""
-    a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < k_hi)[None, :], other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _linear_store(y, part, bias, rm, rn, M, N, sym, syn, acc, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x, w, bias, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
+                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
+    steps, in order; one split writes y, several write fp32 partials that _sum_splits adds in order."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + rk
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < k_hi)[None, :], other=0.0)
+        b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < k_hi)[:, None], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
     inside = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
@@ -67,45 +75,6 @@ def _linear_store(y, part, bias, rm, rn, M, N, sym, syn, acc, HAS_BIAS: tl.const
         tl.store(y + rm[:, None] * sym + rn[None, :] * syn, acc.to(y.dtype.element_ty), mask=inside)
     else:
         tl.store(part + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=inside)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, bias, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
-                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                   TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (TILES row tiles of BM rows, N tile, K split): each row tile's dot products over
-    K[s*K_SPLIT, (s+1)*K_SPLIT) in BK steps, in order, every tile its own BM-row dot against the weight
-    tile loaded once for all of them (so a wide call reads its weights once, not once a tile, and a
-    row's arithmetic is still one BM-row tile's whatever TILES is). One split writes y; several write
-    fp32 partials that _sum_splits adds in order."""
-    rm = tl.program_id(0) * (BM * TILES) + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    k_lo = tl.program_id(2) * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc0 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        kk = k0 + rk
-        b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < k_hi)[:, None], other=0.0)
-        if UPCAST:
-            b = b.to(tl.float32)
-        acc0 = _linear_tile(x, rm, kk, k_hi, M, sxm, sxk, b, acc0, UPCAST, IEEE)
-        if TILES > 1:
-            acc1 = _linear_tile(x, rm + BM, kk, k_hi, M, sxm, sxk, b, acc1, UPCAST, IEEE)
-        if TILES > 2:
-            acc2 = _linear_tile(x, rm + 2 * BM, kk, k_hi, M, sxm, sxk, b, acc2, UPCAST, IEEE)
-        if TILES > 3:
-            acc3 = _linear_tile(x, rm + 3 * BM, kk, k_hi, M, sxm, sxk, b, acc3, UPCAST, IEEE)
-    _linear_store(y, part, bias, rm, rn, M, N, sym, syn, acc0, HAS_BIAS, SPLIT)
-    if TILES > 1:
-        _linear_store(y, part, bias, rm + BM, rn, M, N, sym, syn, acc1, HAS_BIAS, SPLIT)
-    if TILES > 2:
-        _linear_store(y, part, bias, rm + 2 * BM, rn, M, N, sym, syn, acc2, HAS_BIAS, SPLIT)
-    if TILES > 3:
-        _linear_store(y, part, bias, rm + 3 * BM, rn, M, N, sym, syn, acc3, HAS_BIAS, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -123,43 +92,42 @@ def _sum_splits_kernel(part, bias, y, M, N, sym, HAS_BIAS: tl.constexpr, SPLIT: 
 
 
 @functools.lru_cache(maxsize=None)
-def linear_config(n: int, k: int, device=None) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, K splits, warps, stages) of a linear layer with weight [n, k]: chosen from the
-    layer's shape and the card (its count of SMs), never from the call's rows. Decode GEMMs stream
-    their weight once and are bandwidth-bound: a layer with many N tiles takes long BLOCK_K steps,
-    one with fewer than half an N tile per SM splits K into 4 fixed parts (each a whole number of
-    BLOCK_K steps) so every SM streams. Measured on an H200 at Llama-3.1-8B's shapes (scripts/gpu_probe.py):
-    these rules are within a few percent of the fastest of 35 configurations per shape, and of cuBLAS."""
+def linear_config(n: int, k: int, device=None) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, K splits, warps, stages) of a linear layer with weight [n, k]: chosen
+    from the layer's shape and the card (its count of SMs), never from the call's rows. Decode GEMMs
+    stream their weight once and are bandwidth-bound: a layer with many N tiles takes long BLOCK_K
+    steps, one with fewer than half an N tile per SM splits K into 4 fixed parts (each a whole number
+    of BLOCK_K steps) so every SM streams. Measured on an H200 at Llama-3.1-8B's shapes
+    (scripts/gpu_probe.py): within a few percent of the fastest of 35 configurations per shape, and
+    of cuBLAS, at 1 and 16 rows. (At 80 rows each 16-row tile re-reads the weight: 2.2-2.9x cuBLAS.)"""
     if INTERPRETED:
-        return BLOCK_N, BLOCK_K, 1, 4, 1
+        return BLOCK_M, BLOCK_N, BLOCK_K, 1, 4, 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     tiles = triton.cdiv(n, BLOCK_N)
     if tiles >= 2 * sms:
-        return BLOCK_N, 256, 1, 4, 3
+        return BLOCK_M, BLOCK_N, 256, 1, 4, 3
     if 2 * tiles >= sms or k < 16 * BLOCK_K:
-        return BLOCK_N, BLOCK_K, 1, 4, 6
-    return BLOCK_N, BLOCK_K, 4, 4, 4
+        return BLOCK_M, BLOCK_N, BLOCK_K, 1, 4, 6
+    return BLOCK_M, BLOCK_N, BLOCK_K, 4, 4, 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype. `config`: linear_config's tuple
-    (the tests and the GPU probe pass their own). A program takes up to MAX_TILES row tiles of
-    BLOCK_M rows (how many follows from the call's rows; a row's arithmetic does not)."""
+    (the tests and the GPU probe pass their own)."""
     rows = x.reshape(-1, x.shape[-1])
     m, k = rows.shape
     n = weight.shape[0]
-    bn, bk, split, warps, stages = config or linear_config(n, k, x.device.index)
-    stages = max(1, min(stages, SHARED_BYTES // ((bn + BLOCK_M * MAX_TILES) * bk * x.element_size())))  # fp32: fewer
-    tiles = min(MAX_TILES, triton.cdiv(m, BLOCK_M))
+    bm, bn, bk, split, warps, stages = config or linear_config(n, k, x.device.index)
+    stages = max(1, min(stages, SHARED_BYTES // ((bn + bm) * bk * x.element_size())))  # fp32: fewer stages
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(m, BLOCK_M * tiles), triton.cdiv(n, bn), split)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     _linear_kernel[grid](rows, weight, bias if bias is not None else weight, y, part, m, n, k, k_split,
                          rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
                          HAS_BIAS=bias is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split,
-                         TILES=tiles, BM=BLOCK_M, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     if split > 1:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else weight, y, m, n, y.stride(0),
