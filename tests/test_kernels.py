@@ -54,6 +54,8 @@ def test_each_kernel_matches_its_torch_reference(dtype):
     kn, vn = rand(2, 2, 3, 16, dtype=dtype, gen=gen), rand(2, 2, 3, 16, dtype=dtype, gen=gen)
     mask = _mask(torch.tensor([33, 9]), 40, torch.ones(3, 3, dtype=torch.bool).tril())
     close(K.attention(q, kc, vc, kn, vn, mask, SPLIT), R.attention(q, kc, vc, kn, vn, mask), dtype)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, kn, vn))  # rope's layout, read in place
+    assert torch.equal(K.attention(qt, kc, vc, kt, vt, mask, SPLIT), K.attention(q, kc, vc, kn, vn, mask, SPLIT))
     logits = rand(6, 2500, dtype=dtype, gen=gen)
     assert torch.equal(K.argmax(logits), R.argmax(logits))
 
