@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from eagle_export import kernels
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
-from eagle_export.export.unrolled import TargetGraph
+from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
+from eagle_export.models.layers import Attention
 from eagle_export.runtime import exact
 from eagle_export.tools import gpu_kit
 
@@ -81,7 +82,9 @@ def mismatches(graph, target, batched: bool = True) -> list[str]:
 def test_a_bound_target_gives_a_position_the_same_bits_in_every_call(dtype):
     graph, target = tiny_graph(dtype)
     exact.bind(graph)
-    assert type(target.lm_head) is exact.ExactLinear and target.layers[0].self_attn.core is exact.attention_core
+    attn = target.layers[0].self_attn
+    assert type(target.lm_head) is exact.ExactLinear and attn.core is exact.attention_core
+    assert type(attn) is exact.ExactAttention
     assert mismatches(graph, target) == []
 
 
@@ -99,21 +102,38 @@ def test_a_kv_split_by_count_bound_in_its_place_fails_the_check(monkeypatch):
     assert mismatches(graph, target, batched=False) == ["verify 4+2"]
 
 
-def test_bound_outputs_match_torch_and_unbind_restores_it():
-    """fp32: the kernels' logits within 1e-4 of torch's (relative to the largest); unbound, torch's own bits."""
+def test_bound_outputs_match_torch_and_unbind_restores_it(monkeypatch):
+    """fp32: the kernels' logits within 1e-4 of torch's (relative to the largest); unbound, torch's own
+    bits. Bound, each layer's RoPE is the fused kernel, once a call; unbound, never."""
     graph, target = tiny_graph(torch.float32)
+    ops, ropes = kernels.ops(), []
+    real_rope = ops.rope
+    monkeypatch.setattr(ops, "rope", lambda *a: ropes.append(a[0].shape) or real_rope(*a))
     ids = torch.randint(3, 500, (2, 6))
     args = (ids, torch.arange(6)[None].expand(2, -1), *target.empty_cache(2, 0), torch.zeros(2, dtype=torch.int64),
             torch.ones(2, 6, 6, dtype=torch.bool).tril())
     before = graph(*args)
     exact.bind(graph)
     bound = graph(*args)
+    assert ropes == [(2, target.config.num_heads, 6, target.config.head_dim)] * len(target.layers)
     assert torch.equal(bound[0], before[0])
     for a, b in zip(bound[1:], before[1:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
     exact.unbind(graph)
     assert all(torch.equal(a, b) for a, b in zip(graph(*args), before))
     assert type(target.lm_head) is torch.nn.Linear and "core" not in vars(target.layers[0].self_attn)
+    assert len(ropes) == len(target.layers)
+
+
+def test_bind_gives_every_attention_the_fused_rope_drafters_too_and_unbind_takes_it_back():
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
+    graphs = TargetGraph(target, True), UnrolledDrafter(drafter, 2, False)
+    attentions = [m for g in graphs for m in g.modules() if isinstance(m, Attention)]
+    assert len(attentions) == len(target.layers) + 1  # the target's layers and the drafter's one
+    exact.bind(*graphs)
+    assert all(type(a) is exact.ExactAttention and a.core is exact.attention_core for a in attentions)
+    exact.unbind(*graphs)
+    assert all(type(a) is Attention and "core" not in vars(a) for a in attentions)
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -121,6 +141,7 @@ def test_bound_outputs_match_torch_and_unbind_restores_it():
     (dict(device="cuda", dtypes={"bf16"}, precisions={"nvfp4"}), "nvfp4 weights"),
     (dict(device="cuda", dtypes={torch.float64}), "dtype float64"),
     (dict(device="cuda", dtypes={"bf16"}, head_dim=512), "head_dim 512"),
+    (dict(device="cuda", dtypes={"bf16"}, head_dim=63), "head_dim 63 is odd"),
 ])
 def test_exact_is_refused_where_it_cannot_hold_in_one_line(kwargs, words):
     with pytest.raises(EagleExportError) as e:

@@ -54,6 +54,8 @@ def test_each_kernel_matches_its_torch_reference(dtype):
     kn, vn = rand(2, 2, 3, 16, dtype=dtype, gen=gen), rand(2, 2, 3, 16, dtype=dtype, gen=gen)
     mask = _mask(torch.tensor([33, 9]), 40, torch.ones(3, 3, dtype=torch.bool).tril())
     close(K.attention(q, kc, vc, kn, vn, mask, SPLIT), R.attention(q, kc, vc, kn, vn, mask), dtype)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, kn, vn))  # rope's layout, read in place
+    assert torch.equal(K.attention(qt, kc, vc, kt, vt, mask, SPLIT), K.attention(q, kc, vc, kn, vn, mask, SPLIT))
     logits = rand(6, 2500, dtype=dtype, gen=gen)
     assert torch.equal(K.argmax(logits), R.argmax(logits))
 
@@ -209,14 +211,90 @@ def test_a_kv_split_by_count_fails_the_attention_invariance_check():
     assert len(found) >= 3, found
 
 
+# --- RoPE: torch's arithmetic bit for bit, a row the same in every call -------------------------------------
+
+
+def rope_inputs(d, dtype, gen, positions, hq=4, hkv=2):
+    """q [B,Hq,T,D], k [B,Hkv,T,D] as Attention.heads makes them (strided views of one fused
+    projection's output [B,T,(Hq+2Hkv)*D]) and the models' cos/sin [B,1,T,D] at `positions` [B,T]."""
+    from eagle_export.models.config import RopeConfig
+    from eagle_export.models.layers import rope_cos_sin, rope_inv_freq
+
+    b, t = positions.shape
+    out = rand(b, t, (hq + 2 * hkv) * d, dtype=dtype, gen=gen) * 4
+    q, k, _ = out.split([hq * d, hkv * d, hkv * d], dim=-1)
+    cos, sin = rope_cos_sin(positions.to(DEVICE), rope_inv_freq(RopeConfig(), d).to(DEVICE), dtype)
+    return q.view(b, t, hq, d).transpose(1, 2), k.view(b, t, hkv, d).transpose(1, 2), cos, sin
+
+
+def rope_mismatches(fn) -> list:
+    """(dtype, head_dim) where fn's rotated q or k differ from reference.rope in any bit (80: a head_dim
+    that is no power of 2, a padded block; 256: kernels.MAX_HEAD_DIM)."""
+    gen, found = torch.Generator().manual_seed(4), []
+    for dtype in DTYPES:
+        for d in (16, 64, 80, 128, 256):
+            args = rope_inputs(d, dtype, gen, torch.randint(0, 5000, (2, 3), generator=gen))
+            got, want = fn(*args), R.rope(*args)
+            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                found.append((dtype, d))
+    return found
+
+
+def test_rope_is_torchs_arithmetic_bit_for_bit():
+    assert rope_mismatches(K.rope) == []
+    gen = torch.Generator().manual_seed(5)
+    q, k = K.rope(*rope_inputs(64, torch.bfloat16, gen, torch.arange(3)[None]))
+    assert q.shape == (1, 4, 3, 64) and q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()
+    with pytest.raises(ValueError, match="head_dim 7 must be even"):
+        K.rope(q[..., :7], k[..., :7], q[..., :7], q[..., :7])
+
+
+def test_rope_rounded_once_fails_the_bit_for_bit_check():
+    """Planted: products and sum in fp32, rounded once (what a kernel that fuses the multiply-add
+    computes): every 16-bit dtype is flagged, fp32 (where that is torch's arithmetic) is not."""
+    def rounded_once(q, k, cos, sin):
+        def apply(x):
+            rotated = torch.cat([-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]], dim=-1)
+            return (x.float() * cos.float() + rotated.float() * sin.float()).to(x.dtype)
+        return apply(q), apply(k)
+    assert {dtype for dtype, _ in rope_mismatches(rounded_once)} == {torch.bfloat16, torch.float16}
+
+
+@pytest.mark.skipif(not kernels.interpreted(), reason="the interpreter's truncating bf16 cast (a GPU rounds to nearest)")
+def test_rope_without_the_interpreters_bf16_rounding_fails_the_check(monkeypatch):
+    """Planted: the interpreter's own fp32 -> bf16 cast, which truncates where torch rounds to nearest even."""
+    monkeypatch.setattr(K, "INTERPRETED", False)
+    assert {dtype for dtype, _ in rope_mismatches(K.rope)} == {torch.bfloat16}
+
+
+def test_a_rope_row_is_the_same_at_every_width_and_place():
+    """A position's q and k heads rotated alone, then at every place of bf16 calls of each width as the
+    second sequence of a batch of two (the other rows random, at other positions)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, cos, sin = rope_inputs(16, torch.bfloat16, gen, torch.tensor([[1234]]))
+    alone = K.rope(q, k, cos, sin)
+    for width in WIDTHS:
+        for place in sorted({0, width // 2, width - 1}):
+            positions = torch.randint(0, 5000, (2, width), generator=gen)
+            positions[1, place] = 1234
+            cq, ck, ccos, csin = rope_inputs(16, torch.bfloat16, gen, positions)
+            cq[1, :, place], ck[1, :, place] = q[0, :, 0], k[0, :, 0]
+            got = K.rope(cq, ck, ccos, csin)
+            assert torch.equal(got[0][1, :, place], alone[0][0, :, 0]), (width, place)
+            assert torch.equal(got[1][1, :, place], alone[1][0, :, 0]), (width, place)
+
+
 def test_the_references_are_the_models_arithmetic():
-    """reference.rms_norm is models.layers' RMSNorm bit for bit (the kernels are held to it)."""
-    from eagle_export.models.layers import RMSNorm
+    """reference.rms_norm and reference.rope are models.layers' RMSNorm and apply_rope bit for bit
+    (the kernels are held to them)."""
+    from eagle_export.models.layers import RMSNorm, apply_rope
 
     norm = RMSNorm(32, 1e-5).to(torch.bfloat16)
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(3, 32).to(torch.bfloat16)
     assert torch.equal(norm(x), R.rms_norm(x, norm.weight, 1e-5))
+    q, k, cos, sin = rope_inputs(16, torch.bfloat16, torch.Generator().manual_seed(7), torch.tensor([[3, 900]]))
+    assert all(map(torch.equal, R.rope(q, k, cos, sin), (apply_rope(q, cos, sin), apply_rope(k, cos, sin))))
 
 
 def test_without_triton_the_error_says_what_runs_instead(monkeypatch):

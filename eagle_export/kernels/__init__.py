@@ -11,9 +11,11 @@ Machines' batch_invariant_ops: a row's reduction order must be fixed by the laye
     silu_mul   elementwise, fused
     attention  each row over its own visible keys in key order (the cache-first layout read
                through an index), fixed blocks, a fixed split SIZE, splits combined in order
+    rope       q and k in one launch: torch's RoPE took ~10 small elementwise kernels a layer (slice,
+               neg, cat, two muls, an add, for q and for k), a visible share of a GPU decode step.
+               Still width-invariant: elementwise per row, each element x * cos + rotated * sin of
+               its own operands (cos/sin of its own position) with torch's roundings, bit for bit
     argmax     ties to the lowest index
-    RoPE       stays torch: cos/sin are computed per position and applied elementwise, so each
-               element's result is one multiply-add chain of its own operands at any width
 
 `triton_ops` holds the kernels, `reference` a torch reference for each. Triton is optional: this
 package imports without it, and `ops()` names what is missing. Nothing here is imported by the
@@ -66,6 +68,8 @@ def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) ->
         found.append(f"dtype {', '.join(bad)} (the kernels cover {', '.join(DTYPES)})")
     if head_dim > MAX_HEAD_DIM:
         found.append(f"head_dim {head_dim} > {MAX_HEAD_DIM}")
+    elif head_dim % 2:
+        found.append(f"head_dim {head_dim} is odd (RoPE rotates its two halves)")
     if group > MAX_GROUP:
         found.append(f"{group} query heads per KV head > {MAX_GROUP}")
     if widest_row > MAX_ROW:

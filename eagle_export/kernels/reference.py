@@ -50,3 +50,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the largest value along the last dim, the lowest index among equal ones (torch
     documents the first maximal value) -> int64 [...]."""
     return x.argmax(-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [B,Hq,T,D] and k [B,Hkv,T,D] with cos/sin [B,1,T,D], as models.layers.apply_rope
+    computes it (written out here: kernels come before models): x * cos + rotated * sin with
+    rotated = [-x[D/2:], x[:D/2]], each op rounded to the dtype."""
+    def apply(x):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    return apply(q), apply(k)

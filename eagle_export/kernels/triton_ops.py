@@ -17,6 +17,8 @@ tokens), so a row's bits are the same at every call width, batch size and place 
                into splits of a fixed SIZE (SPLIT_SIZE keys, not a fixed number of splits), each
                reduced in BLOCK_N blocks in order with an online softmax; the splits are combined
                in order, empty ones skipped.
+    rope       q and k in one launch, a program per (rows, head), each element its own x * cos +
+               rotated * sin with torch's roundings (each product, then the sum), FMA contraction off.
     argmax     one program per row, blocks in order, ties to the lowest index.
 
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
@@ -34,12 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import MAX_HEAD_DIM
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One configuration per kernel, whatever the call. The interpreter runs each program in Python, so
 # there tiles hold more rows (fewer programs); the property does not depend on which fixed values.
 BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 128) if not INTERPRETED else (64, 256, 128)  # linear's tile
 SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 SM has 227 KB)
-ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul and argmax
+ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul, rope and argmax
 ATTN_BLOCK = 16                          # keys per attention block
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
 COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
@@ -182,6 +186,66 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
         g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), R=ROWS, BLOCK=block)
     return y.view(gate.shape)
+
+
+@triton.jit
+def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
+    """fp32 x rounded to ty, to nearest even as torch rounds. RNE: bf16 rounded by hand first (add
+    half an ulp of bf16, ties to even, drop the low 16 bits): the interpreter's fp32 -> bf16 cast
+    truncates, a GPU's rounds to nearest even; fp16 and fp32 casts are right in both."""
+    if RNE and ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit(do_not_specialize=["M", "T"])
+def _rope_kernel(q, k, cos, sin, qo, ko, M, T, HQ, HKV, sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
+                 R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
+    """Program (R of the B*T rows, one head of [q's heads ; k's heads]): that head's rows of D
+    rotated, x * cos + rotated * sin with rotated = [-x[D/2:], x[:D/2]], each product rounded to the
+    dtype before the add and the sum once more, as torch computes apply_rope (fp32: the same ops,
+    launched without FMA contraction)."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # 64-bit: b * sqb can pass 2^31 in a long prefill
+    h = tl.program_id(1)
+    b, t = rows // T, rows % T
+    if h < HQ:
+        src = q + b * sqb + h * sqh + t * sqt
+        dst = qo + (rows * HQ + h) * D
+    else:
+        src = k + b * skb + (h - HQ) * skh + t * skt
+        dst = ko + (rows * HKV + h - HQ) * D
+    d = tl.arange(0, DP)
+    first = d < D // 2
+    inside = (rows < M)[:, None] & (d < D)[None, :]
+    x = tl.load(src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
+    partner = tl.load(src[:, None] + tl.where(first, d + D // 2, d - D // 2)[None, :], mask=inside, other=0.0)
+    rotated = tl.where(first[None, :], -partner.to(tl.float32), partner.to(tl.float32))
+    c = tl.load(cos + (b * scb + t * sct)[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
+    s = tl.load(sin + (b * ssb + t * sst)[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
+    ty = qo.dtype.element_ty
+    y = _round(x * c, ty, RNE).to(tl.float32) + _round(rotated * s, ty, RNE).to(tl.float32)
+    tl.store(dst[:, None] + d[None, :], _round(y, ty, RNE), mask=inside)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [B,Hq,T,D] and k [B,Hkv,T,D] (any strides: views of a linear's output) with cos/sin
+    [B or 1,1,T,D] in their dtype, in one launch -> (q, k) rotated, each [B,T,H,D] memory viewed as
+    [B,H,T,D] (the layout q/k came in, so attention reads them without a copy). D even, <= MAX_HEAD_DIM."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if d % 2 or d > MAX_HEAD_DIM or not q.dtype == k.dtype == cos.dtype == sin.dtype:
+        raise ValueError(f"rope: head_dim {d} must be even and <= {MAX_HEAD_DIM}, q/k/cos/sin one dtype "
+                         f"({q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype})")
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
+    cos, sin = (x.expand(b, 1, t, d) if x.stride(-1) == 1 else x.contiguous().expand(b, 1, t, d) for x in (cos, sin))
+    qo = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(b, t, hkv, d, dtype=k.dtype, device=k.device)
+    _rope_kernel[(triton.cdiv(b * t, ROWS), hq + hkv)](
+        q, k, cos, sin, qo, ko, b * t, t, hq, hkv, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
+        R=ROWS, D=d, DP=triton.next_power_of_2(d), RNE=INTERPRETED, enable_fp_fusion=False)
+    return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
 @triton.jit(do_not_specialize=["T", "S", "N", "num_splits", "split_size"])

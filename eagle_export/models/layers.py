@@ -274,6 +274,12 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D], RoPE applied (and Qwen3's qk-norm before it)."""
+        q, k, v = self.heads(x)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def heads(self, x):
+        """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D] before RoPE (Qwen3's qk-norm applied): views of
+        the projections' [B,T,H*D] outputs."""
         b, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -284,7 +290,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return q, k, v
 
 
 class MLP(nn.Module):

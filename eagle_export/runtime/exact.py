@@ -2,12 +2,12 @@
 
 vLLM's way of choosing kernels: variants are bound when the model is built, never chosen per call.
 `bind` swaps, in the target and the drafter alike, every plain Linear (lm_head included), every
-RMSNorm (qk-norm included), the MLP's activation, the attention core and the graphs' greedy argmax
-for the kernels in `eagle_export.kernels`. Plain decoding, verification, `bench`'s baseline and
-`validate`'s references then run the same kernels, and a position's logits and K/V have the same
+RMSNorm (qk-norm included), the MLP's activation, the attention's RoPE and core and the graphs'
+greedy argmax for the kernels in `eagle_export.kernels`. Plain decoding, verification, `bench`'s
+baseline and `validate`'s references then run the same kernels, and a position's logits and K/V have the same
 bits whether it is row 0 of a one-token step or row j of a verify call (bf16, fp16, fp32).
 
-Not swapped, and why that keeps the property: embeddings (a gather), RoPE, residual adds and casts
+Not swapped, and why that keeps the property: embeddings (a gather), residual adds and casts
 (elementwise, so per element the same ops at any width), and the drafter's softmax/top-k over its
 draft vocabulary (they choose drafts, which greedy verification accepts only where they equal the
 target's argmax). A diagnose tap on the attention weights sees nothing in exact mode.
@@ -108,6 +108,15 @@ class ExactMLP(MLP):
         return self.down_proj(kernels.ops().silu_mul(gate, up))
 
 
+class ExactAttention(Attention):
+    """Attention whose RoPE is the fused kernel: q and k rotated in one launch, in the layout the
+    projections wrote them (the attention kernel reads them there, no copy)."""
+
+    def project(self, x, cos, sin):
+        q, k, v = self.heads(x)
+        return *kernels.ops().rope(q, k, cos, sin), v
+
+
 class _Keys:
     """The last mask's compacted key lists (kernels' compact_keys): every layer of a forward gets the
     same mask object, so the sort runs once a forward, not once a layer (and once in a CUDA graph).
@@ -135,13 +144,13 @@ def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, 
     return out.transpose(1, 2).reshape(b, t, -1)
 
 
-SWAPS = {nn.Linear: ExactLinear, RMSNorm: ExactRMSNorm, MLP: ExactMLP}
+SWAPS = {nn.Linear: ExactLinear, RMSNorm: ExactRMSNorm, MLP: ExactMLP, Attention: ExactAttention}
 
 
 def bind(*graphs) -> None:
     """Swap the kernels into the models of `graphs` (a TargetGraph, UnrolledDrafters), in place, once.
-    A module's class is swapped for its exact subclass (same parameters, same state dict); the
-    attention core and each graph's argmax are set on the instances."""
+    A module's class is swapped for its exact subclass (same parameters, same state dict; Attention's
+    runs the fused RoPE); the attention core and each graph's argmax are set on the instances."""
     ops = kernels.ops()  # no Triton: the one-line error, before anything is changed
     for graph in graphs:
         for module in graph.modules():
@@ -149,7 +158,7 @@ def bind(*graphs) -> None:
                 module.__class__ = ExactLinear
             elif type(module) in SWAPS:
                 module.__class__ = SWAPS[type(module)]
-            elif isinstance(module, Attention):
+            if isinstance(module, Attention):
                 module.core = attention_core
         graph.argmax = ops.argmax
 
@@ -161,6 +170,6 @@ def unbind(*graphs) -> None:
         for module in graph.modules():
             if type(module) in plain:
                 module.__class__ = plain[type(module)]
-            elif isinstance(module, Attention):
+            if isinstance(module, Attention):
                 vars(module).pop("core", None)
         vars(graph).pop("argmax", None)
