@@ -206,3 +206,22 @@ def test_the_default_binds_the_kernels_on_a_gpu_wherever_they_hold(capsys):
     assert note.count("\n") == 1 and "exact mode off (PackedLinear" in note and "tiered contract" in note
     with pytest.raises(EagleExportError, match="PackedLinear"):
         exact.resolve(True, "cuda", target, drafter)
+
+
+def test_only_a_call_wider_than_any_decoding_call_runs_torchs_gemms_and_attention(monkeypatch):
+    """WIDEST rows a sequence (a verify call over the largest tree) through the kernels; a wider call,
+    which only a prefill is, through cuBLAS-style F.linear and torch attention."""
+    graph, target = tiny_graph(torch.float32)
+    exact.bind(graph)
+    from eagle_export.kernels import reference
+
+    ops, calls = kernels.ops(), []
+    for name in ("linear", "attention"):  # counted, and run by the torch references (the interpreter is slow)
+        ref = getattr(reference, name)
+        monkeypatch.setattr(ops, name, lambda *a, ref=ref, name=name, keys=None: calls.append(name) or ref(*a))
+    for width, kernel_calls in ((exact.WIDEST, 2 * (4 + 1) + 1), (exact.WIDEST + 1, 0)):
+        calls.clear()
+        ids = torch.randint(3, 500, (1, width))
+        graph(ids, torch.arange(width)[None], *target.empty_cache(1, 0), torch.zeros(1, dtype=torch.int64),
+              torch.ones(1, width, width, dtype=torch.bool).tril())
+        assert len(calls) == kernel_calls, (width, calls)

@@ -12,6 +12,11 @@ Not swapped, and why that keeps the property: embeddings (a gather), residual ad
 draft vocabulary (they choose drafts, which greedy verification accepts only where they equal the
 target's argmax). A diagnose tap on the attention weights sees nothing in exact mode.
 
+A prefill wider than any decoding call (more than WIDEST rows a sequence) runs the linear layers and
+attention through torch's kernels: a prompt's positions are computed once, by the same call, in plain
+and in speculative decoding, so no other call's bits must match them, and cuBLAS is built for wide
+calls (the decoding widths, up to a verify call over the largest tree, always run the kernels).
+
 `check` refuses exact mode where it cannot hold (no Triton, no CUDA, a dtype or shape past the
 kernels' limits, a quantized model) before anything loads: one line naming what runs instead. This
 module imports no Triton until `bind` runs.
@@ -26,7 +31,8 @@ from torch import nn
 
 from .. import kernels
 from ..errors import EagleExportError
-from ..models.layers import MLP, Attention, RMSNorm, RowLinear
+from ..models.contract import MAX_TREE_NODES
+from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph
 
 
 def refusal(problems: list[str]) -> EagleExportError:
@@ -89,8 +95,24 @@ def resolve(exact: bool | None, device: str, target, drafter) -> bool:
     return not found
 
 
+# The widest call a decoding position is ever computed in: a verify call over the largest tree (its
+# root and MAX_TREE_NODES nodes). Only a prefill is wider, and a prompt's positions are computed once,
+# by the same call, in plain and in speculative decoding alike: no other call's bits must match them.
+# So a wider call runs torch's GEMMs and attention (cuBLAS, built for wide calls; the kernels' 16-row
+# tiles and per-row attention would make a long prompt's prefill several times slower), and every
+# call of decoding widths the kernels. (The drafter's rows never decide an output token.)
+WIDEST = MAX_TREE_NODES + 1
+
+
+def prefill(x) -> bool:
+    """A call of more rows a sequence than any decoding call: x [B,T,...] with T > WIDEST."""
+    return x.dim() >= 3 and x.shape[-2] > WIDEST
+
+
 class ExactLinear(nn.Linear):
     def forward(self, x):
+        if prefill(x):
+            return nn.functional.linear(x, self.weight, self.bias)
         return kernels.ops().linear(x, self.weight, self.bias)
 
 
@@ -136,6 +158,8 @@ def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, 
     laid out so, no copy)."""
     import torch
 
+    if q.shape[2] > WIDEST:  # a prefill: see WIDEST
+        return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap, q.shape[-1])
     keys, values = (k, v) if prefix_kv is None else (torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2))
     b, _, t, _ = q.shape
     rows = mask.expand(b, 1, 1, t, -1)[:, 0, 0]
