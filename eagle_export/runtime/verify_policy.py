@@ -148,12 +148,15 @@ class GoodputDepth:
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
+        self._menu_costs = None                                  # (widths, each entry's round cost): see _round_cost
+        self._draft_memo = None                                  # should_draft's last inputs and answer
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
-        # reached it, of how often the drafter promised it would, and of the trees seen (see the module).
-        self._reached, self._promised_reach, self._seen = torch.zeros(3, self.depth)
+        # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
+        # one [3, D] tensor, so a round's update is one call, not three.
+        self._sums = torch.zeros(3, self.depth)
         self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
@@ -170,14 +173,33 @@ class GoodputDepth:
         return min(interval, self.PROBE_CEILING)
 
     def _round_cost(self, j: int) -> float:
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
+        """c_draft + c_verify(widths[j]), from a table kept while the menu's widths stay the same (a
+        chain's always do): a drafted round reads it for every entry."""
+        if self._menu_costs is None or self._menu_costs[0] != self.widths:
+            draft = self.costs.draft(self.batch)
+            self._menu_costs = (self.widths, [draft + self.costs.verify(self.batch, w) for w in self.widths])
+        return self._menu_costs[1][j]
+
+    @property
+    def _reached(self) -> torch.Tensor:
+        return self._sums[0]
+
+    @property
+    def _promised_reach(self) -> torch.Tensor:
+        return self._sums[1]
+
+    @property
+    def _seen(self) -> torch.Tensor:
+        return self._sums[2]
 
     @staticmethod
     def _batch_tokens(expected: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """What a drafted round is worth to the batch, in tokens, from each sequence's expected tokens
         [B,...]: halfway between the live sequences' sum and their count times the least of them (see
         the module; at batch 1, the sequence's own)."""
-        mine = expected[live]
+        mine = expected if all(live.tolist()) else expected[live]  # (indexing by a mask: host time)
+        if len(mine) == 1:  # the sequence's own, as the formula gives it (0.5 * (x + 1 * x) is x exactly)
+            return mine[0]
         if not len(mine):
             return mine.sum(0)
         return 0.5 * (mine.sum(0) + len(mine) * mine.amin(0))
@@ -193,11 +215,18 @@ class GoodputDepth:
         return self.since_draft >= self.interval
 
     def should_draft(self, live: torch.Tensor) -> bool:
+        """Whether the round calls the drafter (see the module). Remembered while its inputs stay (the
+        rounds between probes, where nothing the policy knows changes: a k = 0 round costs what a plain
+        step does)."""
         if self._probing():
             return True
-        drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
-        plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
-        return drafted_rate > self.MARGIN * plain_rate
+        alive = live.tolist()
+        memo = self._draft_memo
+        if memo is None or memo[0] is not self.expected or memo[1] != self.round_cost or memo[2] != alive:
+            drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
+            plain_rate = sum(alive) / self.costs.verify(self.batch, 1)
+            memo = self._draft_memo = (self.expected, self.round_cost, alive, drafted_rate > self.MARGIN * plain_rate)
+        return memo[3]
 
     def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
         """The menu entry to verify this round; `reach` [B,J+1,D] is the drafter's estimate, per menu
@@ -277,6 +306,9 @@ class GoodputDepth:
         hindsight (HINDSIGHT) a tree's outcome is how deep the target's own tokens, emitted in this and
         later rounds, follow a root path of the tree, whatever depth was verified. Without it (the
         variant that cannot recover, kept for the tests) only the depths this round verified say anything."""
+        if not (drafted and self._drafts is not None) and not any(self._waiting):  # nothing to learn
+            self._drafts = None
+            return False
         alive = live.tolist()
         reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
@@ -310,9 +342,7 @@ class GoodputDepth:
                 waiting[:] = keep
         if not any(seen):
             return False
-        self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
-        self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
-        self._seen = self.TRUST_DECAY * self._seen + torch.tensor(seen)
+        self._sums = self.TRUST_DECAY * self._sums + torch.tensor([reached, promised, seen])
         self._trust_path = torch.cumprod(self.trust, 0)
         return True
 
