@@ -37,6 +37,7 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -344,10 +345,9 @@ class SpeculativeRuntime:
         state = _State(self, prompts, config)
         state.policy = policy
         # Bound once: a policy that verifies whole trees (fixed) skips the menu every round, and a chain's
-        # menu is the first j drafts, in closed form.
+        # menu is the first j drafts, in closed form (`_draft` says whether the drafter gave a chain).
         state.whole_tree = getattr(policy, "verifies_whole_tree", False)
-        state.chain = getattr(self.backend.speculation, "is_chain", False)
-        state.chain_widths = list(range(1, self.depth + 2))
+        state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
         b = len(prompts)
         state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
         return state
@@ -411,7 +411,8 @@ class SpeculativeRuntime:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
             if state.whole_tree:  # the policy verifies every node: no menu to choose from (nor a j)
                 j = None
-                verified_depth = [self.depth] * b if state.chain else tree.node_depths(parents).amax(-1).tolist()
+                verified_depth = ([nodes.shape[1]] * b if state.chain
+                                  else tree.node_depths(parents).amax(-1).tolist())
             elif state.chain:  # the menu's S_j is the first j drafts (`tree.chain_reach`)
                 j = policy.choose(None if state.sampling else tree.chain_reach(token_probs), live,
                                   state.chain_widths, (nodes, parents))
@@ -496,8 +497,8 @@ class SpeculativeRuntime:
         self.timings.draft += time.perf_counter() - start
         state.write_drafter(out, num_valid, live)
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
-        parents = (out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out
-                   else _chain(nodes.shape[1]).expand(len(nodes), -1))
+        state.chain = C.DRAFT_PARENTS not in out  # a chain graph's parents are implied
+        parents = _chain(nodes.shape[1]).expand(len(nodes), -1) if state.chain else out[C.DRAFT_PARENTS].cpu()
         token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
         if state.synthetic is not None:
             nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
@@ -688,8 +689,10 @@ class _PendingRows:
         return ids, self.aux[:, :width].contiguous(), num_valid
 
 
+@functools.lru_cache(maxsize=8)
 def _chain(k: int) -> torch.Tensor:
-    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1)."""
+    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1). Kept per k (a
+    drafted round's host time): callers must not write into it."""
     return torch.arange(-1, k - 1)
 
 

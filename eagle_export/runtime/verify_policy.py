@@ -91,6 +91,8 @@ nothing from being verified further, since the call's cost is paid for the batch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import EagleExportError
@@ -155,8 +157,9 @@ class GoodputDepth:
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
         # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
-        # one [3, D] tensor, so a round's update is one call, not three.
-        self._sums = torch.zeros(3, self.depth)
+        # Python floats, D of each, as the trust worked from them is (a torch call per step of that
+        # arithmetic on D numbers was host time in every drafted round).
+        self._sums = [[0.0] * self.depth for _ in range(3)]
         self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
@@ -182,15 +185,15 @@ class GoodputDepth:
 
     @property
     def _reached(self) -> torch.Tensor:
-        return self._sums[0]
+        return torch.tensor(self._sums[0])
 
     @property
     def _promised_reach(self) -> torch.Tensor:
-        return self._sums[1]
+        return torch.tensor(self._sums[1])
 
     @property
     def _seen(self) -> torch.Tensor:
-        return self._sums[2]
+        return torch.tensor(self._sums[2])
 
     @staticmethod
     def _batch_tokens(expected: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -242,8 +245,7 @@ class GoodputDepth:
             return j
         self._reach = reach.float()
         j, self._promised = self._best(self._calibrated(), live, at_least)
-        self._claimed = self._reach[:, -1]  # the whole tree's promise, per depth: hindsight checks all of it
-        self._claimed_verified = self._reach[:, j]
+        self._verified = j  # (what it claimed is read from _reach when the outcome is)
         self._drafts = drafts
         return j
 
@@ -257,10 +259,16 @@ class GoodputDepth:
         would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
         where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
         as Poisson) of at most 1."""
-        prior = self.TRUST_PRIOR * self._promised_reach / self._seen.clamp(min=1e-9)  # prior observations' claims
-        reached, promised = self._reached + prior, (self._promised_reach + prior).clamp(min=1e-9)
-        optimistic = (reached + self.TRUST_Z * (self._reached + 1).sqrt()) / promised
-        return torch.where(self._seen > 0, torch.maximum(reached / promised, optimistic.clamp(max=1.0)), 1.0)
+        trust = []
+        for reached, promised, seen in zip(*self._sums):
+            if seen <= 0:
+                trust.append(1.0)
+                continue
+            prior = self.TRUST_PRIOR * promised / max(seen, 1e-9)  # prior observations' claims
+            top, bottom = reached + prior, max(promised + prior, 1e-9)
+            optimistic = (top + self.TRUST_Z * math.sqrt(reached + 1)) / bottom
+            trust.append(max(top / bottom, min(optimistic, 1.0)))
+        return torch.tensor(trust)
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -294,7 +302,8 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected(), live)  # what drafting promises now
-        self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
+        blended = d * self.expected + (1 - d) * self._promised
+        self.expected = blended if all(live.tolist()) else torch.where(live, blended, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
@@ -313,7 +322,7 @@ class GoodputDepth:
         reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = self._claimed_verified.tolist(), accepted.tolist()
+                claims, counts = self._reach[:, self._verified].tolist(), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
@@ -322,7 +331,7 @@ class GoodputDepth:
             if drafted and self._drafts is not None:
                 nodes, parents = (t.tolist() for t in self._drafts)
                 chain = all(p == i - 1 for i, p in enumerate(parents[0]))
-                claims = self._claimed.tolist()
+                claims = self._reach[:, -1].tolist()  # the whole tree's promise: hindsight checks all of it
                 for b in (b for b in range(self.batch) if alive[b]):
                     self._waiting[b].append((nodes[b], None if chain else parents[b], claims[b], []))
                 self._drafts = None
@@ -342,7 +351,8 @@ class GoodputDepth:
                 waiting[:] = keep
         if not any(seen):
             return False
-        self._sums = self.TRUST_DECAY * self._sums + torch.tensor([reached, promised, seen])
+        self._sums = [[self.TRUST_DECAY * old + new for old, new in zip(*pair)]
+                      for pair in zip(self._sums, (reached, promised, seen))]
         self._trust_path = torch.cumprod(self.trust, 0)
         return True
 
