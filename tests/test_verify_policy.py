@@ -10,7 +10,7 @@ from eagle_export.errors import EagleExportError
 from eagle_export.runtime.costs import CostCache, CostCurves
 from eagle_export.runtime.replay import RECORDED, compare, recorded_costs, replay
 from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, make_policy
-from eagle_export.speculation.tree import nested_subtrees
+from eagle_export.speculation.tree import chain_reach, nested_subtrees
 
 K = 4
 
@@ -436,6 +436,19 @@ def test_the_menu_holds_the_likeliest_nodes_closed_under_ancestors():
     # sampling: by depth, whatever the drafts
     by_depth, none = nested_subtrees(parents, probs, 4, by_depth=True)
     assert none is None and [int(m.sum()) for m in by_depth] == [0, 8, 9, 10, 11]
+
+
+def test_a_chains_menu_in_closed_form_is_the_general_menus_bit_for_bit():
+    """The runtime reads a chain's menu from `chain_reach` (S_m = the first m drafts), not the general
+    sort: both must give the same reach to the last bit (the policy's choice follows it), at batch 3
+    with probabilities of every size, ties (1.0) and zeros included."""
+    probs = torch.rand(3, 6, generator=torch.Generator().manual_seed(0))
+    probs[0, 2], probs[1, 0], probs[2, 3:] = 1.0, 0.0, 1.0
+    chain = torch.arange(-1, 5).expand(3, -1)
+    menu, reach = nested_subtrees(chain, probs, 6, by_depth=False)
+    assert torch.equal(chain_reach(probs), reach)
+    assert all(m[:, :i].all() and not m[:, i:].any() for i, m in enumerate(menu))  # S_m: the first m drafts
+    assert not torch.equal(chain_reach(probs.flip(-1)), reach)  # (it reads the drafts in their order)
 
 
 @pytest.mark.parametrize(("slope", "nodes"), [(0.5, [0, 8, 9, 10]), (0.0, list(range(11)))], ids=["steep", "flat"])
