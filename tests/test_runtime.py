@@ -552,3 +552,83 @@ def test_a_request_is_decided_the_same_after_another_as_alone(target, drafter):
     carrying, served = Carrying(3, served.costs), runtime()
     decisions(served, a, 0.0, carrying)
     assert decisions(served, b, 0.9, carrying)[0] < alone[0]
+
+
+class _OnDevice(torch.Tensor):
+    """A graph output as if it lived on an accelerator: what is computed from it stays there, and each
+    read of it on the host (`.cpu()`, `.tolist()`, `.item()`, bool / int / float) is a device -> host
+    synchronization, counted."""
+
+    syncs = 0
+    READS = {torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func not in cls.READS:
+            return result
+        _OnDevice.syncs += 1
+        return result.as_subclass(torch.Tensor) if isinstance(result, torch.Tensor) else result
+
+
+class _DeviceOutputs(TorchBackend):
+    def target(self, feeds, need_logits=False):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits).items()}
+
+    def drafter(self, feeds, sampling=False):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling).items()}
+
+
+class _CountingSyncs(SpeculativeRuntime):
+    """Records (drafted, device -> host syncs) for every round."""
+
+    def _round(self, state, live, policy=None, drafted=False):
+        before = _OnDevice.syncs
+        yield from super()._round(state, live, policy, drafted)
+        self.rounds.append((drafted, _OnDevice.syncs - before))
+
+
+class _PolicyReadsTheDevice(_CountingSyncs):  # planted: the drafts' probabilities reach the policy un-copied
+    def _draft(self, state, live):
+        nodes, parents, token_probs, draft_probs = super()._draft(state, live)
+        return nodes, parents, token_probs.as_subclass(_OnDevice), draft_probs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
+def test_goodput_reads_the_device_no_more_often_per_round_than_fixed_or_a_plain_step(target, drafter, planted):
+    """Host reads of the graphs' outputs are the syncs that stall a GPU between graph calls: a goodput
+    round may read the device no more often than a fixed-depth round (the accepted counts, the drafts
+    and their probabilities: its menu and bookkeeping work on the host copies), and its k = 0 round no
+    more often than a plain decoding step. Greedy output stays the target's. Planted: a runtime whose
+    policy reads the drafts' probabilities where the drafter left them."""
+    from eagle_export.runtime.replay import recorded_costs
+    from eagle_export.speculation.synthetic import SyntheticDrafts
+
+    config = GenerationConfig(max_new_tokens=16)
+    prompt = PROMPTS[0]
+
+    def rounds(policy, acceptance=None, cls=_CountingSyncs):
+        backend = _DeviceOutputs(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
+        runtime = cls.for_models(backend, target, drafter, max_context=256, costs=recorded_costs("H200 bf16"))
+        runtime.rounds = []  # (the synthetic drafts are found by running it too)
+        synthetic = None if acceptance is None else SyntheticDrafts.for_prompts(runtime, [prompt], config,
+                                                                                (acceptance,) * 3)
+        runtime.rounds = []
+        result = runtime.generate([prompt], config, speculative=policy is not None, verify_policy=policy,
+                                  synthetic=synthetic)[0]
+        assert result.tokens == target.generate_greedy(prompt, 16)
+        return runtime.rounds
+
+    fixed = [n for drafted, n in rounds("fixed", 0.9) if drafted]
+    goodput = [n for drafted, n in rounds("goodput", 0.9, _PolicyReadsTheDevice if planted else _CountingSyncs)
+               if drafted]
+    assert fixed and len(goodput) > 3  # at 0.9 goodput drafts every round
+    if planted:
+        assert max(goodput) > max(fixed)
+        return
+    assert max(goodput) <= min(fixed), (goodput, fixed)
+    plain = [n for _, n in rounds(None)]
+    k0 = [n for drafted, n in rounds("goodput", 0.0) if not drafted]
+    assert k0 and max(k0) <= min(plain), (k0, plain)

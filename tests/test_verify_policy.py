@@ -10,7 +10,7 @@ from eagle_export.errors import EagleExportError
 from eagle_export.runtime.costs import CostCache, CostCurves
 from eagle_export.runtime.replay import RECORDED, compare, recorded_costs, replay
 from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, make_policy
-from eagle_export.speculation.tree import nested_subtrees
+from eagle_export.speculation.tree import chain_reach, nested_subtrees
 
 K = 4
 
@@ -438,6 +438,19 @@ def test_the_menu_holds_the_likeliest_nodes_closed_under_ancestors():
     assert none is None and [int(m.sum()) for m in by_depth] == [0, 8, 9, 10, 11]
 
 
+def test_a_chains_menu_in_closed_form_is_the_general_menus_bit_for_bit():
+    """The runtime reads a chain's menu from `chain_reach` (S_m = the first m drafts), not the general
+    sort: both must give the same reach to the last bit (the policy's choice follows it), at batch 3
+    with probabilities of every size, ties (1.0) and zeros included."""
+    probs = torch.rand(3, 6, generator=torch.Generator().manual_seed(0))
+    probs[0, 2], probs[1, 0], probs[2, 3:] = 1.0, 0.0, 1.0
+    chain = torch.arange(-1, 5).expand(3, -1)
+    menu, reach = nested_subtrees(chain, probs, 6, by_depth=False)
+    assert torch.equal(chain_reach(probs), reach)
+    assert all(m[:, :i].all() and not m[:, i:].any() for i, m in enumerate(menu))  # S_m: the first m drafts
+    assert not torch.equal(chain_reach(probs.flip(-1)), reach)  # (it reads the drafts in their order)
+
+
 @pytest.mark.parametrize(("slope", "nodes"), [(0.5, [0, 8, 9, 10]), (0.0, list(range(11)))], ids=["steep", "flat"])
 def test_a_wide_tree_keeps_its_likeliest_nodes_where_width_costs(slope, nodes):
     """Verify cost rising with width (a CPU): the policy keeps the likeliest draft and the sure chain
@@ -551,3 +564,54 @@ def test_a_policy_that_never_revisits_a_depth_it_stopped_verifying_loses():
 
     assert compare(costs, 1, *deep_low)["vs_best"] >= 0.95
     assert compare(costs, 1, *deep_low, goodput=VerifiedOnly(K, costs))["vs_best"] < 0.85
+
+
+class _Recomputing(GoodputDepth):  # planted: the drafting rate worked out again in every round
+    def should_draft(self, live):
+        self._draft_memo = None
+        return super().should_draft(live)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
+def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask(planted):
+    """At acceptance 0 goodput settles on plain steps (k = 0 rounds) between probes; in those rounds
+    nothing it knows changes, so they must cost what a plain step does: its whole work is one read of
+    which sequences are live (torch calls counted, each one host time). Counted: the plain rounds after
+    a plain round, neither resolving a probe's tree in hindsight (learning: what drafting promises is
+    re-read then, once). Planted: the drafting rate recomputed every round."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    class Counted(_Recomputing if planted else GoodputDepth):
+        def should_draft(self, live):  # (a probe's observe asks too: counted with that round)
+            if self.counter is not None:
+                return super().should_draft(live)
+            self.learning, self.counter = any(self._waiting), Counting()
+            with self.counter:
+                return super().should_draft(live)
+
+        def observe(self, j, accepted, live, drafted, emitted=None):
+            with self.counter:
+                super().observe(j, accepted, live, drafted, emitted)
+            settled = not (drafted or self.learning)
+            if settled and self.settled:
+                plain_rounds.append(self.counter.calls)
+            self.settled, self.counter = settled, None
+
+        def start(self, batch):
+            super().start(batch)
+            self.settled, self.counter = False, None
+
+    plain_rounds = []
+    costs = recorded_costs("H200 bf16")
+    result = replay(Counted(K, costs), costs, 1, (0.0,) * K, prompts=2, new_tokens=128)
+    assert result["drafted"] < result["rounds"] / 8 and len(plain_rounds) > result["rounds"] / 2
+    assert (max(plain_rounds) > 1) if planted else (max(plain_rounds) <= 1), sorted(set(plain_rounds))

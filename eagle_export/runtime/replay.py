@@ -18,7 +18,8 @@ positions, so the hindsight the policy reads (tokens emitted later against the d
 `RECORDED` holds the cost curves measured by `eagle-export gpu-kit` on the Llama-3.1-8B shape (CUDA
 graphs, batch 1/4 on an H200, batch 16 on an H100): where the kit's report gives T = 1 and T = K+1
 only, the verify cost in between is the straight line between them (the curve is flat on a GPU to
-within that).
+within that). "H200 exact bf16" is `gpu-kit --exact --steps costs` (the width-invariant kernels), every
+width measured, the drafter the middle of its measured 1.78-1.80 / 1.84-1.86 ms at batch 1 / 4.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ RECORDED = {
     "H200 fp32": {1: ({1: 10.4, 2: 13.6, 3: 19.2, 4: 19.2, 5: 19.2}, 2.8)},
     "H200 bf16": {1: (_line(7.87, 8.87), 1.85), 4: (_line(9.97, 11.11), 2.16)},
     "H100 bf16": {1: (_line(9.57, 10.56), 2.17), 16: (_line(20.7, 23.0), 3.73)},
+    # exact mode (the width-invariant kernels), bf16, every verify width measured at 256 cached positions
+    "H200 exact bf16": {1: ({1: 8.047, 2: 8.476, 3: 8.581, 4: 8.581, 5: 8.647}, 1.79),
+                        4: ({1: 8.245, 2: 8.671, 3: 8.839, 4: 8.9, 5: 10.366}, 1.85),
+                        16: ({1: 8.744, 2: 11.017, 3: 13.433, 4: 14.975, 5: 18.191}, 2.211)},
 }
 
 

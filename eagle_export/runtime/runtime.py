@@ -37,6 +37,7 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -343,8 +344,12 @@ class SpeculativeRuntime:
         self.timings = Timings()
         state = _State(self, prompts, config)
         state.policy = policy
-        # Bound once: a policy that verifies whole trees (fixed) skips the menu every round.
+        # Bound once: a policy that verifies whole trees (fixed) skips the menu every round, and a chain's
+        # menu is the first j drafts, in closed form (`_draft` says whether the drafter gave a chain).
         state.whole_tree = getattr(policy, "verifies_whole_tree", False)
+        state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
+        b = len(prompts)
+        state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
         return state
 
     def _policy(self, name, batch: int, costs):
@@ -399,19 +404,24 @@ class SpeculativeRuntime:
         start = time.perf_counter()
         b = len(state.prompts)
         state.reserve(int(state.lens[live].max()) + self.depth + 1)
-        nodes, parents = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
-        j, draft_probs, valid = 0, None, torch.ones(b, 0, dtype=torch.bool)
-        verified_depth = torch.zeros(b, dtype=torch.int64)  # the deepest node verified, per sequence
+        nodes, parents = state.no_nodes
+        j, draft_probs, valid = 0, None, None  # valid None: every node kept is a real one
+        verified_depth = [0] * b  # the deepest node verified, per sequence
         if drafted:
             nodes, parents, token_probs, draft_probs = self._draft(state, live)
             if state.whole_tree:  # the policy verifies every node: no menu to choose from (nor a j)
                 j = None
-                verified_depth = tree.node_depths(parents).amax(-1)
-                valid = torch.ones(nodes.shape, dtype=torch.bool)
+                verified_depth = ([nodes.shape[1]] * b if state.chain
+                                  else tree.node_depths(parents).amax(-1).tolist())
+            elif state.chain:  # the menu's S_j is the first j drafts (`tree.chain_reach`)
+                j = policy.choose(None if state.sampling else tree.chain_reach(token_probs), live,
+                                  state.chain_widths, (nodes, parents))
+                nodes, parents, verified_depth = nodes[:, :j], parents[:, :j], [j] * b
+                draft_probs = None if draft_probs is None else draft_probs[:, :j]
             else:
                 menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
                 j = policy.choose(reach, live, (1 + menu.sum(-1).amax(-1)).tolist(), (nodes, parents))
-                verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1)
+                verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1).tolist()
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
                 draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
@@ -422,7 +432,8 @@ class SpeculativeRuntime:
         if state.sampling:
             accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs, live)
         else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
-            accepted, path = greedy_accepted_path(torch.where(valid, nodes, -1), parents, out[C.GREEDY_IDS])
+            accepted, path = greedy_accepted_path(nodes if valid is None else torch.where(valid, nodes, -1), parents,
+                                                  out[C.GREEDY_IDS])
         rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
         if not state.sampling:
             next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
@@ -435,7 +446,7 @@ class SpeculativeRuntime:
         counts, ids, nexts, alive = accepted.tolist(), path_ids.tolist(), next_token.tolist(), live.tolist()
         emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
         if policy is not None:
-            for i, depth in enumerate(verified_depth.tolist()):
+            for i, depth in enumerate(verified_depth):
                 if alive[i]:
                     state.stats[i].accepted.append(counts[i])
                     state.stats[i].depths.append(depth)
@@ -486,8 +497,8 @@ class SpeculativeRuntime:
         self.timings.draft += time.perf_counter() - start
         state.write_drafter(out, num_valid, live)
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
-        parents = (out[C.DRAFT_PARENTS].cpu() if C.DRAFT_PARENTS in out
-                   else _chain(nodes.shape[1]).expand(len(nodes), -1))
+        state.chain = C.DRAFT_PARENTS not in out  # a chain graph's parents are implied
+        parents = _chain(nodes.shape[1]).expand(len(nodes), -1) if state.chain else out[C.DRAFT_PARENTS].cpu()
         token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
         if state.synthetic is not None:
             nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
@@ -531,7 +542,7 @@ class SpeculativeRuntime:
         accepted, path = torch.zeros(b, dtype=torch.int64), torch.full((b, n), -1, dtype=torch.int64)
         next_token = torch.zeros(b, dtype=torch.int64)
         for i in torch.nonzero(live)[:, 0].tolist():
-            m = int(valid[i].sum())  # the kept nodes come first; padding nodes are never tried
+            m = n if valid is None else int(valid[i].sum())  # the kept nodes come first; padding nodes are never tried
             if m:
                 q[i, (parents[i, :m] + 1)[:, None], self.draft_to_target] = draft_probs[i, :m].cpu().float()
             taken, next_token[i] = tree.rejection_sample_path(p[i], q[i], nodes[i, :m].tolist(),
@@ -678,8 +689,10 @@ class _PendingRows:
         return ids, self.aux[:, :width].contiguous(), num_valid
 
 
+@functools.lru_cache(maxsize=8)
 def _chain(k: int) -> torch.Tensor:
-    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1)."""
+    """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1). Kept per k (a
+    drafted round's host time): callers must not write into it."""
     return torch.arange(-1, k - 1)
 
 

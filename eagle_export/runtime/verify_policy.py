@@ -91,6 +91,8 @@ nothing from being verified further, since the call's cost is paid for the batch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import EagleExportError
@@ -148,12 +150,16 @@ class GoodputDepth:
         self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
+        self._menu_costs = None                                  # (widths, each entry's round cost): see _round_cost
+        self._draft_memo = None                                  # should_draft's last inputs and answer
         self.round_cost = self._round_cost(self.depth)
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
-        # reached it, of how often the drafter promised it would, and of the trees seen (see the module).
-        self._reached, self._promised_reach, self._seen = torch.zeros(3, self.depth)
+        # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
+        # Python floats, D of each, as the trust worked from them is (a torch call per step of that
+        # arithmetic on D numbers was host time in every drafted round).
+        self._sums = [[0.0] * self.depth for _ in range(3)]
         self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
@@ -170,14 +176,33 @@ class GoodputDepth:
         return min(interval, self.PROBE_CEILING)
 
     def _round_cost(self, j: int) -> float:
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, self.widths[j])
+        """c_draft + c_verify(widths[j]), from a table kept while the menu's widths stay the same (a
+        chain's always do): a drafted round reads it for every entry."""
+        if self._menu_costs is None or self._menu_costs[0] != self.widths:
+            draft = self.costs.draft(self.batch)
+            self._menu_costs = (self.widths, [draft + self.costs.verify(self.batch, w) for w in self.widths])
+        return self._menu_costs[1][j]
+
+    @property
+    def _reached(self) -> torch.Tensor:
+        return torch.tensor(self._sums[0])
+
+    @property
+    def _promised_reach(self) -> torch.Tensor:
+        return torch.tensor(self._sums[1])
+
+    @property
+    def _seen(self) -> torch.Tensor:
+        return torch.tensor(self._sums[2])
 
     @staticmethod
     def _batch_tokens(expected: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """What a drafted round is worth to the batch, in tokens, from each sequence's expected tokens
         [B,...]: halfway between the live sequences' sum and their count times the least of them (see
         the module; at batch 1, the sequence's own)."""
-        mine = expected[live]
+        mine = expected if all(live.tolist()) else expected[live]  # (indexing by a mask: host time)
+        if len(mine) == 1:  # the sequence's own, as the formula gives it (0.5 * (x + 1 * x) is x exactly)
+            return mine[0]
         if not len(mine):
             return mine.sum(0)
         return 0.5 * (mine.sum(0) + len(mine) * mine.amin(0))
@@ -193,11 +218,18 @@ class GoodputDepth:
         return self.since_draft >= self.interval
 
     def should_draft(self, live: torch.Tensor) -> bool:
+        """Whether the round calls the drafter (see the module). Remembered while its inputs stay (the
+        rounds between probes, where nothing the policy knows changes: a k = 0 round costs what a plain
+        step does)."""
         if self._probing():
             return True
-        drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
-        plain_rate = int(live.sum()) / self.costs.verify(self.batch, 1)
-        return drafted_rate > self.MARGIN * plain_rate
+        alive = live.tolist()
+        memo = self._draft_memo
+        if memo is None or memo[0] is not self.expected or memo[1] != self.round_cost or memo[2] != alive:
+            drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
+            plain_rate = sum(alive) / self.costs.verify(self.batch, 1)
+            memo = self._draft_memo = (self.expected, self.round_cost, alive, drafted_rate > self.MARGIN * plain_rate)
+        return memo[3]
 
     def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
         """The menu entry to verify this round; `reach` [B,J+1,D] is the drafter's estimate, per menu
@@ -213,8 +245,7 @@ class GoodputDepth:
             return j
         self._reach = reach.float()
         j, self._promised = self._best(self._calibrated(), live, at_least)
-        self._claimed = self._reach[:, -1]  # the whole tree's promise, per depth: hindsight checks all of it
-        self._claimed_verified = self._reach[:, j]
+        self._verified = j  # (what it claimed is read from _reach when the outcome is)
         self._drafts = drafts
         return j
 
@@ -228,10 +259,16 @@ class GoodputDepth:
         would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
         where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
         as Poisson) of at most 1."""
-        prior = self.TRUST_PRIOR * self._promised_reach / self._seen.clamp(min=1e-9)  # prior observations' claims
-        reached, promised = self._reached + prior, (self._promised_reach + prior).clamp(min=1e-9)
-        optimistic = (reached + self.TRUST_Z * (self._reached + 1).sqrt()) / promised
-        return torch.where(self._seen > 0, torch.maximum(reached / promised, optimistic.clamp(max=1.0)), 1.0)
+        trust = []
+        for reached, promised, seen in zip(*self._sums):
+            if seen <= 0:
+                trust.append(1.0)
+                continue
+            prior = self.TRUST_PRIOR * promised / max(seen, 1e-9)  # prior observations' claims
+            top, bottom = reached + prior, max(promised + prior, 1e-9)
+            optimistic = (top + self.TRUST_Z * math.sqrt(reached + 1)) / bottom
+            trust.append(max(top / bottom, min(optimistic, 1.0)))
+        return torch.tensor(trust)
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -265,7 +302,8 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected(), live)  # what drafting promises now
-        self.expected = torch.where(live, d * self.expected + (1 - d) * self._promised, self.expected)
+        blended = d * self.expected + (1 - d) * self._promised
+        self.expected = blended if all(live.tolist()) else torch.where(live, blended, self.expected)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
@@ -277,11 +315,14 @@ class GoodputDepth:
         hindsight (HINDSIGHT) a tree's outcome is how deep the target's own tokens, emitted in this and
         later rounds, follow a root path of the tree, whatever depth was verified. Without it (the
         variant that cannot recover, kept for the tests) only the depths this round verified say anything."""
+        if not (drafted and self._drafts is not None) and not any(self._waiting):  # nothing to learn
+            self._drafts = None
+            return False
         alive = live.tolist()
         reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = self._claimed_verified.tolist(), accepted.tolist()
+                claims, counts = self._reach[:, self._verified].tolist(), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
@@ -290,7 +331,7 @@ class GoodputDepth:
             if drafted and self._drafts is not None:
                 nodes, parents = (t.tolist() for t in self._drafts)
                 chain = all(p == i - 1 for i, p in enumerate(parents[0]))
-                claims = self._claimed.tolist()
+                claims = self._reach[:, -1].tolist()  # the whole tree's promise: hindsight checks all of it
                 for b in (b for b in range(self.batch) if alive[b]):
                     self._waiting[b].append((nodes[b], None if chain else parents[b], claims[b], []))
                 self._drafts = None
@@ -310,9 +351,8 @@ class GoodputDepth:
                 waiting[:] = keep
         if not any(seen):
             return False
-        self._reached = self.TRUST_DECAY * self._reached + torch.tensor(reached)
-        self._promised_reach = self.TRUST_DECAY * self._promised_reach + torch.tensor(promised)
-        self._seen = self.TRUST_DECAY * self._seen + torch.tensor(seen)
+        self._sums = [[self.TRUST_DECAY * old + new for old, new in zip(*pair)]
+                      for pair in zip(self._sums, (reached, promised, seen))]
         self._trust_path = torch.cumprod(self.trust, 0)
         return True
 

@@ -380,6 +380,25 @@ def nested_subtrees(parents: torch.Tensor, token_probs: torch.Tensor, depth: int
     return keep, reach
 
 
+def chain_reach(token_probs: torch.Tensor) -> torch.Tensor:
+    """`nested_subtrees`' reach [B, K+1, K] for a chain of K drafts, in closed form: S_m is the first m
+    drafts, so reach[S_m, d] = p_1 ... p_d for d < m, else 0. A few torch calls where the general menu
+    takes a sort and a dozen more: host time in every drafted round. The running product is taken
+    draft by draft in float32, as `joint_probs` takes it (torch.cumprod accumulates in double on a
+    CPU and can differ in the last bit, and the policy's choice follows these numbers)."""
+    columns = token_probs.float().unbind(-1)
+    joint = [columns[0]]
+    for p in columns[1:]:
+        joint.append(joint[-1] * p)
+    return torch.stack(joint, -1)[:, None, :] * _first_drafts(len(columns))
+
+
+@functools.lru_cache(maxsize=16)
+def _first_drafts(k: int) -> torch.Tensor:
+    """[K+1, K]: row m keeps drafts d < m (callers must not write into it)."""
+    return torch.arange(k) < torch.arange(k + 1)[:, None]
+
+
 def subtree(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The nodes `keep` [B,N] marks (closed under ancestors: a kept node's parent is kept), packed to
     the front in their order -> (order [B,n]: original index of each kept node, parents [B,n] re-indexed,
