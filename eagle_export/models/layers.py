@@ -101,26 +101,50 @@ def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: 
 
 # Width invariance (DESIGN.md): each row's arithmetic must not depend on the call's width, its batch
 # or the row's place in the call. CPU BLAS picks its kernel by shape (MKL: a row of x @ W^T comes out
-# other bits at M = 1, 5 and 64), so every product below runs at one shape per weight: rows in GEMMs
-# of exactly LINEAR_ROWS rows, attention queries in blocks of QUERY_BLOCK rows per KV head against
-# keys in blocks of KEY_BLOCK slots. Within one shape a row's result does not depend on its place.
+# other bits at M = 1, 5 and 64), so every product below runs at shapes proven to agree: rows in GEMMs
+# of LINEAR_ROWS rows (a call's last, shorter chunk at a row count probed to give the same bits),
+# attention queries in blocks of QUERY_BLOCK rows per KV head against keys in blocks of KEY_BLOCK slots.
 LINEAR_ROWS = 8
 QUERY_BLOCK = 8
 KEY_BLOCK = 64  # a multiple of 32: elementwise kernels then run every element through their vector path
+PROBE_ROWS = 16  # random rows `chunk_rows` multiplies at each row count, every place in a chunk covered
+_chunk_rows: dict = {}  # (weight shape, dtype, bias?, threads) -> the row counts proven alike
+
+
+def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
+    """The row counts m <= LINEAR_ROWS whose GEMM x[m,K] @ W^T gives every row, at every place in the
+    chunk, the same bits as the LINEAR_ROWS-row GEMM, probed once per weight shape, dtype, bias and
+    thread count on PROBE_ROWS random rows through this weight (a kernel with another reduction order
+    differs there in some row almost surely). MKL on a 2-core EPYC, fp32: 2..8 at 576x3072 and the
+    lm_head, 4..8 at 576x960 with 2 threads (1 is never among them: M = 1 is a GEMV). Memoized."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _chunk_rows:
+        x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+        reference = torch.cat([F.linear(c, weight, bias) for c in x.split(LINEAR_ROWS)])
+        _chunk_rows[key] = tuple(m for m in range(1, LINEAR_ROWS + 1) if torch.equal(
+            torch.cat([F.linear(c, weight, bias) for c in x[:PROBE_ROWS // m * m].split(m)]),
+            reference[:PROBE_ROWS // m * m]))
+    return _chunk_rows[key]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
-    (all leading axes flattened) are padded to a multiple of LINEAR_ROWS and multiplied by one GEMM
-    call per chunk of exactly LINEAR_ROWS rows, so neither the call's width nor its batch nor the
-    row's place chooses the kernel (not one bmm over the chunks: MKL's batched GEMM gave other bits
-    with 3 chunks than with 1 at 576x192). In an ONNX export it is F.linear (the graph's MatMul)."""
+    (all leading axes flattened) go through one GEMM call per chunk of LINEAR_ROWS rows, the last
+    r rows padded to the smallest row count `chunk_rows` proved alike (>= r; LINEAR_ROWS at worst),
+    so neither the call's width nor its batch nor the row's place changes a row's bits, and a
+    one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
+    chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
+    export it is F.linear (the graph's MatMul)."""
     if torch.onnx.is_in_onnx_export():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    rows = F.pad(rows, (0, 0, 0, -(-m // LINEAR_ROWS) * LINEAR_ROWS - m))
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
+    tail = m % LINEAR_ROWS
+    if tail:
+        tail = next(n for n in chunk_rows(weight, bias) if n >= tail)
+        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail - m))
+    chunks = rows.split(LINEAR_ROWS)
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in chunks]) if len(chunks) > 1 else F.linear(rows, weight, bias)
     return out[:m].view(*x.shape[:-1], -1)
 
 
