@@ -80,14 +80,15 @@ def main():
               f"input {tuple(feeds[C.INPUT_IDS].shape)}")
 
     if args.profile:
-        set_layout(modules, True)
         for name, (fn, (feeds, kw)) in calls.items():
-            fn(clone(feeds), **kw)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    fn(clone(feeds), **kw)
-            print(f"== {name} (new layout, 3 calls)")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+            for new in (False, True):
+                set_layout(modules, new)
+                fn(clone(feeds), **kw)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(3):
+                        fn(clone(feeds), **kw)
+                print(f"== {name} ({'new' if new else 'old'} layout, 3 calls)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
         return
 
     times = {(n, new): [] for n in calls for new in (False, True)}
