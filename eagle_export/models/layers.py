@@ -169,18 +169,19 @@ def width_invariant(model: nn.Module) -> nn.Module:
     return model
 
 
-_layout_memo: list = [None]  # the last call's (mask, cache_lens, versions and sizes, layout)
+_layout_memo: list = [None]  # the last call's (sizes, mask, cache_lens, layout), copies of its inputs
 
 
 def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
     """`attend`'s key layout for one call: slots [B,E], where each of the call's E keys goes (cache_lens[b]
     + i; without cache_lens after the view), and hidden [B,1,nq,nk,1,QB,KB], the slots each query row
-    does NOT see, in its query and key blocks. Every layer of a forward passes the same mask and
-    cache_lens tensors, so the last call's layout is reused while both are the same objects, unmodified
-    (their version counters), at the same sizes: computed once per forward, not once per layer."""
-    sizes = (mask._version, None if cache_lens is None else cache_lens._version, b, t, s, e)
+    does NOT see, in its query and key blocks. A function of the mask's and cache_lens' values and the
+    sizes alone, and every layer of a forward passes the same ones: the last call's layout is reused
+    when they are equal (compared by value against copies: in-place writes between calls cannot go
+    stale), so it is computed once per forward, not once per layer."""
     memo = _layout_memo[0]
-    if memo is not None and memo[0] is mask and memo[1] is cache_lens and memo[2] == sizes:
+    if (memo is not None and memo[0] == (b, t, s, e) and torch.equal(memo[1], mask)
+            and (cache_lens is None if memo[2] is None else cache_lens is not None and torch.equal(memo[2], cache_lens))):
         return memo[3]
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
     nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
@@ -190,7 +191,7 @@ def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
     seen = F.pad(seen[..., :s], (0, n - s)).scatter_(2, slots[:, None].expand(b, t, e), seen[..., s:])
     seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, tq // QUERY_BLOCK, QUERY_BLOCK, nk, KEY_BLOCK)
     hidden = ~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]                             # [B,1,nq,nk,1,QB,KB]
-    _layout_memo[0] = (mask, cache_lens, sizes, (slots, hidden))
+    _layout_memo[0] = ((b, t, s, e), mask.clone(), None if cache_lens is None else cache_lens.clone(), (slots, hidden))
     return slots, hidden
 
 
