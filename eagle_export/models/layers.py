@@ -108,16 +108,21 @@ LINEAR_ROWS = 8
 QUERY_BLOCK = 8
 KEY_BLOCK = 64  # a multiple of 32: elementwise kernels then run every element through their vector path
 PROBE_ROWS = 16  # random rows `chunk_rows` multiplies at each row count, every place in a chunk covered
-_chunk_rows: dict = {}  # (weight shape, dtype, bias?, threads) -> the row counts proven alike
+_chunk_rows: dict = {}  # (fp32 weight shape, bias?, threads) -> the row counts proven alike
 
 
 def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
     """The row counts m <= LINEAR_ROWS whose GEMM x[m,K] @ W^T gives every row, at every place in the
-    chunk, the same bits as the LINEAR_ROWS-row GEMM, probed once per weight shape, dtype, bias and
-    thread count on PROBE_ROWS random rows through this weight (a kernel with another reduction order
-    differs there in some row almost surely). MKL on a 2-core EPYC, fp32: 2..8 at 576x3072 and the
-    lm_head, 4..8 at 576x960 with 2 threads (1 is never among them: M = 1 is a GEMV). Memoized."""
-    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    chunk, the same bits as the LINEAR_ROWS-row GEMM, probed once per weight shape, bias and thread
+    count on PROBE_ROWS random rows through this weight, fp32 only: there another reduction order
+    changes most of a row's outputs, so a kernel that differs cannot pass the probe. In bf16/fp16 the
+    output's rounding hides most such differences (an M = 2 GEMM at 960x576 passed a 16-row probe and
+    differed on other rows), so they keep LINEAR_ROWS alone. MKL on a 2-core EPYC, fp32: 2..8 with one
+    thread; with two, 2..8 at 576x3072, 1536x576 and the lm_head, 4..8 at 576x960 (M = 1, a GEMV,
+    never). Memoized."""
+    if weight.dtype != torch.float32:
+        return (LINEAR_ROWS,)
+    key = (tuple(weight.shape), bias is not None, torch.get_num_threads())
     if key not in _chunk_rows:
         x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
         reference = torch.cat([F.linear(c, weight, bias) for c in x.split(LINEAR_ROWS)])
@@ -131,7 +136,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
     (all leading axes flattened) go through one GEMM call per chunk of LINEAR_ROWS rows, the last
     r rows padded to the smallest row count `chunk_rows` proved alike (>= r; LINEAR_ROWS at worst),
-    so neither the call's width nor its batch nor the row's place changes a row's bits, and a
+    so neither the call's width nor its batch nor the row's place changes a row's bits, and an fp32
     one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
     chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
     export it is F.linear (the graph's MatMul)."""
