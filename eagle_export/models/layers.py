@@ -117,9 +117,9 @@ def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[
     count on PROBE_ROWS random rows through this weight, fp32 only: there another reduction order
     changes most of a row's outputs, so a kernel that differs cannot pass the probe. In bf16/fp16 the
     output's rounding hides most such differences (an M = 2 GEMM at 960x576 passed a 16-row probe and
-    differed on other rows), so they keep LINEAR_ROWS alone. MKL on a 2-core EPYC, fp32: 2..8 with one
-    thread; with two, 2..8 at 576x3072, 1536x576 and the lm_head, 4..8 at 576x960 (M = 1, a GEMV,
-    never). Memoized."""
+    differed on other rows), so they keep LINEAR_ROWS alone. MKL on a 2-core EPYC, fp32, weights out x
+    in: 2..8 with one thread; with two, 2..8 for 3072x576, 576x1536 and the lm_heads, 4..8 for 960x576,
+    576x576 and 576x1728 (M = 1, a GEMV, never). Memoized."""
     if weight.dtype != torch.float32:
         return (LINEAR_ROWS,)
     key = (tuple(weight.shape), bias is not None, torch.get_num_threads())
@@ -240,7 +240,7 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     scores = torch.matmul(queries, key_blocks.transpose(-1, -2)) / math.sqrt(d)          # [B,Hkv,nq,nk,G*QB,KB]
     scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(hidden, -math.inf)
     top = scores.amax(dim=(3, 6), keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # all-masked rows: finite
-    # A masked slot's p is an exact 0, put there: exp(-inf) is 0 too, but 10x as slow as a finite exp (MKL, fp32).
+    # A masked slot's p is an exact 0, put there: exp(-inf) is 0 too, but 10x as slow as a finite exp (torch's CPU exp, fp32).
     p = torch.exp((scores - top).masked_fill_(hidden, 0.0)).masked_fill_(hidden, 0.0)
     total = p.sum(-1, keepdim=True).cumsum(3)[:, :, :, -1:].clamp_min(1.0)  # >= 1 (the max's term) where any key is seen
     probs = p / total                                                                      # [B,Hkv,nq,nk,G,QB,KB]
