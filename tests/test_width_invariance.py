@@ -160,16 +160,41 @@ def test_planted_linear_choosing_its_kernel_by_rows_fails():
     assert differing_rows(target) > 0
 
 
-@pytest.mark.parametrize("features", [(576, 192), (576, 1536), (1536, 576)])
-def test_row_linear_gives_a_row_the_same_bits_in_calls_of_any_row_count(features):
-    """At real shapes (the sample's k/v, gate and down projections), where MKL picks its kernel by M
-    and one bmm over 3 chunks gave other bits than over 1."""
+def test_planted_one_row_gemv_fails(monkeypatch):
+    """A probe that admitted M = 1 (a GEMV: another reduction order) for a call's last chunk."""
+    monkeypatch.setattr(layers, "chunk_rows", lambda weight, bias=None: tuple(range(1, layers.LINEAR_ROWS + 1)))
+    assert differing_rows(tiny_target()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("features", [(576, 192), (576, 960), (576, 1536), (1536, 576), (576, 49152)])
+def test_row_linear_gives_a_row_the_same_bits_in_calls_of_any_row_count(features, dtype):
+    """At real shapes (the sample's k/v, fused qkv, gate, down projections and lm_head), where MKL picks
+    its kernel by M and one bmm over 3 chunks gave other bits than over 1: every tail length a call's
+    last chunk can have (1..LINEAR_ROWS-1 rows, padded to a probed row count in fp32), at an offset."""
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(features[1], features[0], generator=g), torch.randn(24, features[0], generator=g)
+    w, x = torch.randn(features[1], features[0], generator=g).to(dtype), torch.randn(24, features[0], generator=g).to(dtype)
     full = layers.row_linear(x, w)
-    for rows in (1, 3, 5, 8, 15):
+    for rows in range(1, 18):
         assert torch.equal(layers.row_linear(x[:rows], w), full[:rows]), rows
     assert torch.equal(layers.row_linear(x[7:12], w), full[7:12])
+    assert layers.LINEAR_ROWS in layers.chunk_rows(w)
+    if dtype != torch.float32:  # unprobed: the rounding hides the differences a probe looks for
+        assert layers.chunk_rows(w) == (layers.LINEAR_ROWS,)
+
+
+def test_chunk_rows_rejects_a_row_count_whose_gemm_differs(monkeypatch):
+    """Planted: a GEMM whose result depends on M for M < 4 (rounded through bf16) must not be admitted."""
+    real = torch.nn.functional.linear
+
+    def m_dependent(x, w, b=None):
+        out = real(x, w, b)
+        return out.bfloat16().float() if x.shape[0] < 4 else out
+
+    monkeypatch.setattr(layers.F, "linear", m_dependent)
+    monkeypatch.setattr(layers, "_chunk_rows", {})
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
+    assert layers.chunk_rows(w) == tuple(range(4, layers.LINEAR_ROWS + 1))
 
 
 def test_row_linear_equals_linear_within_rounding():

@@ -101,26 +101,55 @@ def attention_mask(positions: torch.Tensor, cache_lens: torch.Tensor, past_len: 
 
 # Width invariance (DESIGN.md): each row's arithmetic must not depend on the call's width, its batch
 # or the row's place in the call. CPU BLAS picks its kernel by shape (MKL: a row of x @ W^T comes out
-# other bits at M = 1, 5 and 64), so every product below runs at one shape per weight: rows in GEMMs
-# of exactly LINEAR_ROWS rows, attention queries in blocks of QUERY_BLOCK rows per KV head against
-# keys in blocks of KEY_BLOCK slots. Within one shape a row's result does not depend on its place.
+# other bits at M = 1, 5 and 64), so every product below runs at shapes proven to agree: rows in GEMMs
+# of LINEAR_ROWS rows (a call's last, shorter chunk at a row count probed to give the same bits),
+# attention queries in blocks of QUERY_BLOCK rows per KV head against keys in blocks of KEY_BLOCK slots.
 LINEAR_ROWS = 8
 QUERY_BLOCK = 8
 KEY_BLOCK = 64  # a multiple of 32: elementwise kernels then run every element through their vector path
+PROBE_ROWS = 16  # random rows `chunk_rows` multiplies at each row count, every place in a chunk covered
+_chunk_rows: dict = {}  # (fp32 weight shape, bias?, threads) -> the row counts proven alike
+
+
+def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
+    """The row counts m <= LINEAR_ROWS whose GEMM x[m,K] @ W^T gives every row, at every place in the
+    chunk, the same bits as the LINEAR_ROWS-row GEMM, probed once per weight shape, bias and thread
+    count on PROBE_ROWS random rows through this weight, fp32 only: there another reduction order
+    changes most of a row's outputs, so a kernel that differs cannot pass the probe. In bf16/fp16 the
+    output's rounding hides most such differences (an M = 2 GEMM at 960x576 passed a 16-row probe and
+    differed on other rows), so they keep LINEAR_ROWS alone. MKL on a 2-core EPYC, fp32, weights out x
+    in: 2..8 with one thread; with two, 2..8 for 3072x576, 576x1536 and the lm_heads, 4..8 for 960x576,
+    576x576 and 576x1728 (M = 1, a GEMV, never). Memoized."""
+    if weight.dtype != torch.float32:
+        return (LINEAR_ROWS,)
+    key = (tuple(weight.shape), bias is not None, torch.get_num_threads())
+    if key not in _chunk_rows:
+        x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+        reference = torch.cat([F.linear(c, weight, bias) for c in x.split(LINEAR_ROWS)])
+        _chunk_rows[key] = tuple(m for m in range(1, LINEAR_ROWS + 1) if torch.equal(
+            torch.cat([F.linear(c, weight, bias) for c in x[:PROBE_ROWS // m * m].split(m)]),
+            reference[:PROBE_ROWS // m * m]))
+    return _chunk_rows[key]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
-    (all leading axes flattened) are padded to a multiple of LINEAR_ROWS and multiplied by one GEMM
-    call per chunk of exactly LINEAR_ROWS rows, so neither the call's width nor its batch nor the
-    row's place chooses the kernel (not one bmm over the chunks: MKL's batched GEMM gave other bits
-    with 3 chunks than with 1 at 576x192). In an ONNX export it is F.linear (the graph's MatMul)."""
+    (all leading axes flattened) go through one GEMM call per chunk of LINEAR_ROWS rows, the last
+    r rows padded to the smallest row count `chunk_rows` proved alike (>= r; LINEAR_ROWS at worst),
+    so neither the call's width nor its batch nor the row's place changes a row's bits, and an fp32
+    one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
+    chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
+    export it is F.linear (the graph's MatMul)."""
     if torch.onnx.is_in_onnx_export():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    rows = F.pad(rows, (0, 0, 0, -(-m // LINEAR_ROWS) * LINEAR_ROWS - m))
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
+    tail = m % LINEAR_ROWS
+    if tail:
+        tail = next(n for n in chunk_rows(weight, bias) if n >= tail)
+        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail - m))
+    chunks = rows.split(LINEAR_ROWS)
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in chunks]) if len(chunks) > 1 else F.linear(rows, weight, bias)
     return out[:m].view(*x.shape[:-1], -1)
 
 
@@ -143,6 +172,32 @@ def width_invariant(model: nn.Module) -> nn.Module:
         elif isinstance(module, Attention):
             module.core = attend
     return model
+
+
+_layout_memo: list = [None]  # the last call's (sizes, mask, cache_lens, layout), copies of its inputs
+
+
+def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
+    """`attend`'s key layout for one call: slots [B,E], where each of the call's E keys goes (cache_lens[b]
+    + i; without cache_lens after the view), and hidden [B,1,nq,nk,1,QB,KB], the slots each query row
+    does NOT see, in its query and key blocks. A function of the mask's and cache_lens' values and the
+    sizes alone, and every layer of a forward passes the same ones: the last call's layout is reused
+    when they are equal (compared by value against copies: in-place writes between calls cannot go
+    stale), so it is computed once per forward, not once per layer."""
+    memo = _layout_memo[0]
+    if (memo is not None and memo[0] == (b, t, s, e) and torch.equal(memo[1], mask)
+            and (cache_lens is None if memo[2] is None else cache_lens is not None and torch.equal(memo[2], cache_lens))):
+        return memo[3]
+    n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
+    nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
+    start = cache_lens.view(b, 1) if cache_lens is not None else torch.full((b, 1), s, device=mask.device)
+    slots = start + torch.arange(e, device=mask.device)                                     # [B,E]
+    seen = mask.expand(b, 1, 1, t, s + e)[:, 0, 0]                                         # [B,T,S+E]
+    seen = F.pad(seen[..., :s], (0, n - s)).scatter_(2, slots[:, None].expand(b, t, e), seen[..., s:])
+    seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, tq // QUERY_BLOCK, QUERY_BLOCK, nk, KEY_BLOCK)
+    hidden = ~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]                             # [B,1,nq,nk,1,QB,KB]
+    _layout_memo[0] = ((b, t, s, e), mask.clone(), None if cache_lens is None else cache_lens.clone(), (slots, hidden))
+    return slots, hidden
 
 
 def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
@@ -172,25 +227,21 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
     nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
     nq = tq // QUERY_BLOCK
-    start = cache_lens.view(b, 1) if cache_lens is not None else torch.full((b, 1), s, device=q.device)
-    slots = start + torch.arange(e, device=q.device)                                       # [B,E]
+    slots, hidden = _key_layout(mask, cache_lens, b, t, s, e)
 
     def place(cache, new):  # [B,Hkv,n,D] fp32: the view, then the call's keys at their slots
         buffer = F.pad(cache.float(), (0, 0, 0, n - s))
-        return buffer.scatter(2, slots[:, None, :, None].expand(b, hkv, e, d), new.float())
+        return buffer.scatter_(2, slots[:, None, :, None].expand(b, hkv, e, d), new.float())
 
     key_buf, value_buf = place(k_cache, keys), place(v_cache, values)
-    mask = mask.expand(b, 1, 1, t, s + e)[:, 0, 0]                                         # [B,T,S+E]
-    seen = F.pad(mask[..., :s], (0, n - s)).scatter(2, slots[:, None].expand(b, t, e), mask[..., s:])
-    seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, nq, QUERY_BLOCK, nk, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
-    seen = seen[:, :, :, :, None]                                                          # [B,1,nq,nk,1,QB,KB]
     queries = F.pad(q.float().reshape(b, hkv, g, t, d), (0, 0, 0, tq - t))
     queries = queries.view(b, hkv, g, nq, QUERY_BLOCK, d).transpose(2, 3).reshape(b, hkv, nq, 1, g * QUERY_BLOCK, d)
     key_blocks = key_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)
     scores = torch.matmul(queries, key_blocks.transpose(-1, -2)) / math.sqrt(d)          # [B,Hkv,nq,nk,G*QB,KB]
-    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(~seen, -math.inf)
+    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(hidden, -math.inf)
     top = scores.amax(dim=(3, 6), keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # all-masked rows: finite
-    p = torch.where(seen, torch.exp(scores - top), 0.0)
+    # A masked slot's p is an exact 0, put there: exp(-inf) is 0 too, but 10x as slow as a finite exp (torch's CPU exp, fp32).
+    p = torch.exp((scores - top).masked_fill_(hidden, 0.0)).masked_fill_(hidden, 0.0)
     total = p.sum(-1, keepdim=True).cumsum(3)[:, :, :, -1:].clamp_min(1.0)  # >= 1 (the max's term) where any key is seen
     probs = p / total                                                                      # [B,Hkv,nq,nk,G,QB,KB]
     if tap is not None:  # the weights as [B,Hkv,G,T,slots], through the tap and back
