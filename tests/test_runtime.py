@@ -380,7 +380,8 @@ class AcceptFirstChildren(SpeculativeRuntime):
         bonus = torch.zeros(len(nodes), dtype=torch.int64)
         for i in range(len(nodes)):
             row, taken = 0, []
-            while children := [j for j in range(int(valid[i].sum())) if parents[i, j] + 1 == row]:
+            kept = parents.shape[1] if valid is None else int(valid[i].sum())  # None: every node is real
+            while children := [j for j in range(kept) if parents[i, j] + 1 == row]:
                 taken.append(children[0])  # always accepted, whatever p says
                 row = children[0] + 1
             accepted[i], path[i, :len(taken)] = len(taken), torch.tensor(taken, dtype=torch.int64)
