@@ -44,7 +44,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = (16, 64, 128) if not INTERPRETED else (64, 256, 128)  # linear's tile
 SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 SM has 227 KB)
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul, rope and argmax
-ATTN_BLOCK = 16                          # keys per attention block
+ATTN_BLOCK = 16 if not INTERPRETED else 128  # keys per attention block (the interpreter: fewer, wider steps)
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
 COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
 ARGMAX_BLOCK = 1024
