@@ -6,7 +6,8 @@ pick a kernel per shape (cuBLAS a GEMM tactic and a split-K per M, attention a n
 splits per call), so in bf16 they do not (DESIGN.md, "Width invariance"). The fix, after Thinking
 Machines' batch_invariant_ops: a row's reduction order must be fixed by the layer's shape alone.
 
-    linear     one tile configuration for every M, a fixed order along K, no split-K
+    linear     one tile configuration for every M (from the layer's shape and the card), a fixed order
+               along K, no split-K chosen by M (a fixed K split by shape, added in split order)
     rms_norm   one program per row (RMSNorm, and Qwen3's qk-norm over head_dim)
     silu_mul   elementwise, fused
     attention  each row over its own visible keys in key order (the cache-first layout read

@@ -2,9 +2,10 @@
 shape alone: no tile size, split or reduction order is chosen from the call's rows (M = batch x
 tokens), so a row's bits are the same at every call width, batch size and place in the call.
 
-    linear     one tile configuration (BLOCK_M x BLOCK_N x BLOCK_K) for every M, fp32 accumulation
-               along K in one fixed order; no split-K. Rows of one tile never mix: an output element
-               is a dot product of its own row.
+    linear     one tile configuration (linear_config: from the layer's shape and the card) for every
+               M, fp32 accumulation along K in one fixed order; no split-K chosen by M (a layer with few
+               output tiles splits K into a fixed number of parts, added in split order). Rows of one
+               tile never mix: an output element is a dot product of its own row.
     rms_norm   a fixed number of rows per program (1 on a GPU), each row's sum of squares one
                reduction of its own along a fixed-shape tile.
     silu_mul   elementwise: silu(gate) rounded to the dtype, times up (torch's two roundings).
@@ -15,8 +16,8 @@ tokens), so a row's bits are the same at every call width, batch size and place 
                p - j and the one-token step over past p read the same keys at the same logical
                places, and masked keys are never visited, so they change no sum. The keys are cut
                into splits of a fixed SIZE (SPLIT_SIZE keys, not a fixed number of splits), each
-               reduced in BLOCK_N blocks in order with an online softmax; the splits are combined
-               in order, empty ones skipped.
+               reduced in ATTN_BLOCK blocks in order with an online softmax; the splits holding the
+               row's keys are combined in order (a split past them is never read).
     rope       q and k in one launch, a program per (rows, head), each element its own x * cos +
                rotated * sin with torch's roundings (each product, then the sum), FMA contraction off.
     argmax     one program per row, blocks in order, ties to the lowest index.

@@ -156,9 +156,7 @@ def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, 
     """layers.attend's signature on the attention kernel: the call's keys [prefix ; new] after the
     cache, each row over the keys its mask [B,1,1,T,S+E+T] shows -> [B,T,Hq*D] (the kernel writes it
     laid out so, no copy)."""
-    import torch
-
-    if q.shape[2] > WIDEST:  # a prefill: see WIDEST
+    if prefill(q):  # q [B,Hq,T,D]: see WIDEST
         return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap, q.shape[-1])
     keys, values = (k, v) if prefix_kv is None else (torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2))
     b, _, t, _ = q.shape

@@ -57,17 +57,24 @@ def verify_width_continuations(runtime, prompts, config, seed: int = 0) -> list[
     return [r.tokens for r in runtime.generate(prompts, longer, verify_policy="fixed", synthetic=random)]
 
 
-def parse_acceptance(text: str, depth: int) -> tuple[float, ...]:
-    """`--acceptance` as given: one probability for every depth, or one per depth (at most `depth`
-    values; depths beyond the last given take the last). Refused outside [0, 1]."""
+def parse_probabilities(text: str, option: str, example: str) -> list[float]:
+    """An option's comma-separated acceptance probabilities (`--acceptance`, `gpu-kit --sweep`), each
+    in [0, 1]; `example` completes the fix's "give e.g. ..."."""
     try:
         values = [float(v) for v in str(text).split(",")]
     except ValueError:
-        raise EagleExportError(f"--acceptance {text!r} is not a number or a comma-separated list of numbers",
-                               "give e.g. --acceptance 0.7 or --acceptance 0.73,0.52,0.35") from None
+        raise EagleExportError(f"{option} {text!r} is not a number or a comma-separated list of numbers",
+                               f"give e.g. {example}") from None
     if not values or any(not math.isfinite(v) or not 0 <= v <= 1 for v in values):
-        raise EagleExportError(f"--acceptance {text!r} holds a value outside [0, 1]",
+        raise EagleExportError(f"{option} {text!r} holds a value outside [0, 1]",
                                "give conditional acceptance probabilities between 0 and 1")
+    return values
+
+
+def parse_acceptance(text: str, depth: int) -> tuple[float, ...]:
+    """`--acceptance` as given: one probability for every depth, or one per depth (at most `depth`
+    values; depths beyond the last given take the last). Refused outside [0, 1]."""
+    values = parse_probabilities(text, "--acceptance", "--acceptance 0.7 or --acceptance 0.73,0.52,0.35")
     if len(values) > depth:
         raise EagleExportError(f"--acceptance gives {len(values)} values, but the build drafts to depth {depth}",
                                "give one value for every depth, or no more values than the build has draft depths")

@@ -60,7 +60,7 @@ from ..runtime import exact as exact_mode
 from ..runtime.backends import TorchBackend
 from ..runtime.costs import PAST
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
-from ..speculation.synthetic import SyntheticDrafts, verify_width_continuations
+from ..speculation.synthetic import SyntheticDrafts, parse_probabilities, verify_width_continuations
 from ..speculation.tree import DynamicTree
 from .bench import _batches, bench, plot_sweep
 
@@ -402,14 +402,7 @@ def check_steps(text: str, known) -> set[str]:
 
 def check_acceptances(text: str) -> tuple[float, ...]:
     """--sweep's comma-separated uniform acceptances, each in [0, 1]."""
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or any(not math.isfinite(v) or not 0 <= v <= 1 for v in values):
-        raise EagleExportError(f"--sweep {text!r} is not a comma-separated list of acceptances in [0, 1]",
-                               "give e.g. --sweep 0,0.6,0.9")
-    return values
+    return tuple(parse_probabilities(text, "--sweep", "--sweep 0,0.6,0.9"))
 
 
 def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float, echo=print,
