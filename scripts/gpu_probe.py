@@ -7,10 +7,14 @@ wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON
              (BLOCK_N, BLOCK_K, K splits, warps, stages), each timed as one CUDA graph streaming enough
              copies of the weight to pass the L2 cache (what a decode step does), in ms and GB/s;
              and whether a row's bits match between M = 1 and M = 16 for every configuration timed.
+    attention  the attention kernel at the 8B shape (32 query heads, 8 KV heads, D 128), batch 1 and 16,
+             T = 1 and 5 new rows over 256 and 2048 cached keys: torch's SDPA beside the kernel at each
+             (keys a block, keys a split, warps) of a grid, each a CUDA graph of 32 calls (a step's
+             layers), in us a call.
     profile  one plain decoding round of the 8B shape, eager, through the torch backend and through
              exact mode: the GPU time of each kernel, summed, top 25 (where a step's time goes).
 
-Usage: python scripts/gpu_probe.py linear|profile [--budget-s S]
+Usage: python scripts/gpu_probe.py linear|attention|profile [--budget-s S]
 """
 
 from __future__ import annotations
@@ -121,6 +125,53 @@ def linear(budget_s: float, only_default: bool = False) -> dict:
     return result
 
 
+def attention(budget_s: float) -> dict:
+    from eagle_export.kernels import triton_ops as K
+
+    start = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name(0), "cells": {}}
+    hq, hkv, d, layers = 32, 8, 128, 32
+    grid = [(block, split, warps) for block in (16, 32, 64) for split in (64, 128, 256) for warps in (2, 4)]
+    for b, s, t in ((1, 256, 1), (1, 256, 5), (1, 2048, 1), (1, 2048, 5), (16, 256, 1), (16, 256, 5)):
+        if time.perf_counter() - start > budget_s:
+            break
+        q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        kc, vc = (torch.randn(b, hkv, s + 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kn, vn = (torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        mask = torch.ones(b, t, s + 8 + t, dtype=torch.bool, device="cuda")
+        mask[:, :, s:s + 8] = False  # 8 free cache slots
+        mask[:, :, s + 8:] = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+        keys = K.compact_keys(mask)
+        cell = result["cells"][f"b{b}_s{s}_t{t}"] = {}
+        full_k = torch.cat([kc[:, :, :s], kn], 2).repeat_interleave(hq // hkv, 1)
+        full_v = torch.cat([vc[:, :, :s], vn], 2).repeat_interleave(hq // hkv, 1)
+        sdpa_mask = torch.cat([mask[:, :, :s], mask[:, :, s + 8:]], -1)[:, None]
+        cell["sdpa_us"] = round(1000 * graph_ms(lambda: [F.scaled_dot_product_attention(q, full_k, full_v, sdpa_mask)
+                                                         for _ in range(layers)]) / layers, 2)
+        reference = K.attention(q, kc, vc, kn, vn, mask, keys=keys)
+        saved = K.ATTN_BLOCK, K.ATTN_WARPS
+        for block, split, warps in grid:
+            if time.perf_counter() - start > budget_s:
+                cell["stopped"] = "budget"
+                break
+            K.ATTN_BLOCK, K.ATTN_WARPS = block, warps
+            try:
+                us = 1000 * graph_ms(lambda: [K.attention(q, kc, vc, kn, vn, mask, split, keys=keys)
+                                              for _ in range(layers)]) / layers
+                diff = (K.attention(q, kc, vc, kn, vn, mask, split, keys=keys).float() - reference.float()).abs().max()
+                cell[f"{block}x{split}x{warps}"] = {"us": round(us, 2), "max_diff_vs_default": float(diff)}
+            except Exception as e:
+                cell[f"{block}x{split}x{warps}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            finally:
+                K.ATTN_BLOCK, K.ATTN_WARPS = saved
+        best = min((kv for kv in cell.items() if isinstance(kv[1], dict) and "us" in kv[1]), key=lambda kv: kv[1]["us"])
+        default = cell.get(f"{K.ATTN_BLOCK}x{K.SPLIT_SIZE}x{K.ATTN_WARPS}", {}).get("us")
+        print(f"attention b{b} s{s} t{t}: sdpa {cell['sdpa_us']} us, default {default} us, best {best[0]} {best[1]['us']} us",
+              flush=True)
+        _save("attention", result)
+    return result
+
+
 def profile() -> dict:
     from eagle_export.runtime.runtime import GenerationConfig
     from eagle_export.tools.gpu_kit import make_runtime, random_pair, random_prompts, unbind
@@ -161,10 +212,15 @@ def _save(name: str, result: dict) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("linear", "profile"))
+    parser.add_argument("what", choices=("linear", "attention", "profile"))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--default-only", action="store_true", help="linear: cuBLAS and linear_config's choice only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("the probe needs a CUDA GPU")
-    linear(args.budget_s, args.default_only) if args.what == "linear" else profile()
+    if args.what == "linear":
+        linear(args.budget_s, args.default_only)
+    elif args.what == "attention":
+        attention(args.budget_s)
+    else:
+        profile()

@@ -47,6 +47,7 @@ SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 S
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul, rope and argmax
 ATTN_BLOCK = 16 if not INTERPRETED else 128  # keys per attention block (the interpreter: fewer, wider steps)
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
+ATTN_WARPS = 4                           # warps of an attention split's program
 COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
 ARGMAX_BLOCK = 1024
 
@@ -357,7 +358,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
         q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, t, s, n, hkv, num_splits, split_size,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
-        v_new.stride(2), G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK)
+        v_new.stride(2), G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK, num_warps=ATTN_WARPS)
     y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     _attention_combine_kernel[(b * hq * t,)](acc, ml, count, y, t, hq, num_splits, split_size, D=d, DP=dp, SB=COMBINE_BLOCK)
     return y.transpose(1, 2)
