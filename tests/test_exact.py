@@ -218,7 +218,7 @@ def test_only_a_call_wider_than_any_decoding_call_runs_torchs_gemms_and_attentio
     ops, calls = kernels.ops(), []
     for name in ("linear", "attention"):  # counted, and run by the torch references (the interpreter is slow)
         ref = getattr(reference, name)
-        monkeypatch.setattr(ops, name, lambda *a, ref=ref, name=name, keys=None: calls.append(name) or ref(*a))
+        monkeypatch.setattr(ops, name, lambda *a, ref=ref, name=name, keys=None, **kw: calls.append(name) or ref(*a, **kw))
     for width, kernel_calls in ((exact.WIDEST, 2 * (4 + 1) + 1), (exact.WIDEST + 1, 0)):
         calls.clear()
         ids = torch.randint(3, 500, (1, width))

@@ -66,6 +66,11 @@ def test_argmax_breaks_ties_to_the_lowest_index_across_blocks():
     x[1, [K.ARGMAX_BLOCK + 3, 2 * K.ARGMAX_BLOCK]] = 2  # in two later blocks
     x[2, -1] = 3.0                                      # the ragged last block
     assert K.argmax(x).tolist() == R.argmax(x).tolist() == [7, K.ARGMAX_BLOCK + 3, x.shape[1] - 1, 0]
+    # the same across chunks (a block a chunk: the second pass picks among the chunks' winners)
+    assert K.argmax(x, chunk=K.ARGMAX_BLOCK).tolist() == R.argmax(x).tolist()
+    y = torch.randn(5, 3000, device=DEVICE)
+    y[1, [100, 2900]] = 9.0  # equal maxima in the first and last chunks
+    assert K.argmax(y, chunk=512).tolist() == R.argmax(y).tolist() and K.argmax(y, chunk=512)[1] == 100
 
 
 # --- invariance: the same row in calls of every width, batch and place ---------------------------------
@@ -104,6 +109,22 @@ def test_a_linear_split_along_k_matches_the_reference(dtype):
     x, w, b = rand(5, 128, dtype=dtype, gen=gen), rand(70, 128, dtype=dtype, gen=gen), rand(70, dtype=dtype, gen=gen)
     close(K.linear(x, w, b, SPLIT_CONFIG), R.linear(x, w, b), dtype)
     close(K.linear(x, w, None, SPLIT_CONFIG), R.linear(x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_residual_is_the_layers_add_bit_for_bit(dtype):
+    """linear(h, residual=x) is the decoder layer's `x + linear(h)`: the product rounded to the dtype,
+    then the sum rounded again, in one launch and in the split-K epilogue alike; rounding once (the
+    fp32 sum plus x, a tempting fusion) is planted and must differ."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b, res = (rand(5, 128, dtype=dtype, gen=gen), rand(70, 128, dtype=dtype, gen=gen),
+                    rand(70, dtype=dtype, gen=gen), rand(5, 70, dtype=dtype, gen=gen) * 3)
+    for config in (None, SPLIT_CONFIG):
+        assert torch.equal(K.linear(x, w, b, config, residual=res), res + K.linear(x, w, b, config))
+        close(K.linear(x, w, b, config, residual=res), R.linear(x, w, b, residual=res), dtype)
+    if dtype != torch.float32:
+        rounded_once = (res.float() + K.linear(x.float(), w.float(), b.float())).to(dtype)  # the interpreter's same sums
+        assert not torch.equal(rounded_once, res + K.linear(x, w, b))
 
 
 def test_a_split_k_chosen_by_m_fails_the_linear_invariance_check():

@@ -13,9 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N]."""
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N]; with `residual`, residual + that (each
+    rounded to the dtype, as the decoder layer's `x + linear(h)`)."""
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

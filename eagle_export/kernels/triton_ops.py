@@ -47,17 +47,30 @@ SHARED_BYTES = 200 * 1024  # what the pipeline's stages may hold (an H100/H200 S
 ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mul, rope and argmax
 ATTN_BLOCK = 16 if not INTERPRETED else 128  # keys per attention block (the interpreter: fewer, wider steps)
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
-ATTN_WARPS = 4                           # warps of an attention split's program
+ATTN_WARPS = 2  # warps of an attention split's program: 2 beat 4 in 5 of 6 cells at the 8B shape (H200, gpu_probe attention)
 COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
 ARGMAX_BLOCK = 1024
+ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
+
+
+@triton.jit
+def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
+    """fp32 x rounded to ty, to nearest even as torch rounds. RNE: bf16 rounded by hand first (add
+    half an ulp of bf16, ties to even, drop the low 16 bits): the interpreter's fp32 -> bf16 cast
+    truncates, a GPU's rounds to nearest even; fp16 and fp32 casts are right in both."""
+    if RNE and ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(ty)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, bias, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn,
-                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _linear_kernel(x, w, bias, res, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn, srm,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   SPLIT: tl.constexpr, RNE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
-    steps, in order; one split writes y, several write fp32 partials that _sum_splits adds in order."""
+    steps, in order; one split writes y (_epilogue), several write fp32 partials that _sum_splits adds
+    in order."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -76,25 +89,38 @@ def _linear_kernel(x, w, bias, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sy
             acc = tl.dot(a, b, acc)
     inside = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rm[:, None] * sym + rn[None, :] * syn, acc.to(y.dtype.element_ty), mask=inside)
+        out = _epilogue(acc, bias, res, rm, rn, M, N, srm, y.dtype.element_ty, HAS_BIAS, HAS_RES, RNE)
+        tl.store(y + rm[:, None] * sym + rn[None, :] * syn, out, mask=inside)
     else:
         tl.store(part + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=inside)
 
 
+@triton.jit
+def _epilogue(acc, bias, res, rows, cols, M, N, srm, ty: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, RNE: tl.constexpr):
+    """fp32 sums [rows, cols] + bias, rounded to ty once (a GEMM epilogue's one rounding); with a
+    residual, res + that, rounded again: torch's `x + linear(h)` bit for bit, without a launch of its own."""
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = _round(acc, ty, RNE)
+    if HAS_RES:
+        r = tl.load(res + rows[:, None] * srm + cols[None, :], mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
+        out = _round(out.to(tl.float32) + r.to(tl.float32), ty, RNE)
+    return out
+
+
 @triton.jit(do_not_specialize=["M"])
-def _sum_splits_kernel(part, bias, y, M, N, sym, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, N block): the K splits' partial sums added in split order (+ bias), cast once."""
-    row = tl.program_id(0)
+def _sum_splits_kernel(part, bias, res, y, M, N, sym, srm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       RNE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, N block): the K splits' partial sums added in split order, then _epilogue."""
+    row = tl.program_id(0) + tl.zeros([1], tl.int32)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < N
-    acc = tl.load(part + row * N + cols, mask=inside, other=0.0)
+    acc = tl.load(part + row[:, None] * N + cols[None, :], mask=inside[None, :], other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part + (s * M + row) * N + cols, mask=inside, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y + row * sym + cols, acc.to(y.dtype.element_ty), mask=inside)
+        acc += tl.load(part + (s * M + row[:, None]) * N + cols[None, :], mask=inside[None, :], other=0.0)
+    out = _epilogue(acc, bias, res, row, cols, M, N, srm, y.dtype.element_ty, HAS_BIAS, HAS_RES, RNE)
+    tl.store(y + row[:, None] * sym + cols[None, :], out, mask=inside[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,26 +144,31 @@ def linear_config(n: int, k: int, device=None) -> tuple[int, int, int, int, int,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype. `config`: linear_config's tuple
-    (the tests and the GPU probe pass their own)."""
+           config: tuple[int, int, int, int, int, int] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype; with `residual` [..., N],
+    residual + that (the decoder layer's skip connection, fused). `config`: linear_config's tuple (the
+    tests and the GPU probe pass their own)."""
     rows = x.reshape(-1, x.shape[-1])
     m, k = rows.shape
     n = weight.shape[0]
+    res = None if residual is None else residual.reshape(m, n)
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
     bm, bn, bk, split, warps, stages = config or linear_config(n, k, x.device.index)
     stages = max(1, min(stages, SHARED_BYTES // ((bn + bm) * bk * x.element_size())))  # fp32: fewer stages
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-    _linear_kernel[grid](rows, weight, bias if bias is not None else weight, y, part, m, n, k, k_split,
-                         rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-                         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split,
-                         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, RNE=INTERPRETED)
+    bias, res = (bias if bias is not None else weight), (res if res is not None else y)
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        rows, weight, bias, res, y, part, m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0),
+        weight.stride(1), y.stride(0), y.stride(1), res.stride(0), UPCAST=INTERPRETED,
+        IEEE=x.dtype == torch.float32, SPLIT=split, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **flags)
     if split > 1:
         block = 1024 if not INTERPRETED else 4096
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else weight, y, m, n, y.stride(0),
-                                                         HAS_BIAS=bias is not None, SPLIT=split, BLOCK=block)
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
+                                                         SPLIT=split, BLOCK=block, **flags)
     return y.view(*x.shape[:-1], n)
 
 
@@ -188,17 +219,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
         g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), R=ROWS, BLOCK=block)
     return y.view(gate.shape)
-
-
-@triton.jit
-def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
-    """fp32 x rounded to ty, to nearest even as torch rounds. RNE: bf16 rounded by hand first (add
-    half an ulp of bf16, ties to even, drop the low 16 bits): the interpreter's fp32 -> bf16 cast
-    truncates, a GPU's rounds to nearest even; fp16 and fp32 casts are right in both."""
-    if RNE and ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(ty)
 
 
 @triton.jit(do_not_specialize=["M", "T"])
@@ -364,29 +384,50 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     return y.transpose(1, 2)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _argmax_kernel(x, out, M, V, sx, R: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "V", "CHUNK"])
+def _argmax_kernel(x, index, top_out, index_out, M, V, sx, CHUNK, R: tl.constexpr, BLOCK: tl.constexpr,
+                   MAPPED: tl.constexpr):
+    """Program (R rows, chunk c): the largest value of columns [c*CHUNK, (c+1)*CHUNK) and its first
+    column, blocks in order -> top_out/index_out [M, chunks]. MAPPED (the second pass, over the chunks'
+    tops): the column read through `index`, each chunk's winner."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
+    lo = tl.program_id(1) * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
     best = tl.full([R], float("-inf"), tl.float32)
-    best_index = tl.zeros([R], tl.int64)
-    for v0 in range(0, V, BLOCK):
+    best_index = tl.zeros([R], tl.int64) + lo
+    for v0 in range(lo, hi, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        vals = tl.load(x + rows[:, None] * sx + cols[None, :], mask=(rows < M)[:, None] & (cols < V)[None, :],
+        vals = tl.load(x + rows[:, None] * sx + cols[None, :], mask=(rows < M)[:, None] & (cols < hi)[None, :],
                        other=float("-inf")).to(tl.float32)
         top = tl.max(vals, axis=1)
-        first = tl.min(tl.where(vals == top[:, None], cols[None, :], V), axis=1).to(tl.int64)
+        first = tl.min(tl.where(vals == top[:, None], cols[None, :], hi), axis=1).to(tl.int64)
         better = top > best  # strictly: an equal value in a later block keeps the earlier index
         best_index = tl.where(better, first, best_index)
         best = tl.where(better, top, best)
-    tl.store(out + rows, best_index, mask=rows < M)
+    if MAPPED:
+        best_index = tl.load(index + rows * sx + best_index, mask=rows < M, other=0)
+    chunks = tl.num_programs(1)
+    tl.store(top_out + rows * chunks + tl.program_id(1), best, mask=rows < M)
+    tl.store(index_out + rows * chunks + tl.program_id(1), best_index, mask=rows < M)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the largest value along the last dim, ties to the lowest index -> int64 [...]."""
+def argmax(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """Index of the largest value along the last dim, ties to the lowest index -> int64 [...]. Each row
+    is cut into chunks of a fixed size (`chunk`, a constant: the tests pass a small one), reduced in
+    parallel, the chunks' winners then reduced in chunk order (one program a row over a large
+    vocabulary took ~90 us on an H200)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
-    _argmax_kernel[(triton.cdiv(rows.shape[0], ROWS),)](rows, out, rows.shape[0], rows.shape[1], rows.stride(0),
-                                                         R=ROWS, BLOCK=ARGMAX_BLOCK)
-    return out.view(x.shape[:-1])
+    m, v = rows.shape
+    chunks = triton.cdiv(v, chunk)
+    top = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
+    index = torch.empty(m, chunks, dtype=torch.int64, device=x.device)
+    _argmax_kernel[(triton.cdiv(m, ROWS), chunks)](rows, rows, top, index, m, v, rows.stride(0), chunk,
+                                                   R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=False)
+    if chunks > 1:
+        out = torch.empty(m, 1, dtype=torch.int64, device=x.device)
+        _argmax_kernel[(triton.cdiv(m, ROWS), 1)](top, index, torch.empty_like(top[:, :1]), out, m, chunks, chunks, chunks,
+                                                  R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=True)
+        index = out
+    return index.view(x.shape[:-1])

@@ -33,9 +33,9 @@ class DrafterLayer(nn.Module):
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        attn, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv, cache_lens)
-        x = residual + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), new_k, new_v
+        x, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv, cache_lens,
+                                         residual=residual)
+        return self.mlp(self.post_attention_layernorm(x), residual=x), new_k, new_v
 
 
 class Drafter(nn.Module):

@@ -310,18 +310,19 @@ class Attention(nn.Module):
     # cache (the torch backend on a GPU, the models' own references, the export).
     core = None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None):
+    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None, residual=None):
         """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
         prefix_kv: optional small (K, V) [B,Hkv,E,D] sitting between the cache and the new tokens
         (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys. cache_lens [B]:
         each sequence's cached slots (None: no cache semantics, the keys are [cache | prefix | new]
-        as the mask says)."""
+        as the mask says). residual [B,T,out]: out is residual + o_proj(...), the layer's skip
+        connection (exact mode's linear adds it in its epilogue, bit for bit the same)."""
         q, k, v = self.project(x, cos, sin)
         if self.core is None:
             out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap, self.head_dim)
         else:
             out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
-        return self.o_proj(out), k, v
+        return plus(self.o_proj, out, residual), k, v
 
     def project(self, x, cos, sin):
         """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D], RoPE applied (and Qwen3's qk-norm before it)."""
@@ -353,10 +354,22 @@ class MLP(nn.Module):
         self.gate_up_proj = None  # gate and up as one Linear once passes.fuse_gate_up has run
         self.intermediate_size = intermediate  # an int of its own: a quantized down_proj may not keep in_features
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """down(silu(gate(x)) * up(x)), plus `residual` when given (as Attention's)."""
         if self.gate_up_proj is not None:
             # split at a Python int, not chunk(2): the exporter turns chunk into shape arithmetic
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return plus(self.down_proj, F.silu(gate) * up, residual)
+
+
+def plus(linear, x, residual=None):
+    """linear(x), and residual + linear(x) when a residual is given: a decoder layer's skip connection.
+    A linear that fuses the add (exact mode's ExactLinear) takes it as its `residual`; any other (nn.Linear,
+    a quantized layer) is added here, the same bits."""
+    if residual is None:
+        return linear(x)
+    if getattr(linear, "fuses_residual", False):
+        return linear(x, residual=residual)
+    return residual + linear(x)

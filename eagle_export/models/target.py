@@ -25,10 +25,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, k_cache, v_cache, mask, cache_lens=None):
-        attn, new_k, new_v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, mask,
-                                            cache_lens=cache_lens)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), new_k, new_v
+        x, new_k, new_v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, mask,
+                                         cache_lens=cache_lens, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x), new_k, new_v
 
 
 class Target(nn.Module):

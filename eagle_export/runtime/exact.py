@@ -7,8 +7,9 @@ greedy argmax for the kernels in `eagle_export.kernels`. Plain decoding, verific
 baseline and `validate`'s references then run the same kernels, and a position's logits and K/V have the same
 bits whether it is row 0 of a one-token step or row j of a verify call (bf16, fp16, fp32).
 
-Not swapped, and why that keeps the property: embeddings (a gather), residual adds and casts
-(elementwise, so per element the same ops at any width), and the drafter's softmax/top-k over its
+The residual adds ride in the o- and down-projections' epilogue (`layers.plus`): the product rounded,
+then the sum rounded, as torch's add (one launch a layer less each). Not swapped, and why that keeps
+the property: embeddings (a gather), casts (elementwise, so per element the same ops at any width), and the drafter's softmax/top-k over its
 draft vocabulary (they choose drafts, which greedy verification accepts only where they equal the
 target's argmax). A diagnose tap on the attention weights sees nothing in exact mode.
 
@@ -32,7 +33,7 @@ from torch import nn
 from .. import kernels
 from ..errors import EagleExportError
 from ..models.contract import MAX_TREE_NODES
-from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph
+from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph, plus
 
 
 def refusal(problems: list[str]) -> EagleExportError:
@@ -110,10 +111,13 @@ def prefill(x) -> bool:
 
 
 class ExactLinear(nn.Linear):
-    def forward(self, x):
+    fuses_residual = True  # layers.plus hands it the skip connection: added in the kernel's epilogue
+
+    def forward(self, x, residual=None):
         if prefill(x):
-            return nn.functional.linear(x, self.weight, self.bias)
-        return kernels.ops().linear(x, self.weight, self.bias)
+            y = nn.functional.linear(x, self.weight, self.bias)
+            return y if residual is None else residual + y
+        return kernels.ops().linear(x, self.weight, self.bias, residual=residual)
 
 
 class ExactRMSNorm(RMSNorm):
@@ -122,12 +126,12 @@ class ExactRMSNorm(RMSNorm):
 
 
 class ExactMLP(MLP):
-    def forward(self, x):
+    def forward(self, x, residual=None):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(kernels.ops().silu_mul(gate, up))
+        return plus(self.down_proj, kernels.ops().silu_mul(gate, up), residual)
 
 
 class ExactAttention(Attention):

@@ -13,7 +13,8 @@ through the same model passes a build applies. Per shape, each step one record i
                 output differs, the first differing position and the plain run's top-2 logit margin
                 there (a near-tie that the verify width's rounding can flip, or a bug)
     costs       the measured cost curves (verify T = 1..K+1, drafter) at batch 1, 4, 16, CUDA graphs, and
-                the plain step's achieved bandwidth: (weight bytes + KV bytes it reads) / its time, against
+                the plain step's achieved bandwidth: (weight bytes + KV bytes it reads) / its time (the call as
+                the runtime pays it, and with CUDA graphs the graph's replay alone), against
                 the card's peak (PEAK_BANDWIDTH; a card not in the table: said so) and against a measured
                 device-to-device copy (what the memory delivers to a kernel that only streams)
     sweep       `bench` at synthetic acceptance 0 .. 0.9 and 0.73/0.52/0.35/0.25 per depth (vLLM CI's Llama-3.1-8B pair)
@@ -155,14 +156,39 @@ def step_bytes(runtime, batch: int) -> int:
     return weights + kv
 
 
+def replay_s(runtime, batch: int, reps: int = 20) -> float | None:
+    """Device seconds of one replay of the captured plain-step graph (batch, T = 1), replays back to
+    back timed by CUDA events: the kernels' own time, without the host work a call adds (feeds copied
+    in, ids read back). None without a captured graph (eager, a CPU)."""
+    shapes = getattr(runtime.backend, "captured", {}).get(None)
+    entry = next((g for key, g in shapes.graphs.items() if key[0] == (batch, 1)), None) if shapes else None
+    if entry is None:
+        return None
+    replay = entry[1]
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def bandwidth(runtime, batch: int, peak: float | None, copy: float) -> dict:
-    """The plain step's achieved bandwidth at `batch`: step_bytes / the measured T = 1 verify call."""
-    step_s = runtime.costs.verify(batch, 1)
+    """The plain step's achieved bandwidth at `batch`: step_bytes / the measured T = 1 verify call
+    (what a call costs the runtime: host work and the ids' read included), and with CUDA graphs
+    step_bytes / the graph's device time alone (what the kernels reach)."""
     moved = step_bytes(runtime, batch)
-    achieved = moved / step_s
-    return {"bytes_per_step": moved, "step_ms": round(1e3 * step_s, 3), "achieved_gb_s": float(f"{achieved / 1e9:.4g}"),
-            "share_of_peak": None if peak is None else float(f"{achieved / peak:.3g}"),
-            "share_of_copy": float(f"{achieved / copy:.3g}")}  # significant digits: a tiny CPU model's share is small
+
+    def share(seconds, key=""):
+        achieved = moved / seconds
+        return {f"{key}step_ms": round(1e3 * seconds, 3), f"{key}achieved_gb_s": float(f"{achieved / 1e9:.4g}"),
+                f"{key}share_of_peak": None if peak is None else float(f"{achieved / peak:.3g}"),
+                f"{key}share_of_copy": float(f"{achieved / copy:.3g}")}  # a tiny CPU model's share is small
+
+    device = replay_s(runtime, batch)
+    return {"bytes_per_step": moved, **share(runtime.costs.verify(batch, 1)), **(share(device, "device_") if device else {})}
 
 
 def drafter_config(target: dict) -> dict:
@@ -555,8 +581,11 @@ def step_result(name: str, value) -> str:
         return "; ".join(f"{run}: identical {e['identical']}/{e['of']} (to verify width {e['identical_to_verify_width']}"
                          f"/{e['of']}), tau {e['tau']:.2f}" for run, e in value.items())
     if name == "costs":
-        return "; ".join(f"batch {b}: verify T=1 {v[min(v)]:.2f} ms, T={max(v)} {v[max(v)]:.2f} ms, drafter "
-                         f"{max(c['draft_ms'].values()):.2f} ms" for b, c in value.items() for v in [c["verify_ms"]])
+        def device(bw):
+            return f" (graph alone {bw['device_step_ms']:.2f} ms)" if "device_step_ms" in bw else ""
+        return "; ".join(f"batch {b}: verify T=1 {v[min(v)]:.2f} ms{device(c.get('bandwidth', {}))}, T={max(v)} "
+                         f"{v[max(v)]:.2f} ms, drafter {max(c['draft_ms'].values()):.2f} ms"
+                         for b, c in value.items() for v in [c["verify_ms"]])
     if name == "sweep":
         return "; ".join(
             f"batch {r['batch']}: speedup goodput/fixed " + ", ".join(
