@@ -11,7 +11,8 @@ The residual adds ride in the o- and down-projections' epilogue (`layers.plus`):
 then the sum rounded, as torch's add (one launch a layer less each). Not swapped, and why that keeps
 the property: embeddings (a gather), casts (elementwise, so per element the same ops at any width),
 and the drafter's softmax/top-k over its draft vocabulary (they choose drafts, which greedy
-verification accepts only where they equal the target's argmax). A diagnose tap on the attention weights sees nothing in exact mode.
+verification accepts only where they equal the target's argmax). A diagnose tap on the attention
+weights sees nothing in exact mode.
 
 A prefill wider than any decoding call (more than WIDEST rows a sequence) runs the linear layers and
 attention through torch's kernels: a prompt's positions are computed once, by the same call, in plain
