@@ -17,7 +17,7 @@ from eagle_export import kernels
 from eagle_export.cli import main
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
-from eagle_export.models.layers import Attention
+from eagle_export.models.layers import Attention, RowLinear, width_invariant
 from eagle_export.runtime import exact
 from eagle_export.tools import gpu_kit
 
@@ -136,6 +136,17 @@ def test_bind_gives_every_attention_the_fused_rope_drafters_too_and_unbind_takes
     assert all(type(a) is Attention and "core" not in vars(a) for a in attentions)
 
 
+def test_unbind_restores_the_class_each_module_had():
+    """A graph in the torch CPU backend's layout (RowLinear) comes back in it, not as nn.Linear."""
+    graph, target = tiny_graph(torch.float32)
+    width_invariant(graph)
+    before = {name: type(m) for name, m in graph.named_modules()}
+    exact.bind(graph)
+    assert type(target.lm_head) is exact.ExactLinear
+    exact.unbind(graph)
+    assert {name: type(m) for name, m in graph.named_modules()} == before and RowLinear in before.values()
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(device="cuda", dtypes={"bf16"}, backend="onnxruntime"), "onnxruntime backend runs its own kernels"),
     (dict(device="cuda", dtypes={"bf16"}, precisions={"nvfp4"}), "nvfp4 weights"),
@@ -181,10 +192,10 @@ def test_a_layer_the_kernels_do_not_cover_is_refused_not_left_unbound():
             self.packed = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
 
     target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
-    exact.check_models("cpu", target, drafter)  # the interpreter stands in for a GPU
+    exact.insist(exact.model_problems("cpu", target, drafter))  # the interpreter stands in for a GPU
     target.layers[1].mlp.down_proj = PackedLinear()
     with pytest.raises(EagleExportError, match="PackedLinear"):
-        exact.check_models("cpu", target, drafter)
+        exact.insist(exact.model_problems("cpu", target, drafter))
 
 
 def test_the_default_binds_the_kernels_on_a_gpu_wherever_they_hold(capsys):

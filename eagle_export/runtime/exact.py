@@ -56,7 +56,10 @@ def problems(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int 
 
 def check(*args, **kwargs) -> None:
     """Raise `refusal` where `problems` finds any (exact mode asked for: --exact, exact=True)."""
-    found = problems(*args, **kwargs)
+    insist(problems(*args, **kwargs))
+
+
+def insist(found: list[str]) -> None:
     if found:
         raise refusal(found)
 
@@ -74,12 +77,6 @@ def model_problems(device: str, target, drafter) -> list[str]:
                     max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
 
 
-def check_models(device: str, target, drafter) -> None:
-    found = model_problems(device, target, drafter)
-    if found:
-        raise refusal(found)
-
-
 def resolve(exact: bool | None, device: str, target, drafter) -> bool:
     """Whether the torch backend binds the kernels. True: it must (`refusal` where it cannot); False:
     torch's kernels; None, the default: on a CUDA GPU wherever the kernels hold (their plain step
@@ -87,7 +84,7 @@ def resolve(exact: bool | None, device: str, target, drafter) -> bool:
     `note:` line saying why and that outputs are then tiered; on a CPU the torch CPU backend's own
     width-invariant layout (models/layers.py), no note."""
     if exact:
-        check_models(device, target, drafter)
+        insist(model_problems(device, target, drafter))
         return True
     if exact is False or torch.device(device).type != "cuda":
         return False
@@ -181,10 +178,10 @@ def bind(*graphs) -> None:
     ops = kernels.ops()  # no Triton: the one-line error, before anything is changed
     for graph in graphs:
         for module in graph.modules():
-            if type(module) is RowLinear:  # the torch CPU backend's form of a plain Linear (layers.width_invariant)
-                module.__class__ = ExactLinear
-            elif type(module) in SWAPS:
-                module.__class__ = SWAPS[type(module)]
+            exact = ExactLinear if type(module) is RowLinear else SWAPS.get(type(module))  # RowLinear: the
+            if exact is not None:  # torch CPU backend's form of a plain Linear (layers.width_invariant)
+                vars(module)["unbound_class"] = type(module)  # what unbind restores
+                module.__class__ = exact
             if isinstance(module, Attention):
                 module.core = attention_core
         graph.argmax = ops.argmax
@@ -192,11 +189,10 @@ def bind(*graphs) -> None:
 
 def unbind(*graphs) -> None:
     """`bind` undone: torch's kernels again (the GPU kit times both on the same weights)."""
-    plain = {exact: base for base, exact in SWAPS.items()}
     for graph in graphs:
         for module in graph.modules():
-            if type(module) in plain:
-                module.__class__ = plain[type(module)]
+            if "unbound_class" in vars(module):
+                module.__class__ = vars(module).pop("unbound_class")
             if isinstance(module, Attention):
                 vars(module).pop("core", None)
         vars(graph).pop("argmax", None)
