@@ -161,6 +161,16 @@ def test_exact_is_refused_where_it_cannot_hold_in_one_line(kwargs, words):
     assert "tiered contract" in e.value.fix and "without --exact" in e.value.fix
 
 
+@pytest.mark.parametrize("card, dtypes, words", [
+    ((7, 5), {"bf16"}, "bfloat16 on a GPU of compute capability 7.5"), ((6, 1), {"fp16"}, "compute capability 6.1"),
+    ((7, 5), {"fp16"}, None), ((9, 0), {"bf16"}, None)])
+def test_a_card_too_old_for_the_kernels_is_refused_by_name(monkeypatch, card, dtypes, words):
+    """A T4 (7.5) runs Triton's fp16 dot but not its bf16 one; a Pascal card (6.x) no Triton at all."""
+    monkeypatch.setattr(kernels, "capability", lambda: card)
+    found = exact.problems("cuda", dtypes)
+    assert (words is None and not any("capability" in f for f in found)) or any(words in f for f in found), found
+
+
 def test_without_the_interpreter_a_cpu_is_refused_before_any_model_is_made(tmp_path):
     """gpu-kit --exact on a CPU with the interpreter off: the one-line error, no report, no traceback."""
     code = ("import sys; from eagle_export.cli import main; sys.argv = ['eagle-export', 'gpu-kit', '--shapes', 'tiny', "

@@ -52,9 +52,17 @@ def ops():
     return triton_ops
 
 
+def capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability, None without one."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
 def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) -> list[str]:
     """Why the kernels cannot run a model here (empty when they can): no Triton, no CUDA device (the
-    interpreter stands in for one), a dtype or a shape past the kernels' limits."""
+    interpreter stands in for one), a card too old for Triton or for its bf16 dot, a dtype or a shape
+    past the kernels' limits."""
     import importlib.util
 
     found = []
@@ -67,6 +75,12 @@ def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) ->
     bad = sorted(named - set(DTYPES))
     if bad:
         found.append(f"dtype {', '.join(bad)} (the kernels cover {', '.join(DTYPES)})")
+    card = capability() if device == "cuda" else None
+    if card is not None and card < (7, 0):
+        found.append(f"a GPU of compute capability {card[0]}.{card[1]} (Triton needs 7.0 or later)")
+    elif card is not None and card < (8, 0) and "bfloat16" in named:
+        found.append(f"bfloat16 on a GPU of compute capability {card[0]}.{card[1]} (the kernels' bf16 tensor-core "
+                     "dot needs 8.0, Ampere, or later)")
     if head_dim > MAX_HEAD_DIM:
         found.append(f"head_dim {head_dim} > {MAX_HEAD_DIM}")
     elif head_dim % 2:
