@@ -535,10 +535,12 @@ def test_two_builds_of_one_target_whose_verify_costs_disagree_are_named():
 
 
 # The acceptance of the issue's sweep: calibrated drafters (their probabilities say what they deliver),
-# and the H200 run's drafter, whose probabilities said 0.73/0.52/0.35/0.25 and which delivered more deep.
-SWEEP = {"0": ((0.0,) * K, None), "0.3": ((0.3,) * K, None), "0.5": ((0.5,) * K, None),
-         "0.73/0.52/0.35/0.25": ((0.73, 0.52, 0.35, 0.25), None), "0.9": ((0.9,) * K, None),
-         "H200 run": ((0.71, 0.60, 0.44, 0.40), (0.73, 0.52, 0.35, 0.25))}
+# the H200 run's drafter, whose probabilities said 0.73/0.52/0.35/0.25 and which delivered more deep, and
+# one whose deep probabilities run low (says 0.9/0.5/0.3/0.2 per draft, delivers 0.9 at every depth).
+SWEEP = {**{f"{a}": ((a,) * K, None) for a in (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.9)},
+         "0.73/0.52/0.35/0.25": ((0.73, 0.52, 0.35, 0.25), None),
+         "H200 run": ((0.71, 0.60, 0.44, 0.40), (0.73, 0.52, 0.35, 0.25)),
+         "deep low": ((0.9,) * K, (0.9, 0.5, 0.3, 0.2))}
 
 
 @pytest.mark.slow
@@ -551,6 +553,24 @@ def test_goodput_never_loses_to_fixed_or_plain_decoding_on_recorded_gpu_costs(ca
     for name, (true, claimed) in SWEEP.items():
         result = compare(costs, batch, true, claimed)
         assert result["vs_best"] >= 0.97, (card, batch, name, result)
+
+
+class _WidthBlind(GoodputDepth):  # planted: every menu entry priced as if its verify call were a plain step's
+    def _round_cost(self, j):
+        return self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)
+
+
+@pytest.mark.parametrize("planted", [None, _WidthBlind, _VerifiedOnly], ids=["goodput", "width blind", "verified only"])
+def test_the_sweep_at_batch_16_catches_a_policy_blind_to_verify_width_or_deep_drafts(planted):
+    """The sweep above, on the exact kernels' curves at batch 16 (H200, where a 5-token verify costs
+    2.1x a plain step, so the depth matters most): goodput holds >= 0.97 of the best at every acceptance;
+    a policy pricing every depth as a plain step's verify drafts deep where it loses (0.63 of plain
+    decoding at 0.4), and one that learns only from the depths it verified never finds that the deep
+    drafts of the "deep low" drafter pay (0.90)."""
+    costs = recorded_costs("H200 exact bf16")
+    policy = (planted or GoodputDepth)(K, costs)
+    worst = min(compare(costs, 16, true, claimed, goodput=policy)["vs_best"] for true, claimed in SWEEP.values())
+    assert (worst < 0.95) if planted else (worst >= 0.97), worst
 
 
 def test_a_policy_that_never_revisits_a_depth_it_stopped_verifying_loses():
