@@ -543,7 +543,6 @@ SWEEP = {**{f"{a}": ((a,) * K, None) for a in (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8
          "deep low": ((0.9,) * K, (0.9, 0.5, 0.3, 0.2))}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("card", "batch"), [(c, b) for c in RECORDED for b in RECORDED[c]])
 def test_goodput_never_loses_to_fixed_or_plain_decoding_on_recorded_gpu_costs(card, batch):
     """Replayed on the GPU cost curves the kit recorded (graph time, 32 requests of 128 tokens, the same

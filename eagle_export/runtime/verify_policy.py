@@ -245,11 +245,8 @@ class GoodputDepth:
 
     def _calibrated(self) -> list[list[float]]:
         """[B][J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
-        path, mul = self._trust_path, operator.mul
-        if max(path) <= 1.0:  # every term t_1...t_d reach_d <= 1 already: nothing to clamp (the usual case)
-            return [[1 + sum(map(mul, path, entry)) for entry in menu] for menu in self._reach]
-        return [[1 + sum(map(min, itertools.repeat(1.0), map(mul, path, entry))) for entry in menu]
-                for menu in self._reach]
+        path, one = self._trust_path, itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
+        return [[1 + sum(map(min, one, map(operator.mul, path, entry))) for entry in menu] for menu in self._reach]
 
     @property
     def trust(self) -> list[float]:
