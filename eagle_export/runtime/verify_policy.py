@@ -91,7 +91,9 @@ nothing from being verified further, since the call's cost is paid for the batch
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 
 import torch
 
@@ -147,7 +149,7 @@ class GoodputDepth:
         machine carries (the cost curves, which the runtime keeps)."""
         self.batch = batch
         self._sampling = False
-        self.expected = torch.ones(batch)                        # tokens a drafted round promises, per sequence
+        self.expected = [1.0] * batch                            # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
         self._menu_costs = None                                  # (widths, each entry's round cost): see _round_cost
@@ -157,10 +159,11 @@ class GoodputDepth:
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
         # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
-        # Python floats, D of each, as the trust worked from them is (a torch call per step of that
-        # arithmetic on D numbers was host time in every drafted round).
+        # Python floats, D of each, as everything the policy works from them is (the trust, the menu
+        # read through it, the round's value: a torch call per step of that arithmetic on a few numbers
+        # was host time in every drafted round).
         self._sums = [[0.0] * self.depth for _ in range(3)]
-        self._trust_path = torch.ones(self.depth)  # t_1 ... t_d, updated with the trust
+        self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = None
 
@@ -183,36 +186,26 @@ class GoodputDepth:
             self._menu_costs = (self.widths, [draft + self.costs.verify(self.batch, w) for w in self.widths])
         return self._menu_costs[1][j]
 
-    @property
-    def _reached(self) -> torch.Tensor:
-        return torch.tensor(self._sums[0])
-
-    @property
-    def _promised_reach(self) -> torch.Tensor:
-        return torch.tensor(self._sums[1])
-
-    @property
-    def _seen(self) -> torch.Tensor:
-        return torch.tensor(self._sums[2])
-
     @staticmethod
-    def _batch_tokens(expected: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    def _batch_tokens(expected: list, alive: list[bool]):
         """What a drafted round is worth to the batch, in tokens, from each sequence's expected tokens
-        [B,...]: halfway between the live sequences' sum and their count times the least of them (see
-        the module; at batch 1, the sequence's own)."""
-        mine = expected if all(live.tolist()) else expected[live]  # (indexing by a mask: host time)
+        (expected[b]: a number, or one per menu entry): halfway between the live sequences' sum and
+        their count times the least of them (see the module; at batch 1, the sequence's own)."""
+        mine = [e for e, a in zip(expected, alive) if a]
+        if not mine:
+            return 0.0 if not expected or not isinstance(expected[0], list) else [0.0] * len(expected[0])
         if len(mine) == 1:  # the sequence's own, as the formula gives it (0.5 * (x + 1 * x) is x exactly)
             return mine[0]
-        if not len(mine):
-            return mine.sum(0)
-        return 0.5 * (mine.sum(0) + len(mine) * mine.amin(0))
+        if not isinstance(mine[0], list):
+            return 0.5 * (sum(mine) + len(mine) * min(mine))
+        return [0.5 * (sum(column) + len(mine) * min(column)) for column in zip(*mine)]
 
-    def _best(self, expected: torch.Tensor, live: torch.Tensor, at_least: int = 0):
+    def _best(self, expected: list[list[float]], alive: list[bool], at_least: int = 0):
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
-        expected tokens at j) from expected [B,J+1]."""
-        totals = self._batch_tokens(expected, live).tolist()
+        expected tokens at j) from expected[b][j]."""
+        totals = self._batch_tokens(expected, alive)
         j = max(range(at_least, len(self.widths)), key=lambda j: totals[j] / self._round_cost(j))
-        return j, expected[:, j]
+        return j, [e[j] for e in expected]
 
     def _probing(self) -> bool:
         return self.since_draft >= self.interval
@@ -226,7 +219,7 @@ class GoodputDepth:
         alive = live.tolist()
         memo = self._draft_memo
         if memo is None or memo[0] is not self.expected or memo[1] != self.round_cost or memo[2] != alive:
-            drafted_rate = float(self._batch_tokens(self.expected, live)) / self.round_cost
+            drafted_rate = self._batch_tokens(self.expected, alive) / self.round_cost
             plain_rate = sum(alive) / self.costs.verify(self.batch, 1)
             memo = self._draft_memo = (self.expected, self.round_cost, alive, drafted_rate > self.MARGIN * plain_rate)
         return memo[3]
@@ -238,23 +231,25 @@ class GoodputDepth:
         drafted (nodes [B,N], parents [B,N]) that hindsight checks against the tokens emitted later."""
         self.widths = widths
         self._sampling = reach is None
+        alive = live.tolist()
         # A probe checks one draft at least, or an estimate that fell could never rise again.
         at_least = int(self._probing())
         if self._sampling:
-            j, self._promised = self._best(self._expected(), live, at_least)
+            j, self._promised = self._best(self._expected().tolist(), alive, at_least)
             return j
-        self._reach = reach.float()
-        j, self._promised = self._best(self._calibrated(), live, at_least)
+        self._reach = reach.tolist()  # [B][J+1][D]: one read, then Python numbers
+        j, self._promised = self._best(self._calibrated(), alive, at_least)
         self._verified = j  # (what it claimed is read from _reach when the outcome is)
         self._drafts = drafts
         return j
 
-    def _calibrated(self) -> torch.Tensor:
-        """[B,J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
-        return 1 + (self._trust_path * self._reach).clamp(max=1.0).sum(-1)
+    def _calibrated(self) -> list[list[float]]:
+        """[B][J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
+        path, one = self._trust_path, itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
+        return [[1 + sum(map(min, one, map(operator.mul, path, entry))) for entry in menu] for menu in self._reach]
 
     @property
-    def trust(self) -> torch.Tensor:
+    def trust(self) -> list[float]:
         """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
         would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
         where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
@@ -268,7 +263,7 @@ class GoodputDepth:
             top, bottom = reached + prior, max(promised + prior, 1e-9)
             optimistic = (top + self.TRUST_Z * math.sqrt(reached + 1)) / bottom
             trust.append(max(top / bottom, min(optimistic, 1.0)))
-        return torch.tensor(trust)
+        return trust
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -279,12 +274,16 @@ class GoodputDepth:
                 emitted: list[list[int]] | None = None) -> None:
         """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`,
         each sequence having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
-        if not self._sampling and self._calibrate(j, accepted, live, drafted, emitted or [[] for _ in range(self.batch)]):
+        if not drafted and not any(self._waiting):  # a plain round with nothing to learn: nothing changes
+            self.since_draft += 1
+            return
+        alive = live.tolist()
+        if not self._sampling and self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
             # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
             # arrives in the plain rounds after it, and waiting for the next probe would waste it.
-            _, self._promised = self._best(self._calibrated(), live)
+            _, self._promised = self._best(self._calibrated(), alive)
             if not drafted:
-                self.expected = torch.where(live, self._promised, self.expected)
+                self.expected = [p if a else e for p, e, a in zip(self._promised, self.expected, alive)]
         if not drafted:
             self.since_draft += 1
             return
@@ -301,15 +300,14 @@ class GoodputDepth:
                 full = live & (accepted == j)
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
-            _, self._promised = self._best(self._expected(), live)  # what drafting promises now
-        blended = d * self.expected + (1 - d) * self._promised
-        self.expected = blended if all(live.tolist()) else torch.where(live, blended, self.expected)
+            _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
+        self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
         if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
                              else min(self.longest, 2 * self.interval))
 
-    def _calibrate(self, j, accepted, live, drafted, emitted) -> bool:
+    def _calibrate(self, j, accepted, alive, drafted, emitted) -> bool:
         """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
         when one was). In
         hindsight (HINDSIGHT) a tree's outcome is how deep the target's own tokens, emitted in this and
@@ -318,11 +316,10 @@ class GoodputDepth:
         if not (drafted and self._drafts is not None) and not any(self._waiting):  # nothing to learn
             self._drafts = None
             return False
-        alive = live.tolist()
         reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = self._reach[:, self._verified].tolist(), accepted.tolist()
+                claims, counts = [menu[self._verified] for menu in self._reach], accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
@@ -331,7 +328,7 @@ class GoodputDepth:
             if drafted and self._drafts is not None:
                 nodes, parents = (t.tolist() for t in self._drafts)
                 chain = all(p == i - 1 for i, p in enumerate(parents[0]))
-                claims = self._reach[:, -1].tolist()  # the whole tree's promise: hindsight checks all of it
+                claims = [menu[-1] for menu in self._reach]  # the whole tree's promise: hindsight checks all of it
                 for b in (b for b in range(self.batch) if alive[b]):
                     self._waiting[b].append((nodes[b], None if chain else parents[b], claims[b], []))
                 self._drafts = None
@@ -353,7 +350,7 @@ class GoodputDepth:
             return False
         self._sums = [[self.TRUST_DECAY * old + new for old, new in zip(*pair)]
                       for pair in zip(self._sums, (reached, promised, seen))]
-        self._trust_path = torch.cumprod(self.trust, 0)
+        self._trust_path = list(itertools.accumulate(self.trust, operator.mul))
         return True
 
 

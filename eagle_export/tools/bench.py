@@ -189,7 +189,7 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                 record["speedup_by_pass"] = [round(statistics.median(batches[r * size:(r + 1) * size]), 4)
                                              for r in range(repeat)]
             # What goodput learned of the drafter's calibration (drafts accepted / promised; 1: as it says).
-            policies["goodput"]["trust"] = [round(t, 4) for t in learners[(name, "goodput", a)].trust.tolist()]
+            policies["goodput"]["trust"] = [round(t, 4) for t in learners[(name, "goodput", a)].trust]
             if setting is not None:
                 acceptance = SyntheticDrafts(setting, [], runtime.vocab_size or 1).probabilities(runtime.depth).tolist()
                 for p, record in policies.items():
