@@ -125,6 +125,36 @@ def test_bound_outputs_match_torch_and_unbind_restores_it(monkeypatch):
     assert len(ropes) == len(target.layers)
 
 
+@pytest.mark.slow
+def test_qwen3s_qk_norm_rides_in_the_rope_launch(monkeypatch):
+    """A Qwen3 target bound: its qk-norm in the RoPE kernel (no RMSNorm launch for q or k), the logits
+    within 1e-4 of torch's (fp32, relative to the largest), and a position's bits the same in every call."""
+    from eagle_export.models.config import TargetConfig
+    from eagle_export.models.target import Target
+    from tiny_models import tiny_target_config
+
+    torch.manual_seed(0)
+    target = Target(TargetConfig.from_hf(tiny_target_config("qwen3", num_hidden_layers=2, vocab_size=512), "tiny qwen3"))
+    for layer in target.layers:  # gains away from 1, so a gain applied twice or not at all shows
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    graph = TargetGraph(target, True)
+    ids = torch.randint(3, 300, (1, 5))
+    args = (ids, torch.arange(5)[None], *target.empty_cache(1, 0), torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, 5, 5, dtype=torch.bool).tril())
+    before = graph(*args)[1]
+    ops, calls = kernels.ops(), []
+    for name in ("rope", "rms_norm"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: calls.append((name, a[0].shape[-1], len(a)))
+                            or real(*a))
+    exact.bind(graph)
+    bound = graph(*args)[1]
+    assert (bound - before).abs().max() <= 1e-4 * before.abs().max()
+    assert ("rope", 16, 5) in calls and not any(name == "rms_norm" and width == 16 for name, width, _ in calls)
+    assert mismatches(graph, target, batched=False) == []
+
+
 def test_bind_gives_every_attention_the_fused_rope_drafters_too_and_unbind_takes_it_back():
     target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
     graphs = TargetGraph(target, True), UnrolledDrafter(drafter, 2, False)

@@ -288,12 +288,31 @@ def test_rope_without_the_interpreters_bf16_rounding_fails_the_check(monkeypatch
     assert {dtype for dtype, _ in rope_mismatches(K.rope)} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_with_qk_norm_is_the_norm_then_the_rotation(dtype):
+    """Qwen3's qk-norm fused into the RoPE launch: within tolerance of reference rms_norm then rope, on
+    strided heads (views of a qkv output); a planted gain-less norm fails the same check."""
+    gen = torch.Generator().manual_seed(8)
+    qkv = rand(2, 3, 6 * 16, dtype=dtype, gen=gen) * 4
+    q, k = (x.view(2, 3, -1, 16).transpose(1, 2) for x in qkv.split([4 * 16, 2 * 16], dim=-1))
+    cos, sin = (rand(2, 1, 3, 16, dtype=dtype, gen=gen) for _ in range(2))
+    norm = ((rand(16, gen=gen).abs() + 0.5).to(dtype), (rand(16, gen=gen).abs() + 0.5).to(dtype), 1e-6)
+    want = R.rope(q, k, cos, sin, norm)
+    for got, ref in zip(K.rope(q, k, cos, sin, norm), want):
+        close(got, ref, dtype)
+    planted = R.rope(q, k, cos, sin, (torch.ones_like(norm[0]), torch.ones_like(norm[1]), 1e-6))
+    with pytest.raises(AssertionError):
+        close(K.rope(q, k, cos, sin, norm)[0], planted[0], dtype)
+
+
 def test_a_rope_row_is_the_same_at_every_width_and_place():
     """A position's q and k heads rotated alone, then at every place of bf16 calls of each width as the
     second sequence of a batch of two (the other rows random, at other positions)."""
     gen = torch.Generator().manual_seed(6)
     q, k, cos, sin = rope_inputs(16, torch.bfloat16, gen, torch.tensor([[1234]]))
     alone = K.rope(q, k, cos, sin)
+    norm = (torch.linspace(0.5, 1.5, 16).to(torch.bfloat16), torch.linspace(1.5, 0.5, 16).to(torch.bfloat16), 1e-6)
+    alone_normed = K.rope(q, k, cos, sin, norm)
     for width in WIDTHS:
         for place in sorted({0, width // 2, width - 1}):
             positions = torch.randint(0, 5000, (2, width), generator=gen)
@@ -303,6 +322,9 @@ def test_a_rope_row_is_the_same_at_every_width_and_place():
             got = K.rope(cq, ck, ccos, csin)
             assert torch.equal(got[0][1, :, place], alone[0][0, :, 0]), (width, place)
             assert torch.equal(got[1][1, :, place], alone[1][0, :, 0]), (width, place)
+            normed = K.rope(cq, ck, ccos, csin, norm)  # with Qwen3's qk-norm in the launch
+            assert torch.equal(normed[0][1, :, place], alone_normed[0][0, :, 0]), (width, place)
+            assert torch.equal(normed[1][1, :, place], alone_normed[1][0, :, 0]), (width, place)
 
 
 def test_the_references_are_the_models_arithmetic():

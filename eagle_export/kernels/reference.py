@@ -55,12 +55,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [B,Hq,T,D] and k [B,Hkv,T,D] with cos/sin [B,1,T,D], as models.layers.apply_rope
     computes it (written out here: kernels come before models): x * cos + rotated * sin with
-    rotated = [-x[D/2:], x[:D/2]], each op rounded to the dtype."""
+    rotated = [-x[D/2:], x[:D/2]], each op rounded to the dtype. norm (q_gain, k_gain, eps): each
+    head's row rms_norm-ed first (Qwen3's qk-norm)."""
     def apply(x):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
+    if norm is not None:
+        q, k = rms_norm(q, norm[0], norm[2]), rms_norm(k, norm[1], norm[2])
     return apply(q), apply(k)

@@ -222,51 +222,67 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["M", "T"])
-def _rope_kernel(q, k, cos, sin, qo, ko, M, T, HQ, HKV, sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
-                 R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
+def _rope_kernel(q, k, cos, sin, qw, kw, qo, ko, M, T, HQ, HKV, sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst, eps,
+                 NORM: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
     """Program (R of the B*T rows, one head of [q's heads ; k's heads]): that head's rows of D
     rotated, x * cos + rotated * sin with rotated = [-x[D/2:], x[:D/2]], each product rounded to the
     dtype before the add and the sum once more, as torch computes apply_rope (fp32: the same ops,
-    launched without FMA contraction)."""
+    launched without FMA contraction). NORM (Qwen3's qk-norm): x is first the head's row RMS-normalized
+    and times its gain (qw or kw), rounded as RMSNorm rounds, the whole row being in the program."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # 64-bit: b * sqb can pass 2^31 in a long prefill
     h = tl.program_id(1)
     b, t = rows // T, rows % T
     if h < HQ:
         src = q + b * sqb + h * sqh + t * sqt
         dst = qo + (rows * HQ + h) * D
+        gain = qw
     else:
         src = k + b * skb + (h - HQ) * skh + t * skt
         dst = ko + (rows * HKV + h - HQ) * D
+        gain = kw
     d = tl.arange(0, DP)
     first = d < D // 2
+    across = tl.where(first, d + D // 2, d - D // 2)
     inside = (rows < M)[:, None] & (d < D)[None, :]
+    ty = qo.dtype.element_ty
     x = tl.load(src[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
-    partner = tl.load(src[:, None] + tl.where(first, d + D // 2, d - D // 2)[None, :], mask=inside, other=0.0)
-    rotated = tl.where(first[None, :], -partner.to(tl.float32), partner.to(tl.float32))
+    partner = tl.load(src[:, None] + across[None, :], mask=inside, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        x = _round(tl.load(gain + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+                   * _round(x * rstd, ty, RNE).to(tl.float32), ty, RNE).to(tl.float32)
+        partner = _round(tl.load(gain + across, mask=d < D, other=0.0).to(tl.float32)[None, :]
+                         * _round(partner * rstd, ty, RNE).to(tl.float32), ty, RNE).to(tl.float32)
+    rotated = tl.where(first[None, :], -partner, partner)
     c = tl.load(cos + (b * scb + t * sct)[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
     s = tl.load(sin + (b * ssb + t * sst)[:, None] + d[None, :], mask=inside, other=0.0).to(tl.float32)
-    ty = qo.dtype.element_ty
     y = _round(x * c, ty, RNE).to(tl.float32) + _round(rotated * s, ty, RNE).to(tl.float32)
     tl.store(dst[:, None] + d[None, :], _round(y, ty, RNE), mask=inside)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [B,Hq,T,D] and k [B,Hkv,T,D] (any strides: views of a linear's output) with cos/sin
     [B or 1,1,T,D] in their dtype, in one launch -> (q, k) rotated, each [B,T,H,D] memory viewed as
-    [B,H,T,D] (the layout q/k came in, so attention reads them without a copy). D even, <= MAX_HEAD_DIM."""
+    [B,H,T,D] (the layout q/k came in, so attention reads them without a copy). D even, <= MAX_HEAD_DIM.
+    norm (q_gain [D], k_gain [D], eps): Qwen3's qk-norm first, in the same launch (it took two copies of
+    the strided heads and two RMSNorm launches a layer)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
-    if d % 2 or d > MAX_HEAD_DIM or not q.dtype == k.dtype == cos.dtype == sin.dtype:
-        raise ValueError(f"rope: head_dim {d} must be even and <= {MAX_HEAD_DIM}, q/k/cos/sin one dtype "
-                         f"({q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype})")
+    gains = norm[:2] if norm is not None else (q, q)
+    if d % 2 or d > MAX_HEAD_DIM or not q.dtype == k.dtype == cos.dtype == sin.dtype == gains[0].dtype == gains[1].dtype:
+        raise ValueError(f"rope: head_dim {d} must be even and <= {MAX_HEAD_DIM}, q/k/cos/sin (and the norm's "
+                         f"gains) one dtype ({q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}, "
+                         f"{gains[0].dtype}, {gains[1].dtype})")
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     cos, sin = (x.expand(b, 1, t, d) if x.stride(-1) == 1 else x.contiguous().expand(b, 1, t, d) for x in (cos, sin))
     qo = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     ko = torch.empty(b, t, hkv, d, dtype=k.dtype, device=k.device)
     _rope_kernel[(triton.cdiv(b * t, ROWS), hq + hkv)](
-        q, k, cos, sin, qo, ko, b * t, t, hq, hkv, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
-        R=ROWS, D=d, DP=triton.next_power_of_2(d), RNE=INTERPRETED, enable_fp_fusion=False)
+        q, k, cos, sin, *gains, qo, ko, b * t, t, hq, hkv, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
+        norm[2] if norm is not None else 0.0, NORM=norm is not None, R=ROWS, D=d, DP=triton.next_power_of_2(d),
+        RNE=INTERPRETED, enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
 

@@ -329,9 +329,9 @@ class Attention(nn.Module):
         q, k, v = self.heads(x)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def heads(self, x):
-        """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D] before RoPE (Qwen3's qk-norm applied): views of
-        the projections' [B,T,H*D] outputs."""
+    def heads(self, x, norm: bool = True):
+        """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D] before RoPE (Qwen3's qk-norm applied unless
+        `norm` is False: exact mode's RoPE kernel applies it): views of the projections' [B,T,H*D] outputs."""
         b, t, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -340,7 +340,7 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if norm and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 

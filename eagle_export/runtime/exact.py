@@ -134,11 +134,15 @@ class ExactMLP(MLP):
 
 class ExactAttention(Attention):
     """Attention whose RoPE is the fused kernel: q and k rotated in one launch, in the layout the
-    projections wrote them (the attention kernel reads them there, no copy)."""
+    projections wrote them (the attention kernel reads them there, no copy), Qwen3's qk-norm in the
+    same launch where its gains are in the activations' dtype (else the RMSNorm kernel first)."""
 
     def project(self, x, cos, sin):
-        q, k, v = self.heads(x)
-        return *kernels.ops().rope(q, k, cos, sin), v
+        qn, kn = self.q_norm, self.k_norm
+        fused = qn is not None and qn.weight is not None and kn.weight is not None and qn.eps == kn.eps \
+            and qn.weight.dtype == kn.weight.dtype == cos.dtype
+        q, k, v = self.heads(x, norm=not fused)
+        return *kernels.ops().rope(q, k, cos, sin, (qn.weight, kn.weight, qn.eps) if fused else None), v
 
 
 class _Keys:
