@@ -129,9 +129,10 @@ def test_bound_outputs_match_torch_and_unbind_restores_it(monkeypatch):
 def test_qwen3s_qk_norm_rides_in_the_rope_launch(monkeypatch):
     """A Qwen3 target bound: its qk-norm in the RoPE kernel (no RMSNorm launch for q or k), the logits
     within 1e-4 of torch's (fp32, relative to the largest), and a position's bits the same in every call."""
+    from tiny_models import tiny_target_config
+
     from eagle_export.models.config import TargetConfig
     from eagle_export.models.target import Target
-    from tiny_models import tiny_target_config
 
     torch.manual_seed(0)
     target = Target(TargetConfig.from_hf(tiny_target_config("qwen3", num_hidden_layers=2, vocab_size=512), "tiny qwen3"))
