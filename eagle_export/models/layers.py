@@ -140,16 +140,18 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
     chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
     export it is F.linear (the graph's MatMul)."""
-    if torch.onnx.is_in_onnx_export():
+    if torch.jit.is_tracing():  # the TorchScript ONNX exporter traces (export.py); torch.onnx's own check costs 20x
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
+    if m <= LINEAR_ROWS:  # one chunk (a step, a verify call): no split, no cat; no pad where m is proven
+        n = next(n for n in chunk_rows(weight, bias) if n >= m)
+        return F.linear(F.pad(rows, (0, 0, 0, n - m)) if n > m else rows, weight, bias)[:m].view(*x.shape[:-1], -1)
     tail = m % LINEAR_ROWS
     if tail:
         tail = next(n for n in chunk_rows(weight, bias) if n >= tail)
         rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail - m))
-    chunks = rows.split(LINEAR_ROWS)
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in chunks]) if len(chunks) > 1 else F.linear(rows, weight, bias)
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
     return out[:m].view(*x.shape[:-1], -1)
 
 
@@ -200,6 +202,21 @@ def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
     return slots, hidden
 
 
+def observed(tap) -> bool:
+    """Whether anything reads the attention weights through `tap`: every Attention passes its
+    weights_tap, an nn.Identity that returns them untouched unless a hook reads them (diagnose), so
+    without one the weights need not be laid out for it and back (same values, same bits)."""
+    return tap is not None and not (type(tap) is nn.Identity and not (tap._forward_hooks or tap._forward_pre_hooks))
+
+
+def _in_slot_order(blocks: torch.Tensor) -> torch.Tensor:
+    """The key blocks' partial sums [B,Hkv,nq,nk,...] added in slot order -> [B,Hkv,nq,1,...]: the last
+    of a cumsum along the blocks (torch's CPU cumsum adds in that order, in double, rounding each
+    prefix to fp32). One block is its own sum, the same bits (an fp32 through double and back is
+    itself), without cumsum's cost: a one-token step over a short view has one block per query block."""
+    return blocks if blocks.shape[3] == 1 else blocks.cumsum(3)[:, :, :, -1:]
+
+
 def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
     """The attention core: q [B,Hq,T,D] and the call's new k, v [B,Hkv,T,D] (after RoPE); the cache
     views k_cache, v_cache [B,Hkv,S,D]; cache_lens [B], each sequence's cached slots (None: no cache
@@ -215,7 +232,7 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     A masked slot adds an exact 0 and blocks past a row's prefix add 0s at the end, so neither the
     view's length nor the keys the call brings nor the row's place changes a row's bits.
     In an ONNX export: `attend_graph`, the graph's [cache | call] form."""
-    if torch.onnx.is_in_onnx_export():
+    if torch.jit.is_tracing():  # as row_linear
         return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k_cache.shape[2]
@@ -237,19 +254,20 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     queries = F.pad(q.float().reshape(b, hkv, g, t, d), (0, 0, 0, tq - t))
     queries = queries.view(b, hkv, g, nq, QUERY_BLOCK, d).transpose(2, 3).reshape(b, hkv, nq, 1, g * QUERY_BLOCK, d)
     key_blocks = key_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)
-    scores = torch.matmul(queries, key_blocks.transpose(-1, -2)) / math.sqrt(d)          # [B,Hkv,nq,nk,G*QB,KB]
-    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(hidden, -math.inf)
-    top = scores.amax(dim=(3, 6), keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # all-masked rows: finite
+    # in place from the scores on (each op's input is its own fresh output: no copies, the same bits)
+    scores = torch.matmul(queries, key_blocks.transpose(-1, -2)).div_(math.sqrt(d))       # [B,Hkv,nq,nk,G*QB,KB]
+    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill_(hidden, -math.inf)
+    top = scores.amax(dim=(3, 6), keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # all-masked rows: finite
     # A masked slot's p is an exact 0, put there: exp(-inf) is 0 too, but 10x as slow as a finite exp (torch's CPU exp, fp32).
-    p = torch.exp((scores - top).masked_fill_(hidden, 0.0)).masked_fill_(hidden, 0.0)
-    total = p.sum(-1, keepdim=True).cumsum(3)[:, :, :, -1:].clamp_min(1.0)  # >= 1 (the max's term) where any key is seen
-    probs = p / total                                                                      # [B,Hkv,nq,nk,G,QB,KB]
-    if tap is not None:  # the weights as [B,Hkv,G,T,slots], through the tap and back
+    p = scores.sub_(top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
+    total = _in_slot_order(p.sum(-1, keepdim=True)).clamp_min_(1.0)  # >= 1 (the max's term) where any key is seen
+    probs = p.div_(total)                                                                  # [B,Hkv,nq,nk,G,QB,KB]
+    if observed(tap):  # the weights as [B,Hkv,G,T,slots], through the tap and back
         tapped = tap(probs.permute(0, 1, 4, 2, 5, 3, 6).reshape(b, hkv, g, tq, n)[:, :, :, :t])
         probs = F.pad(tapped, (0, 0, 0, tq - t)).view(b, hkv, g, nq, QUERY_BLOCK, nk, KEY_BLOCK)
         probs = probs.permute(0, 1, 3, 5, 2, 4, 6)
     probs = probs.reshape(b, hkv, nq, nk, g * QUERY_BLOCK, KEY_BLOCK)
-    out = torch.matmul(probs, value_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)).cumsum(3)[:, :, :, -1]  # [B,Hkv,nq,G*QB,D]
+    out = _in_slot_order(torch.matmul(probs, value_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)))[:, :, :, 0]  # [B,Hkv,nq,G*QB,D]
     out = out.view(b, hkv, nq, g, QUERY_BLOCK, d).permute(0, 2, 4, 1, 3, 5).reshape(b, tq, hq * d)
     return out[:, :t].to(q.dtype)
 
