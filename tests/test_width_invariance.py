@@ -163,6 +163,7 @@ def test_planted_linear_choosing_its_kernel_by_rows_fails():
 def test_planted_one_row_gemv_fails(monkeypatch):
     """A probe that admitted M = 1 (a GEMV: another reduction order) for a call's last chunk."""
     monkeypatch.setattr(layers, "chunk_rows", lambda weight, bias=None: tuple(range(1, layers.LINEAR_ROWS + 1)))
+    monkeypatch.setattr(layers, "_tail_rows", {})  # (tail_rows' table, built from the probe)
     assert differing_rows(tiny_target()) > 0
 
 

@@ -132,25 +132,41 @@ def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[
     return _chunk_rows[key]
 
 
+_tail_rows: dict = {}  # (weight shape, dtype, bias?, threads) -> per r <= LINEAR_ROWS, the rows r's GEMM runs at
+
+
+def tail_rows(weight: torch.Tensor, bias: torch.Tensor | None, r: int) -> int:
+    """The rows a GEMM of r <= LINEAR_ROWS rows through `weight` runs at: the fewest `chunk_rows` proved
+    alike, >= r. Memoized as a table per weight shape, dtype, bias and thread count (a step asks at
+    every Linear)."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    table = _tail_rows.get(key)
+    if table is None:
+        alike = chunk_rows(weight, bias)
+        table = _tail_rows[key] = tuple(next(n for n in alike if n >= r) for r in range(LINEAR_ROWS + 1))
+    return table[r]
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
     (all leading axes flattened) go through one GEMM call per chunk of LINEAR_ROWS rows, the last
-    r rows padded to the smallest row count `chunk_rows` proved alike (>= r; LINEAR_ROWS at worst),
-    so neither the call's width nor its batch nor the row's place changes a row's bits, and an fp32
-    one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
-    chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
-    export it is F.linear (the graph's MatMul)."""
-    if torch.jit.is_tracing():  # the TorchScript ONNX exporter traces (export.py); torch.onnx's own check costs 20x
+    r rows padded to `tail_rows` (the smallest row count `chunk_rows` proved alike, >= r; LINEAR_ROWS
+    at worst), so neither the call's width nor its batch nor the row's place changes a row's bits, and
+    an fp32 one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over
+    the chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). A call of
+    at most LINEAR_ROWS rows (a step, a verify call) is one GEMM, with the fewest ops around it: on a
+    one-token step each op counts (the weights stream through the caches between them). While
+    tracing (the ONNX export) it is F.linear, the graph's MatMul."""
+    if torch.jit.is_tracing():  # torch.onnx.is_in_onnx_export imports on every call: 5x the cost
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    if m <= LINEAR_ROWS:  # one chunk (a step, a verify call): no split, no cat; no pad where m is proven
-        n = next(n for n in chunk_rows(weight, bias) if n >= m)
+    if m <= LINEAR_ROWS:
+        n = tail_rows(weight, bias, m)
         return F.linear(F.pad(rows, (0, 0, 0, n - m)) if n > m else rows, weight, bias)[:m].view(*x.shape[:-1], -1)
     tail = m % LINEAR_ROWS
     if tail:
-        tail = next(n for n in chunk_rows(weight, bias) if n >= tail)
-        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail - m))
+        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail_rows(weight, bias, tail) - m))
     out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
     return out[:m].view(*x.shape[:-1], -1)
 
@@ -246,9 +262,10 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     nq = tq // QUERY_BLOCK
     slots, hidden = _key_layout(mask, cache_lens, b, t, s, e)
 
+    at = slots[:, None, :, None].expand(b, hkv, e, d)
+
     def place(cache, new):  # [B,Hkv,n,D] fp32: the view, then the call's keys at their slots
-        buffer = F.pad(cache.float(), (0, 0, 0, n - s))
-        return buffer.scatter_(2, slots[:, None, :, None].expand(b, hkv, e, d), new.float())
+        return F.pad(cache.float(), (0, 0, 0, n - s)).scatter_(2, at, new.float())
 
     key_buf, value_buf = place(k_cache, keys), place(v_cache, values)
     queries = F.pad(q.float().reshape(b, hkv, g, t, d), (0, 0, 0, tq - t))
