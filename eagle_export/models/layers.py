@@ -195,15 +195,16 @@ def width_invariant(model: nn.Module) -> nn.Module:
 _layout_memo: list = [None]  # the last call's (sizes, mask, cache_lens, layout), copies of its inputs
 
 
-def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
-    """`attend`'s key layout for one call: slots [B,E], where each of the call's E keys goes (cache_lens[b]
-    + i; without cache_lens after the view), and hidden [B,1,nq,nk,1,QB,KB], the slots each query row
-    does NOT see, in its query and key blocks. A function of the mask's and cache_lens' values and the
+def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int, hkv: int, d: int):
+    """`attend`'s key layout for one call: at [B,Hkv,E,D], the slot each of the call's E keys goes to
+    (cache_lens[b] + i; without cache_lens after the view) as a scatter index into [B,Hkv,slots,D], and
+    hidden [B,1,nq,nk,1,QB,KB] (contiguous), the slots each query row does NOT see, in its query and key
+    blocks. A function of the mask's and cache_lens' values and the
     sizes alone, and every layer of a forward passes the same ones: the last call's layout is reused
     when they are equal (compared by value against copies: in-place writes between calls cannot go
     stale), so it is computed once per forward, not once per layer."""
     memo = _layout_memo[0]
-    if (memo is not None and memo[0] == (b, t, s, e) and torch.equal(memo[1], mask)
+    if (memo is not None and memo[0] == (b, t, s, e, hkv, d) and torch.equal(memo[1], mask)
             and (cache_lens is None if memo[2] is None else cache_lens is not None and torch.equal(memo[2], cache_lens))):
         return memo[3]
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
@@ -213,9 +214,10 @@ def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
     seen = mask.expand(b, 1, 1, t, s + e)[:, 0, 0]                                         # [B,T,S+E]
     seen = F.pad(seen[..., :s], (0, n - s)).scatter_(2, slots[:, None].expand(b, t, e), seen[..., s:])
     seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, tq // QUERY_BLOCK, QUERY_BLOCK, nk, KEY_BLOCK)
-    hidden = ~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]                             # [B,1,nq,nk,1,QB,KB]
-    _layout_memo[0] = ((b, t, s, e), mask.clone(), None if cache_lens is None else cache_lens.clone(), (slots, hidden))
-    return slots, hidden
+    hidden = (~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]).contiguous()              # [B,1,nq,nk,1,QB,KB]
+    at = slots[:, None, :, None].expand(b, hkv, e, d)
+    _layout_memo[0] = ((b, t, s, e, hkv, d), mask.clone(), None if cache_lens is None else cache_lens.clone(), (at, hidden))
+    return at, hidden
 
 
 def observed(tap) -> bool:
@@ -260,9 +262,7 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
     nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
     nq = tq // QUERY_BLOCK
-    slots, hidden = _key_layout(mask, cache_lens, b, t, s, e)
-
-    at = slots[:, None, :, None].expand(b, hkv, e, d)
+    at, hidden = _key_layout(mask, cache_lens, b, t, s, e, hkv, d)
 
     def place(cache, new):  # [B,Hkv,n,D] fp32: the view, then the call's keys at their slots
         return F.pad(cache.float(), (0, 0, 0, n - s)).scatter_(2, at, new.float())
