@@ -3,7 +3,9 @@ opened build: the graphs' form (each Attention's core unbound: `attend_graph`; p
 NVFP4Linear through F.linear) against `layers.width_invariant`'s binding, switched call by call on
 the same recorded inputs, so machine noise hits both alike. Reports medians and new/old ratios for
 the plain step (a T=1 target call), a verify call (T=K+1), the drafter call, and plain/speculative
-tokens per second (fixed policy), alternating which layout runs first.
+tokens per second (fixed policy), alternating which layout runs first. Each call is timed on two
+clocks: wall time, and the process's CPU time (on a loaded shared machine the waits for a core count
+in the first and not in the second; with --threads 1 the second is the call's own work).
 
     PYTHONPATH=. python scripts/cpu_layout_cost.py BUILD [--repeats 20] [--generations 3] [--threads N] [--profile]
 """
@@ -91,24 +93,27 @@ def main():
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
         return
 
-    times = {(n, new): [] for n in calls for new in (False, True)}
+    times = {(n, new, clock): [] for n in calls for new in (False, True) for clock in ("wall", "cpu")}
     firsts = {}
     for r in range(args.repeats):
         for name, (fn, (feeds, kw)) in calls.items():
             for new in ((False, True) if r % 2 == 0 else (True, False)):
                 set_layout(modules, new)
                 f = clone(feeds)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 out = fn(f, **kw)
-                times[name, new].append(time.perf_counter() - start)
+                times[name, new, "cpu"].append(time.process_time() - cpu)
+                times[name, new, "wall"].append(time.perf_counter() - start)
                 # the new layout must give the same bits call after call (a determinism check on the side)
                 key = next(k for k in (C.LOGITS, C.DRAFT_IDS, C.NEW_KEY) if k in out)
                 if new:
                     assert torch.equal(firsts.setdefault(name, out[key]), out[key]), name
     print(f"load average after the calls: {os.getloadavg()}, torch threads {torch.get_num_threads()}")
     for name in calls:
-        old, new = (statistics.median(times[name, n]) * 1e3 for n in (False, True))
-        print(f"{name}: old {old:.1f} ms, new {new:.1f} ms, new/old {new / old:.3f} (medians of {args.repeats})")
+        for clock in ("wall", "cpu"):
+            old, new = (statistics.median(times[name, n, clock]) * 1e3 for n in (False, True))
+            print(f"{name}, {clock} time: old {old:.1f} ms, new {new:.1f} ms, new/old {new / old:.3f} "
+                  f"(medians of {args.repeats})")
 
     rates = {(kind, new): [] for kind in ("plain", "speculative") for new in (False, True)}
     for r in range(args.generations):
@@ -118,7 +123,7 @@ def main():
                 start = time.perf_counter()
                 out = rt.generate(prompts, config, speculative=kind == "speculative")
                 rates[kind, new].append(sum(len(o.tokens) for o in out) / (time.perf_counter() - start))
-    for kind in ("plain", "speculative"):
+    for kind in ("plain", "speculative") if args.generations else ():
         old, new = (statistics.median(rates[kind, n]) for n in (False, True))
         print(f"generate {kind} (batch {len(prompts)} x {args.new_tokens} tokens, fixed policy): old {old:.2f} tok/s, "
               f"new {new:.2f} tok/s, new/old time per token {old / new:.3f} (medians of {args.generations})")

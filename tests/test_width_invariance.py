@@ -163,6 +163,7 @@ def test_planted_linear_choosing_its_kernel_by_rows_fails():
 def test_planted_one_row_gemv_fails(monkeypatch):
     """A probe that admitted M = 1 (a GEMV: another reduction order) for a call's last chunk."""
     monkeypatch.setattr(layers, "chunk_rows", lambda weight, bias=None: tuple(range(1, layers.LINEAR_ROWS + 1)))
+    monkeypatch.setattr(layers, "_tail_rows", {})  # (tail_rows' table, built from the probe)
     assert differing_rows(tiny_target()) > 0
 
 
@@ -224,3 +225,81 @@ def test_attend_equals_the_graph_form_within_rounding():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     no_cache_semantics = layers.attend(q, k, v, k_cache, v_cache, None, mask, prefix)
     torch.testing.assert_close(no_cache_semantics, expected, rtol=1e-5, atol=1e-5)
+
+
+def one_row_over_views(attend, past: int, slots: list[int]) -> list[torch.Tensor]:
+    """attend's output for a one-token call at position `past` (the cache holding 0..past-1) over cache
+    views of each of `slots` slots; the view's slots past `past` hold stale values (masked)."""
+    g = torch.Generator().manual_seed(past)
+    hq, hkv, d = 4, 2, 16
+    q, k, v = torch.randn(1, hq, 1, d, generator=g), torch.randn(1, hkv, 1, d, generator=g), \
+        torch.randn(1, hkv, 1, d, generator=g)
+    k_cache, v_cache = torch.randn(1, hkv, max(slots), d, generator=g), torch.randn(1, hkv, max(slots), d, generator=g)
+    lens = torch.tensor([past])
+    return [attend(q, k, v, k_cache[:, :, :s], v_cache[:, :, :s], lens,
+                   layers.attention_mask(lens[:, None], lens, s)) for s in slots]
+
+
+VIEWS = [41, 63, 64, 130, 151, 200, 320]  # 1, 1, 2, 3, 3, 4 and 6 key blocks of 64 with the call's key
+
+
+@pytest.mark.parametrize("past", [40, 100, 150])
+def test_attend_row_is_the_same_bits_over_views_of_any_length(past):
+    """A row's attention over its prefix does not depend on how many masked slots the view shows,
+    across one key block (its sum taken as is, no cumsum) and several (the blocks' cumsum): fp32, bit
+    for bit, prefixes in one, two and three blocks."""
+    outs = one_row_over_views(layers.attend, past, [s for s in VIEWS if s >= past])
+    assert len(outs) >= 2 and all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_planted_key_split_by_count_fails(monkeypatch):
+    """Planted: the keys split into two blocks whatever the view's length (a KV split by count, not by
+    a fixed size): a prefix of 100 slots is two blocks over a 130-slot view and one over 320."""
+    def split_in_two(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
+        monkeypatch.setattr(layers, "KEY_BLOCK", 32 * -(-(k_cache.shape[2] + k.shape[2]) // 64))
+        monkeypatch.setattr(layers, "_layout_memo", [None])
+        return layers.attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap)
+
+    outs = one_row_over_views(split_in_two, 100, [130, 320])
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_attend_passes_the_weights_through_a_hooked_tap():
+    """Without a hook the weights skip the tap's layout (attend's shortcut); with one they go through
+    it: a hook that reads them leaves every bit of the output as it was, and a hook that puts all
+    weight on slot 0 makes the output V at slot 0 (a shortcut taken despite the hook fails this)."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, t, s, d = 2, 4, 2, 3, 70, 16
+    q, k, v = torch.randn(b, hq, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), \
+        torch.randn(b, hkv, t, d, generator=g)
+    k_cache, v_cache = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    lens = torch.tensor([30, 66])
+    positions = lens[:, None] + torch.arange(t)
+    mask = layers.attention_mask(positions, lens, s)
+    tap = torch.nn.Identity()
+    plain = layers.attend(q, k, v, k_cache, v_cache, lens, mask, tap=tap)
+    read = []
+    handle = tap.register_forward_hook(lambda module, args, weights: read.append(weights))
+    assert torch.equal(layers.attend(q, k, v, k_cache, v_cache, lens, mask, tap=tap), plain)
+    assert read and read[0].shape[:4] == (b, hkv, hq // hkv, t)
+    torch.testing.assert_close(read[0].sum(-1), torch.ones(b, hkv, hq // hkv, t))  # fp32 rounding
+    handle.remove()
+
+    def onto_slot_0(module, args, weights):
+        forced = torch.zeros_like(weights)
+        forced[..., 0] = 1.0
+        return forced
+
+    tap.register_forward_hook(onto_slot_0)
+    out = layers.attend(q, k, v, k_cache, v_cache, lens, mask, tap=tap).view(b, t, hkv, hq // hkv, d)
+    assert torch.equal(out, v_cache[:, :, 0][:, None, :, None].expand_as(out))
+
+
+def test_tail_rows_keeps_dtypes_apart():
+    """tail_rows' table is per dtype: after an fp32 probe at a shape, a bf16 weight of that shape still
+    runs a short call at LINEAR_ROWS rows (a table keyed by shape alone gave bf16 rows other bits)."""
+    w = torch.randn(960, 576, generator=torch.Generator().manual_seed(0))
+    fp32 = [layers.tail_rows(w, None, r) for r in range(1, layers.LINEAR_ROWS + 1)]
+    assert all(n >= r for n, r in zip(fp32, range(1, layers.LINEAR_ROWS + 1)))
+    assert [layers.tail_rows(w.bfloat16(), None, r) for r in range(1, layers.LINEAR_ROWS + 1)] == \
+        [layers.LINEAR_ROWS] * layers.LINEAR_ROWS

@@ -132,24 +132,42 @@ def chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[
     return _chunk_rows[key]
 
 
+_tail_rows: dict = {}  # (weight shape, dtype, bias?, threads) -> per r <= LINEAR_ROWS, the rows r's GEMM runs at
+
+
+def tail_rows(weight: torch.Tensor, bias: torch.Tensor | None, r: int) -> int:
+    """The rows a GEMM of r <= LINEAR_ROWS rows through `weight` runs at: the fewest `chunk_rows` proved
+    alike, >= r. Memoized as a table per weight shape, dtype, bias and thread count (a step asks at
+    every Linear)."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    table = _tail_rows.get(key)
+    if table is None:
+        alike = chunk_rows(weight, bias)
+        table = _tail_rows[key] = tuple(next(n for n in alike if n >= r) for r in range(LINEAR_ROWS + 1))
+    return table[r]
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row computed alike in every call: the rows of x [..., K]
     (all leading axes flattened) go through one GEMM call per chunk of LINEAR_ROWS rows, the last
-    r rows padded to the smallest row count `chunk_rows` proved alike (>= r; LINEAR_ROWS at worst),
-    so neither the call's width nor its batch nor the row's place changes a row's bits, and an fp32
-    one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over the
-    chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). In an ONNX
-    export it is F.linear (the graph's MatMul)."""
-    if torch.onnx.is_in_onnx_export():
+    r rows padded to `tail_rows` (the smallest row count `chunk_rows` proved alike, >= r; LINEAR_ROWS
+    at worst), so neither the call's width nor its batch nor the row's place changes a row's bits, and
+    an fp32 one-token step costs a 2-row GEMM where that is proven, not an 8-row one (not one bmm over
+    the chunks: MKL's batched GEMM gave other bits with 3 chunks than with 1 at 576x192). A call of
+    at most LINEAR_ROWS rows (a step, a verify call) is one GEMM, with the fewest ops around it: on a
+    one-token step each op counts (the weights stream through the caches between them). While
+    tracing (the ONNX export) it is F.linear, the graph's MatMul."""
+    if torch.jit.is_tracing():  # torch.onnx.is_in_onnx_export imports on every call: 5x the cost
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
+    if m <= LINEAR_ROWS:
+        n = tail_rows(weight, bias, m)
+        return F.linear(F.pad(rows, (0, 0, 0, n - m)) if n > m else rows, weight, bias)[:m].view(*x.shape[:-1], -1)
     tail = m % LINEAR_ROWS
     if tail:
-        tail = next(n for n in chunk_rows(weight, bias) if n >= tail)
-        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail - m))
-    chunks = rows.split(LINEAR_ROWS)
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in chunks]) if len(chunks) > 1 else F.linear(rows, weight, bias)
+        rows = F.pad(rows, (0, 0, 0, m // LINEAR_ROWS * LINEAR_ROWS + tail_rows(weight, bias, tail) - m))
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(LINEAR_ROWS)])
     return out[:m].view(*x.shape[:-1], -1)
 
 
@@ -177,15 +195,16 @@ def width_invariant(model: nn.Module) -> nn.Module:
 _layout_memo: list = [None]  # the last call's (sizes, mask, cache_lens, layout), copies of its inputs
 
 
-def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
-    """`attend`'s key layout for one call: slots [B,E], where each of the call's E keys goes (cache_lens[b]
-    + i; without cache_lens after the view), and hidden [B,1,nq,nk,1,QB,KB], the slots each query row
-    does NOT see, in its query and key blocks. A function of the mask's and cache_lens' values and the
+def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int, hkv: int, d: int):
+    """`attend`'s key layout for one call: at [B,Hkv,E,D], the slot each of the call's E keys goes to
+    (cache_lens[b] + i; without cache_lens after the view) as a scatter index into [B,Hkv,slots,D], and
+    hidden [B,1,nq,nk,1,QB,KB] (contiguous), the slots each query row does NOT see, in its query and key
+    blocks. A function of the mask's and cache_lens' values and the
     sizes alone, and every layer of a forward passes the same ones: the last call's layout is reused
     when they are equal (compared by value against copies: in-place writes between calls cannot go
     stale), so it is computed once per forward, not once per layer."""
     memo = _layout_memo[0]
-    if (memo is not None and memo[0] == (b, t, s, e) and torch.equal(memo[1], mask)
+    if (memo is not None and memo[0] == (b, t, s, e, hkv, d) and torch.equal(memo[1], mask)
             and (cache_lens is None if memo[2] is None else cache_lens is not None and torch.equal(memo[2], cache_lens))):
         return memo[3]
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
@@ -195,9 +214,25 @@ def _key_layout(mask, cache_lens, b: int, t: int, s: int, e: int):
     seen = mask.expand(b, 1, 1, t, s + e)[:, 0, 0]                                         # [B,T,S+E]
     seen = F.pad(seen[..., :s], (0, n - s)).scatter_(2, slots[:, None].expand(b, t, e), seen[..., s:])
     seen = F.pad(seen, (0, 0, 0, tq - t)).view(b, 1, tq // QUERY_BLOCK, QUERY_BLOCK, nk, KEY_BLOCK)
-    hidden = ~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]                             # [B,1,nq,nk,1,QB,KB]
-    _layout_memo[0] = ((b, t, s, e), mask.clone(), None if cache_lens is None else cache_lens.clone(), (slots, hidden))
-    return slots, hidden
+    hidden = (~seen.permute(0, 1, 2, 4, 3, 5)[:, :, :, :, None]).contiguous()              # [B,1,nq,nk,1,QB,KB]
+    at = slots[:, None, :, None].expand(b, hkv, e, d)
+    _layout_memo[0] = ((b, t, s, e, hkv, d), mask.clone(), None if cache_lens is None else cache_lens.clone(), (at, hidden))
+    return at, hidden
+
+
+def observed(tap) -> bool:
+    """Whether anything reads the attention weights through `tap`: every Attention passes its
+    weights_tap, an nn.Identity that returns them untouched unless a hook reads them (diagnose), so
+    without one the weights need not be laid out for it and back (same values, same bits)."""
+    return tap is not None and not (type(tap) is nn.Identity and not (tap._forward_hooks or tap._forward_pre_hooks))
+
+
+def _in_slot_order(blocks: torch.Tensor) -> torch.Tensor:
+    """The key blocks' partial sums [B,Hkv,nq,nk,...] added in slot order -> [B,Hkv,nq,1,...]: the last
+    of a cumsum along the blocks (torch's CPU cumsum adds in that order, in double, rounding each
+    prefix to fp32). One block is its own sum, the same bits (an fp32 through double and back is
+    itself), without cumsum's cost: a one-token step over a short view has one block per query block."""
+    return blocks if blocks.shape[3] == 1 else blocks.cumsum(3)[:, :, :, -1:]
 
 
 def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
@@ -215,7 +250,7 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     A masked slot adds an exact 0 and blocks past a row's prefix add 0s at the end, so neither the
     view's length nor the keys the call brings nor the row's place changes a row's bits.
     In an ONNX export: `attend_graph`, the graph's [cache | call] form."""
-    if torch.onnx.is_in_onnx_export():
+    if torch.jit.is_tracing():  # as row_linear
         return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k_cache.shape[2]
@@ -227,29 +262,29 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
     nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
     nq = tq // QUERY_BLOCK
-    slots, hidden = _key_layout(mask, cache_lens, b, t, s, e)
+    at, hidden = _key_layout(mask, cache_lens, b, t, s, e, hkv, d)
 
     def place(cache, new):  # [B,Hkv,n,D] fp32: the view, then the call's keys at their slots
-        buffer = F.pad(cache.float(), (0, 0, 0, n - s))
-        return buffer.scatter_(2, slots[:, None, :, None].expand(b, hkv, e, d), new.float())
+        return F.pad(cache.float(), (0, 0, 0, n - s)).scatter_(2, at, new.float())
 
     key_buf, value_buf = place(k_cache, keys), place(v_cache, values)
     queries = F.pad(q.float().reshape(b, hkv, g, t, d), (0, 0, 0, tq - t))
     queries = queries.view(b, hkv, g, nq, QUERY_BLOCK, d).transpose(2, 3).reshape(b, hkv, nq, 1, g * QUERY_BLOCK, d)
     key_blocks = key_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)
-    scores = torch.matmul(queries, key_blocks.transpose(-1, -2)) / math.sqrt(d)          # [B,Hkv,nq,nk,G*QB,KB]
-    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill(hidden, -math.inf)
-    top = scores.amax(dim=(3, 6), keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # all-masked rows: finite
+    # in place from the scores on (each op's input is its own fresh output: no copies, the same bits)
+    scores = torch.matmul(queries, key_blocks.transpose(-1, -2)).div_(math.sqrt(d))       # [B,Hkv,nq,nk,G*QB,KB]
+    scores = scores.view(b, hkv, nq, nk, g, QUERY_BLOCK, KEY_BLOCK).masked_fill_(hidden, -math.inf)
+    top = scores.amax(dim=(3, 6), keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # all-masked rows: finite
     # A masked slot's p is an exact 0, put there: exp(-inf) is 0 too, but 10x as slow as a finite exp (torch's CPU exp, fp32).
-    p = torch.exp((scores - top).masked_fill_(hidden, 0.0)).masked_fill_(hidden, 0.0)
-    total = p.sum(-1, keepdim=True).cumsum(3)[:, :, :, -1:].clamp_min(1.0)  # >= 1 (the max's term) where any key is seen
-    probs = p / total                                                                      # [B,Hkv,nq,nk,G,QB,KB]
-    if tap is not None:  # the weights as [B,Hkv,G,T,slots], through the tap and back
+    p = scores.sub_(top).masked_fill_(hidden, 0.0).exp_().masked_fill_(hidden, 0.0)
+    total = _in_slot_order(p.sum(-1, keepdim=True)).clamp_min_(1.0)  # >= 1 (the max's term) where any key is seen
+    probs = p.div_(total)                                                                  # [B,Hkv,nq,nk,G,QB,KB]
+    if observed(tap):  # the weights as [B,Hkv,G,T,slots], through the tap and back
         tapped = tap(probs.permute(0, 1, 4, 2, 5, 3, 6).reshape(b, hkv, g, tq, n)[:, :, :, :t])
         probs = F.pad(tapped, (0, 0, 0, tq - t)).view(b, hkv, g, nq, QUERY_BLOCK, nk, KEY_BLOCK)
         probs = probs.permute(0, 1, 3, 5, 2, 4, 6)
     probs = probs.reshape(b, hkv, nq, nk, g * QUERY_BLOCK, KEY_BLOCK)
-    out = torch.matmul(probs, value_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)).cumsum(3)[:, :, :, -1]  # [B,Hkv,nq,G*QB,D]
+    out = _in_slot_order(torch.matmul(probs, value_buf.view(b, hkv, 1, nk, KEY_BLOCK, d)))[:, :, :, 0]  # [B,Hkv,nq,G*QB,D]
     out = out.view(b, hkv, nq, g, QUERY_BLOCK, d).permute(0, 2, 4, 1, 3, 5).reshape(b, tq, hq * d)
     return out[:, :t].to(q.dtype)
 
