@@ -568,8 +568,10 @@ class SpeculativeRuntime:
         start = time.perf_counter()
         out = self.backend.target(feeds, need_logits=need_logits)
         # timed to the copy of its ids to the host, which waits for a GPU's queued work: what the call costs
+        # (logits only when asked for: a graph that returns them anyway keeps them on the device)
         if read:
-            out = {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
+            copied = (C.GREEDY_IDS, C.LOGITS) if need_logits else (C.GREEDY_IDS,)
+            out = {name: t.cpu() if name in copied else t for name, t in out.items()}
         setattr(self.timings, phase, getattr(self.timings, phase) + time.perf_counter() - start)
         return out
 
