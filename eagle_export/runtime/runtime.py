@@ -420,6 +420,7 @@ class SpeculativeRuntime:
         state.last_token = first
         if state.device_rounds:  # the round's state moves to the device once (a no-op on the CPU)
             state.lens, state.last_token = state.lens.to(self.device), state.last_token.to(self.device)
+            state.no_accepts = torch.zeros(b, 1, dtype=torch.int64, device=self.device)  # a plain step's
             state.draft_lens = None if state.draft_lens is None else state.draft_lens.to(self.device)
         yield from events
 
@@ -508,7 +509,7 @@ class SpeculativeRuntime:
         stream's plain steps come here too (those sequences never draft again)."""
         start = time.perf_counter()
         b, alive = len(state.prompts), live.tolist()
-        on_device = state.on_device(live)
+        on_device = state.on_device(alive)
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         verify_ids = state.last_token[:, None]
         if drafted:
@@ -522,14 +523,15 @@ class SpeculativeRuntime:
         mask, offsets = self._chain_mask(b, verify_ids.shape[1])
         out = self._target(state, verify_ids, state.lens[:, None] + offsets, state.lens, mask, False, read=False)
         greedy = out[C.GREEDY_IDS]
-        accepted = greedy_accepted_path(nodes, None, greedy)[0] if drafted else torch.zeros_like(state.lens)
-        state.write_target(out, accepted + 1, on_device)
+        accepted = greedy_accepted_path(nodes, None, greedy)[0].view(b, 1) if drafted else state.no_accepts
+        taken = torch.where(on_device.view(b, 1), accepted + 1, 0)             # [B,1]: rows each sequence keeps
+        state.write_target(out, taken.view(b), on_device)
         if state.pending is not None:
-            state.pending.append(greedy, out[C.AUX_HIDDEN], None, torch.where(on_device, accepted + 1, 0))
-        state.lens = torch.where(on_device, state.lens + accepted + 1, state.lens)
-        state.last_token = torch.where(on_device, greedy.gather(1, accepted[:, None])[:, 0], state.last_token)
+            state.pending.append(greedy, out[C.AUX_HIDDEN], None, taken.view(b))
+        state.lens = state.lens + taken.view(b)
+        state.last_token = torch.where(on_device, greedy.gather(1, accepted).view(b), state.last_token)
         read = time.perf_counter()  # the one host read: it waits for everything queued above
-        rows = torch.cat([accepted[:, None], greedy], dim=1).tolist()
+        rows = torch.cat([accepted, greedy], dim=1).tolist()
         self.timings.verify += time.perf_counter() - read
         emitted = [row[1:row[0] + 2] for row in rows]
         for i, a in enumerate(alive):
@@ -562,9 +564,10 @@ class SpeculativeRuntime:
 
     def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify", read=True):
         """One target call; `read`: its greedy ids (and logits) copied to the host."""
-        feeds = {C.INPUT_IDS: ids.to(self.device), C.POSITIONS: positions.to(self.device),
-                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device),
-                 C.TREE_MASK: tree_mask.to(self.device)}
+        device = state.target_k.device
+        feeds = {C.INPUT_IDS: _to(ids, device), C.POSITIONS: _to(positions, device),
+                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: _to(cache_lens, device),
+                 C.TREE_MASK: _to(tree_mask, device)}
         start = time.perf_counter()
         out = self.backend.target(feeds, need_logits=need_logits)
         # timed to the copy of its ids to the host, which waits for a GPU's queued work: what the call costs
@@ -581,9 +584,10 @@ class SpeculativeRuntime:
         ids, aux, num_valid = state.pending.take(alive, live, self.drafter_width)
         # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
         # on an fp16 base beside an fp32 drafter).
-        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux.to(self.backend.drafter_dtype), C.NUM_VALID: num_valid,
+        dtype = self.backend.drafter_dtype
+        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype), C.NUM_VALID: num_valid,
                  C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
-                 C.CACHE_LENS: state.draft_lens.to(self.device)}
+                 C.CACHE_LENS: _to(state.draft_lens, state.draft_k.device)}
         if state.sampling:
             feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
             feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.backend.num_nodes, generator=state.rng).to(self.device)
@@ -598,7 +602,8 @@ class SpeculativeRuntime:
         """The drafter over every pending row of the live sequences -> its tree: node ids [B,N],
         parents [B,N] (a chain graph's are implied: node i's parent is i-1), each node's probability
         under its parent's distribution, and the distributions when sampling."""
-        out, _ = self._call_drafter(state, live.tolist(), state.on_device(live))
+        alive = live.tolist()
+        out, _ = self._call_drafter(state, alive, state.on_device(alive))
         start = time.perf_counter()
         nodes = out[C.DRAFT_IDS].cpu()  # (waits for a GPU's queued work: timed with the call)
         self.timings.draft += time.perf_counter() - start
@@ -689,12 +694,12 @@ class _State:
         self.started = time.perf_counter()
         self._on_device = {}  # live masks copied to the device, by their values
 
-    def on_device(self, live: torch.Tensor) -> torch.Tensor:
-        """The host's bool mask `live` on the device, copied once per distinct mask (a copy to a GPU
-        from the host's memory would wait for the queued work, like a read)."""
-        key = tuple(live.tolist())
+    def on_device(self, alive: list[bool]) -> torch.Tensor:
+        """The live mask `alive` as a bool tensor on the device, copied once per distinct mask (a copy to
+        a GPU from the host's memory would wait for the queued work, like a read)."""
+        key = tuple(alive)
         if key not in self._on_device:
-            self._on_device[key] = live.to(self.runtime.device, non_blocking=True)
+            self._on_device[key] = torch.tensor(key).to(self.runtime.device, non_blocking=True)
         return self._on_device[key]
 
     def _slots(self, needed):
@@ -786,13 +791,13 @@ class _PendingRows:
         verify call's row rows[b, i] (None: row i), the row that predicted it. All R go to the slots
         after its count (past added[b] they are padding): two scatters for the whole batch, no host
         read. The host's counts follow with `added`."""
-        device, width = self.aux.device, tokens.shape[1]
+        device, (b, width), a = self.aux.device, tokens.shape, aux.shape[2]
         self._fit(max(self.host) + width)
-        slots = self.count[:, None] + torch.arange(width, device=device)
-        self.ids.scatter_(1, slots, tokens.to(device))
-        source = aux[:, :width] if rows is None else aux.gather(1, rows.to(device)[:, :, None].expand(-1, -1, aux.shape[2]))
-        self.aux.scatter_(1, slots[:, :, None].expand(-1, -1, aux.shape[2]), source)
-        self.count = self.count + added.to(device)
+        slots = self.count.view(b, 1) + _arange(width, device)
+        self.ids.scatter_(1, slots, _to(tokens, device))
+        source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
+        self.aux.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
+        self.count = self.count + _to(added, device)
 
     def added(self, counts: list[int]) -> None:
         """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
@@ -808,6 +813,18 @@ class _PendingRows:
         self.count = torch.where(live, 0, self.count)
         self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
         return self.ids[:, :width], self.aux[:, :width], num_valid
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself where it is already (each torch call, even one that does nothing,
+    is host time in every round)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """[0, n) on `device`, made once: callers must not write into it."""
+    return torch.arange(n, device=device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -832,11 +849,10 @@ def _write_rows(keys, values, out, starts, counts, live):
     counts[b], or a sequence not live) writes back what its slot held. Slots past the cache view are
     clamped into it; a live sequence's rows always fit (`_State.reserve`), so a row written back never
     shares a slot with a committed one."""
-    device = keys.device
-    rows = torch.arange(out[C.NEW_KEY].shape[3], device=device)
-    starts, counts, live = starts.to(device), counts.to(device), live.to(device)
-    slots = (starts[:, None] + rows).clamp(max=keys.shape[3] - 1)[None, :, None, :, None]   # [1,B,1,R,1]
-    keep = ((rows < counts[:, None]) & live[:, None])[None, :, None, :, None]
+    device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
+    rows = _arange(r, device)
+    slots = (_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r, 1)
+    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r, 1)
     for cache, new in ((keys, out[C.NEW_KEY]), (values, out[C.NEW_VALUE])):
         index = slots.expand(*new.shape)
         cache.scatter_(3, index, torch.where(keep, new, cache.gather(3, index)))

@@ -289,9 +289,9 @@ def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor | None, g
         return (torch.zeros(batch, dtype=torch.int64, device=greedy.device),
                 torch.zeros(batch, 0, dtype=torch.int64, device=greedy.device))
     if parents is None:
-        accepted = (node_ids == greedy[:, :n]).long().cumprod(1).sum(1)
+        accepted = (node_ids == greedy[:, :n]).cumprod(1).sum(1)
         index = torch.arange(n, device=node_ids.device)
-        return accepted, torch.where(index < accepted[:, None], index, -1)
+        return accepted, torch.where(index < accepted.view(batch, 1), index, -1)
     parent_rows = (parents + 1).clamp_min(0)
     match = node_ids == greedy.gather(1, parent_rows)                       # [B,N]
     ancestors = ancestor_mask(parents)                                      # [B,N,N]
