@@ -73,13 +73,12 @@ def stale_aux_row(runtime_module):
 
     original = runtime_module._PendingRows.append
 
-    def append(self, tokens, aux, rows=None):
-        newest = {b: len(self.ids[b]) + len(new) - 1 for b, new in enumerate(tokens) if new}
-        held = {b: self.aux[b, n].clone() if n < self.aux.shape[1] else torch.zeros_like(self.aux[b, 0])
-                for b, n in newest.items()}
-        original(self, tokens, aux, rows)
-        for b, value in held.items():
-            self.aux[b, newest[b]] = value
+    def append(self, tokens, aux, rows, added):
+        newest, width, batch = self.count + added - 1, self.aux.shape[1], torch.arange(len(self.count))
+        held = torch.where((newest < width)[:, None], self.aux[batch, newest.clamp(0, width - 1)], 0)
+        original(self, tokens, aux, rows, added)
+        fresh = added > 0
+        self.aux[batch[fresh], newest[fresh]] = held[fresh]
     return "_PendingRows.append", append
 
 

@@ -32,6 +32,17 @@ has k+1 tokens). A round without a drafter call is a plain decoding step. The dr
 verify call appends its accepted rows there and the next drafter call consumes them all, so after
 plain steps the drafter catches up in one call of more rows. Greedy output is the target's own
 whatever k is: the accepted drafts are exactly those equal to the target's argmax.
+
+Every round's state lives on the backend's device (lengths, last tokens, pending drafter rows, cache
+writes: whole-batch tensor operations, no per-sequence loop), and the common case runs the whole round
+there (`_device_round`): greedy decoding of a chain under the fixed policy (every round drafts and
+verifies all K drafts) and plain decoding. There the host makes one drafter call, one target call and
+ONE device -> host read a round, [accepted count, the target's greedy ids] per sequence, which it needs
+to emit tokens and test EOS, stop strings and the limits; acceptance (the longest prefix of drafts equal
+to the target's argmax), the cache commits, the next root token, the lengths and the drafter's next
+rows (for a chain: the target's greedy ids and aux states as they are, `accepted + 1` of them valid)
+are computed on the device, queued behind the graphs. The other cases (sampling, trees, a policy that
+chooses k from the drafts' probabilities) read the drafts and the target's ids on the host as before.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ from ..speculation.tree import greedy_accepted_path
 from .backends import Backend
 from .costs import CostCache, CostCurves, measure
 from .generation import GenerationConfig, is_int
-from .verify_policy import check_policy, make_policy
+from .verify_policy import FixedDepth, check_policy, make_policy
 
 STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
 
@@ -107,7 +118,10 @@ class Timings:
     """Seconds in graph calls (prefill: the target's prompt pass) and in total; host is the rest.
     `plain_round_s` holds the seconds of each round that called no drafter (plain decoding's steps, a
     speculative stream's k = 0 rounds and its last steps near the limit), host work included: what one
-    token costs without speculation, measured the same way in both kinds of stream."""
+    token costs without speculation, measured the same way in both kinds of stream. A device round's
+    one host read waits for the work queued before it (on a GPU: the drafter's graph, the target's,
+    acceptance and commits) and that wait is counted as verify: there a drafter call's seconds are its
+    launch, and host is the host's own work."""
 
     prefill: float = 0.0
     draft: float = 0.0
@@ -193,6 +207,7 @@ class SpeculativeRuntime:
         self.timings = Timings()
         # Caches grow in steps of this many slots as the sequences do (see _State.reserve).
         self.cache_step = 64
+        self._chain_masks = {}  # (batch, width) -> a chain verify call's mask and row offsets (_chain_mask)
 
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
@@ -272,10 +287,10 @@ class SpeculativeRuntime:
             yield from self._prefill(state)
             last_full_round = state.capacity - self.depth - 1  # the longest sequence a full round fits
             while state.active.any():
-                if int(state.lens.max()) <= last_full_round:  # every round but the last few: all fit
+                if max(state.host_lens) <= last_full_round:  # every round but the last few: all fit
                     yield from self._round(state, state.active, policy, policy.should_draft(state.active))
                     continue
-                near_limit = state.active & (state.lens > last_full_round)
+                near_limit = state.active & (torch.tensor(state.host_lens) > last_full_round)
                 spec = state.active & ~near_limit
                 if spec.any():
                     yield from self._round(state, spec, policy, policy.should_draft(spec))
@@ -350,7 +365,15 @@ class SpeculativeRuntime:
         state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
         b = len(prompts)
         state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
+        state.device_rounds = self._device_rounds(state)
         return state
+
+    def _device_rounds(self, state) -> bool:
+        """Whether every round of this stream runs on the device (`_device_round`): greedy, and plain
+        decoding (no policy) or the fixed policy over a chain (every round drafts and verifies all K
+        drafts, so nothing about the drafts is decided on the host)."""
+        return not state.sampling and (state.policy is None or (
+            type(state.policy) is FixedDepth and self.backend.speculation.is_chain))
 
     def _policy(self, name, batch: int, costs):
         """The verify policy of a stream: a policy object as it is; a named one kept per batch size (its
@@ -388,19 +411,27 @@ class SpeculativeRuntime:
         first = self._pick(state, out, last)
         events = state.emit([[int(t)] for t in first], state.active.tolist())
         state.lens += prompt_lens
+        state.host_lens = state.lens.tolist()
         if draft:  # the drafter's rows: token p+1 with aux p, for every prompt position
             shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
             shifted[torch.arange(b), last] = first
             state.pending = _PendingRows(shifted, out[C.AUX_HIDDEN], prompt_lens)
             state.draft_lens = torch.zeros(b, dtype=torch.int64)
         state.last_token = first
+        if state.device_rounds:  # the round's state moves to the device once (a no-op on the CPU)
+            state.lens, state.last_token = state.lens.to(self.device), state.last_token.to(self.device)
+            state.no_accepts = torch.zeros(b, 1, dtype=torch.int64, device=self.device)  # a plain step's
+            state.draft_lens = None if state.draft_lens is None else state.draft_lens.to(self.device)
         yield from events
 
     def _round(self, state, live, policy=None, drafted=False):
         """One target call for the `live` sequences over [last token, the part of the drafter's tree the
         policy keeps] (menu entry j of `tree.nested_subtrees`, chosen after the drafter call); without a
         drafter call (drafted False) a plain step. A chain is the tree whose node i has parent i-1: one
-        path serves both."""
+        path serves both. A stream whose rounds all run on the device takes `_device_round` instead."""
+        if state.device_rounds:
+            yield from self._device_round(state, live, policy, drafted)
+            return
         start = time.perf_counter()
         b = len(state.prompts)
         state.reserve(int(state.lens[live].max()) + self.depth + 1)
@@ -454,49 +485,128 @@ class SpeculativeRuntime:
                     state.stats[i].draft_calls += drafted
         events = state.emit(emitted, alive)
         if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
-            state.pending.append([emitted[i] if alive[i] else [] for i in range(b)], out[C.AUX_HIDDEN],
-                                 None if plain else rows)
+            tokens = torch.cat([path_ids[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None],
+                                                                                   next_token[:, None])
+            state.pending.append(tokens, out[C.AUX_HIDDEN], None if plain else rows, torch.where(live, accepted + 1, 0))
+            state.pending.added([c + 1 if a else 0 for c, a in zip(counts, alive)])
         if policy is not None:
             policy.observe(j, accepted, live, drafted, emitted)
         state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
+        state.host_lens = state.lens.tolist()
         state.last_token = torch.where(live, next_token, state.last_token)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
 
+    def _device_round(self, state, live, policy=None, drafted=False):
+        """`_round` for a greedy chain under the fixed policy, or a plain step, on the device: one drafter
+        call, one target call over [last token, the K drafts], and one host read of [accepted, greedy ids]
+        per sequence. With the drafts d_1..d_K and the target's argmax g_0..g_K at the call's rows, a is
+        the number of leading i with d_i == g_{i-1}; the sequence emits g_0..g_a (the accepted drafts
+        are g_0..g_{a-1}, then the target's own token g_a), its cache takes the call's rows 0..a at its
+        length, its next root is g_a, and the drafter's next rows are (g_i, the call's aux state at row
+        i) for i <= a: the call's outputs as they are, a + 1 rows valid. Near the context limit the
+        stream's plain steps come here too (those sequences never draft again)."""
+        start = time.perf_counter()
+        b, alive = len(state.prompts), live.tolist()
+        on_device = state.on_device(alive)
+        state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
+        verify_ids = state.last_token[:, None]
+        if drafted:
+            out, _ = self._call_drafter(state, alive, on_device)
+            nodes = out[C.DRAFT_IDS]
+            if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
+                depths = torch.arange(1, nodes.shape[1] + 1).expand(b, -1)
+                nodes = state.synthetic.replace(depths - 2, depths, [len(g) for g in state.generated])[0]
+                nodes = nodes.to(self.device, non_blocking=True)
+            verify_ids = torch.cat([verify_ids, nodes], dim=1)
+        mask, offsets = self._chain_mask(b, verify_ids.shape[1])
+        out = self._target(state, verify_ids, state.lens[:, None] + offsets, state.lens, mask, False, read=False)
+        greedy = out[C.GREEDY_IDS]
+        accepted = greedy_accepted_path(nodes, None, greedy)[0].view(b, 1) if drafted else state.no_accepts
+        taken = torch.where(on_device.view(b, 1), accepted + 1, 0)             # [B,1]: rows each sequence keeps
+        state.write_target(out, taken.view(b), on_device)
+        if state.pending is not None:
+            state.pending.append(greedy, out[C.AUX_HIDDEN], None, taken.view(b))
+        state.lens = state.lens + taken.view(b)
+        state.last_token = torch.where(on_device, greedy.gather(1, accepted).view(b), state.last_token)
+        read = time.perf_counter()  # the one host read: it waits for everything queued above
+        rows = torch.cat([accepted, greedy], dim=1).tolist()
+        self.timings.verify += time.perf_counter() - read
+        emitted = [row[1:row[0] + 2] for row in rows]
+        for i, a in enumerate(alive):
+            if a:
+                state.host_lens[i] += rows[i][0] + 1
+        if state.pending is not None:
+            state.pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
+        if policy is not None:  # (the fixed policy learns nothing: it is not told)
+            for i, a in enumerate(alive):
+                if a:
+                    stats = state.stats[i]
+                    stats.accepted.append(rows[i][0])
+                    stats.depths.append(verify_ids.shape[1] - 1)
+                    stats.widths.append(verify_ids.shape[1])
+                    stats.draft_calls += drafted
+        events = state.emit(emitted, alive)
+        if not drafted:
+            self.timings.plain_round_s.append(time.perf_counter() - start)
+        yield from events
+
+    def _chain_mask(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain's verify call of `width` tokens: its tree_mask (causal) and each row's offset from
+        the root's position, on the device, made once per (batch, width)."""
+        if (batch, width) not in self._chain_masks:
+            self._chain_masks[batch, width] = (tree.verify_mask(_chain(width - 1).expand(batch, -1)).to(self.device),
+                                               torch.arange(width, device=self.device))
+        return self._chain_masks[batch, width]
+
     # ------------------------------------------------------------ graph calls
 
-    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify"):
-        feeds = {C.INPUT_IDS: ids.to(self.device), C.POSITIONS: positions.to(self.device),
-                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: cache_lens.to(self.device),
-                 C.TREE_MASK: tree_mask.to(self.device)}
+    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify", read=True):
+        """One target call; `read`: its greedy ids (and logits) copied to the host."""
+        device = state.target_k.device
+        feeds = {C.INPUT_IDS: _to(ids, device), C.POSITIONS: _to(positions, device),
+                 C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: _to(cache_lens, device),
+                 C.TREE_MASK: _to(tree_mask, device)}
         start = time.perf_counter()
         out = self.backend.target(feeds, need_logits=need_logits)
         # timed to the copy of its ids to the host, which waits for a GPU's queued work: what the call costs
-        out = {name: t.cpu() if name in (C.GREEDY_IDS, C.LOGITS) else t for name, t in out.items()}
+        # (logits only when asked for: a graph that returns them anyway keeps them on the device)
+        if read:
+            copied = (C.GREEDY_IDS, C.LOGITS) if need_logits else (C.GREEDY_IDS,)
+            out = {name: t.cpu() if name in copied else t for name, t in out.items()}
         setattr(self.timings, phase, getattr(self.timings, phase) + time.perf_counter() - start)
         return out
 
-    def _draft(self, state, live):
-        """The drafter over every pending row of the live sequences -> its tree: node ids [B,N],
-        parents [B,N] (a chain graph's are implied: node i's parent is i-1), each node's probability
-        under its parent's distribution, and the distributions when sampling."""
-        ids, aux, num_valid = state.pending.take(live, self.drafter_width)
+    def _call_drafter(self, state, alive: list[bool], live):
+        """The drafter over every pending row of the live sequences (`live` on the device), its new
+        K/V rows committed -> (its outputs, num_valid [B])."""
+        ids, aux, num_valid = state.pending.take(alive, live, self.drafter_width)
         # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
         # on an fp16 base beside an fp32 drafter).
-        feeds = {C.INPUT_IDS: ids.to(self.device), C.AUX_HIDDEN: aux.to(self.backend.drafter_dtype),
-                 C.NUM_VALID: num_valid.to(self.device),
+        dtype = self.backend.drafter_dtype
+        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype), C.NUM_VALID: num_valid,
                  C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
-                 C.CACHE_LENS: state.draft_lens.to(self.device)}
+                 C.CACHE_LENS: _to(state.draft_lens, state.draft_k.device)}
         if state.sampling:
             feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
             feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.backend.num_nodes, generator=state.rng).to(self.device)
         start = time.perf_counter()
         out = self.backend.drafter(feeds, sampling=state.sampling)
+        self.timings.draft += time.perf_counter() - start
+        state.write_drafter(out, num_valid, live, ids.shape[1])
+        state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
+        return out, num_valid
+
+    def _draft(self, state, live):
+        """The drafter over every pending row of the live sequences -> its tree: node ids [B,N],
+        parents [B,N] (a chain graph's are implied: node i's parent is i-1), each node's probability
+        under its parent's distribution, and the distributions when sampling."""
+        alive = live.tolist()
+        out, _ = self._call_drafter(state, alive, state.on_device(alive))
+        start = time.perf_counter()
         nodes = out[C.DRAFT_IDS].cpu()  # (waits for a GPU's queued work: timed with the call)
         self.timings.draft += time.perf_counter() - start
-        state.write_drafter(out, num_valid, live)
-        state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
         state.chain = C.DRAFT_PARENTS not in out  # a chain graph's parents are implied
         parents = _chain(nodes.shape[1]).expand(len(nodes), -1) if state.chain else out[C.DRAFT_PARENTS].cpu()
         token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
@@ -572,6 +682,7 @@ class _State:
         self.capacity = runtime.capacity(prompts, config.max_new_tokens)
         self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self._slots(longest + k + 1))
         self.lens = torch.zeros(b, dtype=torch.int64)
+        self.host_lens = [0] * b  # lens as the host knows it (from each round's read), for what the host decides
         self.draft_lens = None
         self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
         self.synthetic: SyntheticDrafts | None = None  # replaces the drafter's drafts (measurement only)
@@ -581,6 +692,15 @@ class _State:
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
         self.started = time.perf_counter()
+        self._on_device = {}  # live masks copied to the device, by their values
+
+    def on_device(self, alive: list[bool]) -> torch.Tensor:
+        """The live mask `alive` as a bool tensor on the device, copied once per distinct mask (a copy to
+        a GPU from the host's memory would wait for the queued work, like a read)."""
+        key = tuple(alive)
+        if key not in self._on_device:
+            self._on_device[key] = torch.tensor(key).to(self.runtime.device, non_blocking=True)
+        return self._on_device[key]
 
     def _slots(self, needed):
         return self.runtime.cache_slots(needed, self.capacity)
@@ -604,7 +724,10 @@ class _State:
     def write_target(self, out, counts, live):
         _write_rows(self.target_k, self.target_v, out, self.lens, counts, live)
 
-    def write_drafter(self, out, counts, live):
+    def write_drafter(self, out, counts, live, rows: int):
+        """The drafter's first `counts` rows of its `rows` input rows (the rows after them are its later
+        steps', never committed)."""
+        out = {name: out[name][:, :, :, :rows] for name in (C.NEW_KEY, C.NEW_VALUE)}
         _write_rows(self.draft_k, self.draft_v, out, self.draft_lens, counts, live)
 
     def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
@@ -647,46 +770,61 @@ class _State:
 
 
 class _PendingRows:
-    """The drafter's input rows it has not consumed yet, per sequence: token ids (Python lists: a
-    round's append then needs no torch call for them) and aux states aux [B,W,A]. Verify calls append;
-    a drafter call takes all rows of the live sequences (the others never draft again: they finished
-    or finish token by token, so their rows are never read)."""
+    """The drafter's input rows it has not consumed yet, on the device: token ids [B,W], aux states
+    [B,W,A] and each sequence's count [B] (its first count rows are real; the rest is padding, which
+    an append may overwrite), and the counts as the host knows them (`host`: the drafter's width,
+    without a read). Verify calls append; a drafter call takes all rows of the live sequences (the
+    others never draft again: they finished or finish token by token, so their rows are never read)."""
 
     def __init__(self, ids, aux, count):
-        self.ids = [row[:n] for row, n in zip(ids.tolist(), count.tolist())]
-        self.aux = aux.clone()  # ours to write into
+        self.ids, self.aux = ids.to(aux.device), aux.clone()  # ours to write into
+        self.count, self.host = count.to(aux.device), count.tolist()
 
     def _fit(self, width):
         if width > self.aux.shape[1]:  # grow by doubling: plain steps add one row at a time
             grow = max(width, 2 * self.aux.shape[1]) - self.aux.shape[1]
+            self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
             self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
 
-    def append(self, tokens: list[list[int]], aux, rows=None):
-        """Sequence b's new rows: the tokens tokens[b] (its accepted drafts, then the target's next
-        token), the i-th beside the aux state of the verify call's row rows[b, i] (None: row i), the
-        row that predicted it. One indexed copy for the whole batch."""
-        picked = rows.tolist() if rows is not None else None
-        batch, source, slot = [], [], []
-        for b, new in enumerate(tokens):
-            batch += [b] * len(new)
-            source += picked[b][:len(new)] if picked is not None else range(len(new))
-            slot += range(len(self.ids[b]), len(self.ids[b]) + len(new))
-            self.ids[b].extend(new)
-        if batch:
-            self._fit(max(slot) + 1)
-            batch, source, slot = torch.tensor([batch, source, slot]).to(aux.device)
-            self.aux[batch, slot] = aux[batch, source]
+    def append(self, tokens, aux, rows, added):
+        """Sequence b's next added[b] rows: tokens[b, i] [B,R], the i-th beside the aux state of the
+        verify call's row rows[b, i] (None: row i), the row that predicted it. All R go to the slots
+        after its count (past added[b] they are padding): two scatters for the whole batch, no host
+        read. The host's counts follow with `added`."""
+        device, (b, width), a = self.aux.device, tokens.shape, aux.shape[2]
+        self._fit(max(self.host) + width)
+        slots = self.count.view(b, 1) + _arange(width, device)
+        self.ids.scatter_(1, slots, _to(tokens, device))
+        source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
+        self.aux.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
+        self.count = self.count + _to(added, device)
 
-    def take(self, live, width_for=lambda rows: rows):
+    def added(self, counts: list[int]) -> None:
+        """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
+        self.host = [h + n for h, n in zip(self.host, counts)]
+
+    def take(self, alive: list[bool], live, width_for=lambda rows: rows):
         """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid):
-        ids [B,W], aux [B,W,A], num_valid [B] (at least 1: a finished sequence's row is padding)."""
-        alive = live.tolist()
-        width = width_for(max(len(row) for row, keep in zip(self.ids, alive) if keep))
+        ids [B,W], aux [B,W,A], num_valid [B] (at least 1: a finished sequence's row is padding).
+        alive: the live mask as a list, live: on the device."""
+        width = width_for(max(h for h, keep in zip(self.host, alive) if keep))
         self._fit(width)
-        ids = torch.tensor([row[:width] + [0] * (width - len(row)) for row in self.ids])
-        num_valid = torch.tensor([min(max(len(row), 1), width) for row in self.ids])
-        self.ids = [[] if keep else row for row, keep in zip(self.ids, alive)]
-        return ids, self.aux[:, :width].contiguous(), num_valid
+        num_valid = self.count.clamp(1, width)
+        self.count = torch.where(live, 0, self.count)
+        self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
+        return self.ids[:, :width], self.aux[:, :width], num_valid
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself where it is already (each torch call, even one that does nothing,
+    is host time in every round)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """[0, n) on `device`, made once: callers must not write into it."""
+    return torch.arange(n, device=device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -706,8 +844,15 @@ def _gather_rows(out, rows):
 
 def _write_rows(keys, values, out, starts, counts, live):
     """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
-    cache write the runtime does (rejected rows are simply never written)."""
-    new_keys, new_values = out[C.NEW_KEY], out[C.NEW_VALUE]
-    for b, n, c in zip(live.nonzero()[:, 0].tolist(), starts[live].tolist(), counts[live].tolist()):
-        keys[:, b, :, n:n + c] = new_keys[:, b, :, :c]
-        values[:, b, :, n:n + c] = new_values[:, b, :, :c]
+    cache write the runtime does (rejected rows are simply never written). On the caches' device
+    without a host read: row r of sequence b goes to slot starts[b] + r, and a row not committed (r >=
+    counts[b], or a sequence not live) writes back what its slot held. Slots past the cache view are
+    clamped into it; a live sequence's rows always fit (`_State.reserve`), so a row written back never
+    shares a slot with a committed one."""
+    device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
+    rows = _arange(r, device)
+    slots = (_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r, 1)
+    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r, 1)
+    for cache, new in ((keys, out[C.NEW_KEY]), (values, out[C.NEW_VALUE])):
+        index = slots.expand(*new.shape)
+        cache.scatter_(3, index, torch.where(keep, new, cache.gather(3, index)))

@@ -272,10 +272,12 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(parents).sum(-1)
 
 
-def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: torch.Tensor
+def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor | None, greedy: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over a tree: node_ids [B,N], parents [B,N], greedy [B,N+1] (the target's
     argmax at the verify call's rows: row 0 the root, row i+1 node i) -> (accepted [B], path [B,D]).
+    parents None: a chain (node i's parent is i-1), answered on the tensors' device without a host
+    read: accepted = the number of leading ones of [node_i == greedy_i], path[b, i] = i below it.
 
     Node i matches when its token equals the target's argmax at its parent's row; it is accepted when
     it and all its ancestors match. The accepted path is the ancestry of the deepest accepted node
@@ -284,7 +286,12 @@ def greedy_accepted_path(node_ids: torch.Tensor, parents: torch.Tensor, greedy: 
     equals the target's argmax at the same rows."""
     batch, n = node_ids.shape
     if n == 0:  # a plain decoding step: nothing to accept
-        return torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, 0, dtype=torch.int64)
+        return (torch.zeros(batch, dtype=torch.int64, device=greedy.device),
+                torch.zeros(batch, 0, dtype=torch.int64, device=greedy.device))
+    if parents is None:
+        accepted = (node_ids == greedy[:, :n]).cumprod(1).sum(1)
+        index = torch.arange(n, device=node_ids.device)
+        return accepted, torch.where(index < accepted.view(batch, 1), index, -1)
     parent_rows = (parents + 1).clamp_min(0)
     match = node_ids == greedy.gather(1, parent_rows)                       # [B,N]
     ancestors = ancestor_mask(parents)                                      # [B,N,N]
