@@ -186,6 +186,7 @@ def chi_square_p_value(target, drafter, prompt, seed):
     return chisquare(observed, expected).pvalue
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_rejection_sampling_preserves_the_target_distribution(sampling_models, monkeypatch):
     target, drafter = sampling_models
     prompt = [3, 1, 4]
