@@ -1037,6 +1037,7 @@ def test_a_quantized_build_without_recorded_prompts_skips_its_graph_checks(fp8_b
     assert "measured no tau" in skipped[T3]["detail"]
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_nvfp4_build_runs_its_lossless_loop_on_torch_over_its_graphs_weights(sources, tmp_path):
     """ONNX Runtime has no FP4 kernels: the loop runs on the torch backend over the NVFP4 weights read
     from the build's own graphs, and says so; nothing is skipped."""

@@ -142,11 +142,14 @@ def test_skip_conformance_builds_an_untrained_drafter_and_says_so_everywhere(cha
 def test_bring_your_own_model_route_end_to_end(tmp_path, monkeypatch):
     """The README's route on a tiny target: train-drafter -> build -> validate -> run -> export-checkpoint.
     The ShareGPT text is the real one (the word tokenizer reads most of it as w0): what is checked is
-    that each command takes the previous one's output, and that train-drafter states its quality."""
+    that each command takes the previous one's output, and that train-drafter states its quality.
+    Training stops at --tokens (a few optimizer steps: what is checked is the route, not how good the
+    drafter gets; without it the rest of the minute went to training, ~40 s of this test)."""
     target = transformers5_target(tmp_path / "target")
-    log = invoke("train-drafter", "--target", target, "-o", tmp_path / "drafter", "--minutes", 1)
+    log = invoke("train-drafter", "--target", target, "-o", tmp_path / "drafter", "--minutes", 1, "--tokens", 4096)
     summary = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
     assert f"held-out acc@1 {summary['acc@1']:.3f}" in log and summary["held_out_positions"] > 0
+    assert "stopping at step" in log and "min guard" not in log  # --tokens ended training, not the clock
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no work directory left behind
     refused = CliRunner().invoke(main, ["train-drafter", "--target", str(target), "-o", str(tmp_path / "drafter")])
     assert refused.exit_code == 2 and "already exists" in refused.output

@@ -450,15 +450,22 @@ def test_mismatched_pair_is_refused(tmp_path, dirs):
 
 # ---------------------------------------------------------------- the sample target
 
+@pytest.fixture(scope="module")
+def sample_with_drafter(sample_target, tmp_path_factory):
+    """The sample target (aux layers 2, 15, 27) and a random drafter of its width, loaded once for the
+    depths below (each test exports them and runs them; none changes them)."""
+    path = write_tiny_drafter(tmp_path_factory.mktemp("d"), "3.1", seed=0, target_hidden=576, vocab=49152,
+                              draft_vocab=4096, aux=(2, 15, 27), hidden_size=576, num_attention_heads=9,
+                              num_key_value_heads=3, intermediate_size=1536)
+    target = load_target(sample_target, aux_layer_ids=(2, 15, 27))
+    return target, load_drafter(path, target=target)
+
+
 @pytest.mark.sample
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [1, 4, 8])
-def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_target, depth):
-    path = write_tiny_drafter(tmp_path / "d", "3.1", seed=0, target_hidden=576, vocab=49152, draft_vocab=4096,
-                              aux=(2, 15, 27), hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                              intermediate_size=1536)
-    target = load_target(sample_target, aux_layer_ids=(2, 15, 27))
-    drafter = load_drafter(path, target=target)
+def test_sample_target_and_drafter_onnx_match_torch(tmp_path, sample_with_drafter, depth):
+    target, drafter = sample_with_drafter
     if depth == 4:
         export_target(target, tmp_path / "target.onnx", return_logits=True)
         spec = C.target_graph(target.config, 3, True)

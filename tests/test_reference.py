@@ -186,6 +186,7 @@ def chi_square_p_value(target, drafter, prompt, seed):
     return chisquare(observed, expected).pvalue
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_rejection_sampling_preserves_the_target_distribution(sampling_models, monkeypatch):
     target, drafter = sampling_models
     prompt = [3, 1, 4]
@@ -227,7 +228,9 @@ SAMPLE_DRAFTERS = ("eagle3-smollm2-135m", "eagle3.1-smollm2-135m")
 @pytest.mark.slow
 def test_sample_drafters_are_lossless_on_the_sample_target(sample_target):
     """Each committed drafter loads against the sample target, and greedy speculative decoding
-    reproduces target-only greedy decoding on 20 MT-bench prompts."""
+    reproduces target-only greedy decoding on 8 MT-bench prompts. Losslessness is per round, not per
+    prompt: 8 prompts x 16 tokens give each drafter dozens of verify rounds (20 prompts took 150 s
+    on 2 cores)."""
     from pathlib import Path
 
     from eagle_export.data.prompts import ChatTemplate, mtbench_prompts, user_turns
@@ -236,7 +239,7 @@ def test_sample_drafters_are_lossless_on_the_sample_target(sample_target):
     target = load_target(sample_target)
     template = ChatTemplate(sample_target)
     eos = (target.config.eos_token_id,)
-    prompts = [template.encode_chat(m) for m in user_turns(mtbench_prompts()[:20])]
+    prompts = [template.encode_chat(m) for m in user_turns(mtbench_prompts()[:8])]
     expected = [target.generate_greedy(p, 16, eos) for p in prompts]
     for name in SAMPLE_DRAFTERS:
         drafter = load_drafter(samples / name, target=target, dtype=torch.float32)

@@ -196,19 +196,13 @@ def test_drafted_trees_verified_in_one_call_are_lossless(target, drafter, specul
     assert all(d == speculation.depth if static else 1 <= d <= speculation.depth for r in results for d in r.stats.depths)
 
 
-@pytest.mark.sample
-@pytest.mark.slow
-@pytest.mark.parametrize("speculation", [TreeShape.from_branching([4, 2, 1]), DynamicTree(top_k=8, depth=3, nodes=16)],
-                         ids=["static", "dynamic"])
-def test_trees_on_the_sample_pair_are_lossless_at_batch_1_and_2(sample_target, speculation):
-    """The sample pair (SmolLM2-135M and the shipped EAGLE-3.1 drafter) with tree graphs, whole trees
-    verified every round: greedy output equals the target's own, alone and in a batch of two."""
+@pytest.fixture(scope="module")
+def sample_pair(sample_target):
+    """The sample pair (SmolLM2-135M and the shipped EAGLE-3.1 drafter), 3 MT-bench prompts and the
+    target's own greedy output for each: loaded and decoded once for both trees (the tests only read them)."""
     from pathlib import Path
 
     from eagle_export.data.prompts import ChatTemplate, mtbench_prompts, user_turns
-    from eagle_export.export.unrolled import TargetGraph
-    from eagle_export.runtime.backends import TorchBackend
-    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 
     target = load_target(sample_target)
     drafter = load_drafter(Path(__file__).resolve().parent.parent / "eagle_export" / "samples" / "eagle3.1-smollm2-135m",
@@ -216,9 +210,24 @@ def test_trees_on_the_sample_pair_are_lossless_at_batch_1_and_2(sample_target, s
     template = ChatTemplate(sample_target)
     eos = (target.config.eos_token_id,)
     prompts = [template.encode_chat(m) for m in user_turns(mtbench_prompts()[:3])]
+    return target, drafter, prompts, eos, [target.generate_greedy(p, 24, eos) for p in prompts]
+
+
+@pytest.mark.sample
+@pytest.mark.slow
+@pytest.mark.parametrize("speculation", [TreeShape.from_branching([4, 2, 1]), DynamicTree(top_k=8, depth=3, nodes=16)],
+                         ids=["static", "dynamic"])
+def test_trees_on_the_sample_pair_are_lossless_at_batch_1_and_2(sample_pair, speculation):
+    """The sample pair with tree graphs, whole trees verified every round: greedy output equals the
+    target's own, alone and in a batch of two."""
+    from eagle_export.export.unrolled import TargetGraph
+    from eagle_export.runtime.backends import TorchBackend
+    from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+
+    target, drafter, prompts, eos, expected = sample_pair
     backend = TorchBackend(TargetGraph(target, False), UnrolledDrafter(drafter, speculation, False))
     runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=512, verify_policy="fixed")
     config = GenerationConfig(max_new_tokens=24, eos_ids=eos)
     results = runtime.generate(prompts[:1], config) + runtime.generate(prompts[1:], config)
-    assert [r.tokens for r in results] == [target.generate_greedy(p, 24, eos) for p in prompts]
+    assert [r.tokens for r in results] == expected
     assert sum(sum(r.stats.accepted) for r in results) > 0
