@@ -477,12 +477,7 @@ class SpeculativeRuntime:
         counts, ids, nexts, alive = accepted.tolist(), path_ids.tolist(), next_token.tolist(), live.tolist()
         emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
         if policy is not None:
-            for i, depth in enumerate(verified_depth):
-                if alive[i]:
-                    state.stats[i].accepted.append(counts[i])
-                    state.stats[i].depths.append(depth)
-                    state.stats[i].widths.append(verify_ids.shape[1])
-                    state.stats[i].draft_calls += drafted
+            state.record(alive, counts, verified_depth, verify_ids.shape[1], drafted)
         events = state.emit(emitted, alive)
         if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
             tokens = torch.cat([path_ids[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None],
@@ -540,13 +535,8 @@ class SpeculativeRuntime:
         if state.pending is not None:
             state.pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
         if policy is not None:  # (the fixed policy learns nothing: it is not told)
-            for i, a in enumerate(alive):
-                if a:
-                    stats = state.stats[i]
-                    stats.accepted.append(rows[i][0])
-                    stats.depths.append(verify_ids.shape[1] - 1)
-                    stats.widths.append(verify_ids.shape[1])
-                    stats.draft_calls += drafted
+            width = verify_ids.shape[1]
+            state.record(alive, [row[0] for row in rows], [width - 1] * b, width, drafted)
         events = state.emit(emitted, alive)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
@@ -729,6 +719,16 @@ class _State:
         steps', never committed)."""
         out = {name: out[name][:, :, :, :rows] for name in (C.NEW_KEY, C.NEW_VALUE)}
         _write_rows(self.draft_k, self.draft_v, out, self.draft_lens, counts, live)
+
+    def record(self, alive: list[bool], accepted: list[int], depths: list[int], width: int, drafted: bool) -> None:
+        """A round's per-sequence statistics (live sequences only): drafts accepted, the deepest node
+        verified, the verify call's width, and whether the drafter was called."""
+        for stats, a, n, depth in zip(self.stats, alive, accepted, depths):
+            if a:
+                stats.accepted.append(n)
+                stats.depths.append(depth)
+                stats.widths.append(width)
+                stats.draft_calls += drafted
 
     def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
         """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
