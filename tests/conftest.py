@@ -9,6 +9,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # The interpreter runs tl.dot as numpy's matmul: on a shared 2-core machine BLAS threads spinning
 # against other processes made it 2x slower (the suite's torch code runs on torch's own threads).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Under pytest-xdist (`-n 2`, the README's command) each worker is one process on one core: torch's
+# own second thread would spin against the other worker. Set before torch is imported; subprocesses a
+# test starts inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
