@@ -34,7 +34,7 @@ from torch import nn
 from .. import kernels
 from ..errors import EagleExportError
 from ..models.contract import MAX_TREE_NODES
-from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph, plus
+from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph
 
 
 def refusal(problems: list[str]) -> EagleExportError:
@@ -110,12 +110,19 @@ def prefill(x) -> bool:
 
 class ExactLinear(nn.Linear):
     fuses_residual = True  # layers.plus hands it the skip connection: added in the kernel's epilogue
+    fuses_norm = True  # layers.prenorm hands it the RMSNorm before it: the rows normalized in its K loop
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, norm=None, up=None):
+        """x @ W^T (+ bias) (+ residual). norm (an RMSNorm): x's rows normalized first; up: x is the MLP's
+        gate, the input silu(x) * up. Both inside the kernel, bit for bit the RMSNorm and silu_mul kernels."""
+        ops = kernels.ops()
         if prefill(x):
+            x = x if norm is None else norm(x)
+            x = x if up is None else ops.silu_mul(x, up)
             y = nn.functional.linear(x, self.weight, self.bias)
             return y if residual is None else residual + y
-        return kernels.ops().linear(x, self.weight, self.bias, residual=residual)
+        return ops.linear(x, self.weight, self.bias, residual=residual,
+                          norm=None if norm is None else (norm.weight, norm.eps), up=up)
 
 
 class ExactRMSNorm(RMSNorm):
@@ -124,12 +131,11 @@ class ExactRMSNorm(RMSNorm):
 
 
 class ExactMLP(MLP):
-    def forward(self, x, residual=None):
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return plus(self.down_proj, kernels.ops().silu_mul(gate, up), residual)
+    """The activation in the down projection's prologue: silu(gate) * up per element as it is read."""
+
+    def forward(self, x, residual=None, norm=None):
+        gate, up = self.gate_up(x, norm)
+        return self.down_proj(gate, residual=residual, up=up)
 
 
 class ExactAttention(Attention):
@@ -137,11 +143,11 @@ class ExactAttention(Attention):
     projections wrote them (the attention kernel reads them there, no copy), Qwen3's qk-norm in the
     same launch where its gains are in the activations' dtype (else the RMSNorm kernel first)."""
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, norm=None):
         qn, kn = self.q_norm, self.k_norm
         fused = qn is not None and qn.weight is not None and kn.weight is not None and qn.eps == kn.eps \
             and qn.weight.dtype == kn.weight.dtype == cos.dtype
-        q, k, v = self.heads(x, norm=not fused)
+        q, k, v = self.heads(x, qk_norm=not fused, norm=norm)
         return *kernels.ops().rope(q, k, cos, sin, (qn.weight, kn.weight, qn.eps) if fused else None), v
 
 
