@@ -277,3 +277,38 @@ def test_only_a_call_wider_than_any_decoding_call_runs_torchs_gemms_and_attentio
         graph(ids, torch.arange(width)[None], *target.empty_cache(1, 0), torch.zeros(1, dtype=torch.int64),
               torch.ones(1, width, width, dtype=torch.bool).tril())
         assert len(calls) == kernel_calls, (width, calls)
+
+
+def test_the_norms_and_the_activation_ride_in_the_linear_kernels(monkeypatch):
+    """Bound, a tiny Llama pair launches no RMSNorm or silu_mul of its own where a linear layer follows
+    (fp32, the real kernels, counted): the target's input and post-attention norms in q/k/v's and
+    gate/up's prologue, the final norm in lm_head's, silu(gate) * up in down's. The drafter keeps three
+    RMSNorm launches a step, which cannot fuse: input_layernorm and hidden_norm (the attention reads their
+    concatenation) and its final norm (its output is also fed back, and the root's row is picked after
+    it). Target and drafter outputs within 1e-4 of torch's (relative to the largest), draft ids equal."""
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
+    graphs = TargetGraph(target, True), UnrolledDrafter(drafter, 2, False)
+    b, t, layers = 2, 3, len(target.layers)
+    target_args = (torch.randint(3, 500, (b, t)), torch.arange(t)[None].expand(b, -1), *target.empty_cache(b, 0),
+                   torch.zeros(b, dtype=torch.int64), torch.ones(b, t, t, dtype=torch.bool).tril())
+    drafter_args = (torch.randint(3, 500, (b, t)), torch.randn(b, t, target.aux_width), torch.tensor([t, 2]),
+                    *drafter.empty_cache(b, 0), torch.zeros(b, dtype=torch.int64))
+    before = graphs[0](*target_args), graphs[1](*drafter_args)
+    exact.bind(*graphs)
+    ops, calls = kernels.ops(), []
+    for name in ("linear", "rms_norm", "silu_mul"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name, **kw: calls.append(
+            (name, "norm" if kw.get("norm") else "up" if kw.get("up") is not None else "")) or real(*a, **kw))
+    bound = graphs[0](*target_args)
+    counts = {call: calls.count(call) for call in set(calls)}
+    assert counts == {("linear", "norm"): 2 * layers + 1, ("linear", "up"): layers, ("linear", ""): layers}
+    calls.clear()
+    bound = bound, graphs[1](*drafter_args)
+    counts = {call: calls.count(call) for call in set(calls)}
+    assert counts == {("rms_norm", ""): 3 * 2, ("linear", "norm"): 2, ("linear", "up"): 2, ("linear", ""): 2 * 3 + 1}
+    for got, want in zip(bound[0] + bound[1], before[0] + before[1]):
+        if want.is_floating_point():
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        else:
+            assert torch.equal(got, want)
