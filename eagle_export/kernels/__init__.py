@@ -8,8 +8,9 @@ Machines' batch_invariant_ops: a row's reduction order must be fixed by the laye
 
     linear     one tile configuration for every M (from the layer's shape and the card), a fixed order
                along K, no split-K chosen by M (a fixed K split by shape, added in split order)
-    rms_norm   one program per row (RMSNorm, and Qwen3's qk-norm over head_dim)
-    silu_mul   elementwise, fused
+    rms_norm   one program per row (RMSNorm, and Qwen3's qk-norm over head_dim), each row's sum of
+               squares in an order fixed by its length; also the prologue of the linear after it
+    silu_mul   elementwise, fused; also the prologue of the down projection
     attention  each row over its own visible keys in key order (the cache-first layout read
                through an index), fixed blocks, a fixed split SIZE, splits combined in order
     rope       q and k in one launch: torch's RoPE took ~10 small elementwise kernels a layer (slice,

@@ -5,10 +5,17 @@ tokens), so a row's bits are the same at every call width, batch size and place 
     linear     one tile configuration (linear_config: from the layer's shape and the card) for every
                M, fp32 accumulation along K in one fixed order; no split-K chosen by M (a layer with few
                output tiles splits K into a fixed number of parts, added in split order). Rows of one
-               tile never mix: an output element is a dot product of its own row.
-    rms_norm   a fixed number of rows per program (1 on a GPU), each row's sum of squares one
-               reduction of its own along a fixed-shape tile.
-    silu_mul   elementwise: silu(gate) rounded to the dtype, times up (torch's two roundings).
+               tile never mix: an output element is a dot product of its own row. Its prologue, on each
+               x tile as it is read (the weight still read once), can be an RMSNorm (`norm`: each row's
+               rstd over all of K first, in every program and K split, then x * rstd rounded, times
+               the gain, rounded) or the MLP's activation (`up`: silu(x) rounded, times up, rounded):
+               the RMSNorm or SiLU-mul before q/k/v, gate/up, lm_head or down without a launch of its
+               own, bit for bit the standalone kernel's output (the same @triton.jit helpers).
+    rms_norm   a fixed number of rows per program (1 on a GPU); each row's sum of squares in an order
+               fixed by its length alone (_rstd: NORM_BLOCK lanes, each adding its columns' squares in
+               turn, then added pairwise), never by a tl.sum's layout, which differs between kernels;
+               x * rstd rounded to the dtype, times the gain, rounded (torch's two roundings).
+    silu_mul   elementwise: silu(gate) rounded to the dtype, times up, rounded (torch's two roundings).
     attention  each query row reduces over its *own* visible keys, compacted in key order: the
                cache slots it sees, then the call's new keys it sees (its ancestors and itself in a
                tree). That is the cache-first layout (the call's K/V at the slots after the cache,

@@ -8,7 +8,12 @@ baseline and `validate`'s references then run the same kernels, and a position's
 bits whether it is row 0 of a one-token step or row j of a verify call (bf16, fp16, fp32).
 
 The residual adds ride in the o- and down-projections' epilogue (`layers.plus`): the product rounded,
-then the sum rounded, as torch's add (one launch a layer less each). Not swapped, and why that keeps
+then the sum rounded, as torch's add (one launch a layer less each). An RMSNorm read only by linear
+layers (the target's input and post-attention norms, its final norm before lm_head, the drafter's
+post-attention norm) rides in their prologue (`layers.prenorm`), and the MLP's silu(gate) * up in the
+down projection's: bit for bit the RMSNorm and SiLU-mul kernels, with no launch of their own. The
+drafter's input_layernorm and hidden_norm (its attention reads their concatenation) and its final
+norm (also fed back, and the root's row is picked after it) keep their launches. Not swapped, and why that keeps
 the property: embeddings (a gather), casts (elementwise, so per element the same ops at any width),
 and the drafter's softmax/top-k over its draft vocabulary (they choose drafts, which greedy
 verification accepts only where they equal the target's argmax). A diagnose tap on the attention
