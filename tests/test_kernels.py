@@ -388,6 +388,7 @@ def prologue_mismatches(fused=K.linear, dtypes=DTYPES) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_a_fused_prologue_is_the_standalone_kernel_then_the_linear_bit_for_bit():
     assert prologue_mismatches() == []
 
@@ -420,6 +421,7 @@ def test_the_standalone_kernels_round_as_torch():
         assert torch.equal(K.silu_mul(gate, up), R.silu_mul(gate, up))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_fused_prologues_row_is_the_same_at_every_width_and_place(dtype):
     """A row's rstd is over its own K columns, whatever rows share its tile, and whatever K split."""
@@ -429,6 +431,7 @@ def test_a_fused_prologues_row_is_the_same_at_every_width_and_place(dtype):
         assert linear_row_mismatches(lambda x, w, b: K.linear(x, w, b, config, up=x.flip(-1)), dtype) == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not kernels.interpreted(), reason="planted by replacing a @triton.jit helper, which only the "
                     "interpreter resolves at each call (a compiled kernel refuses a changed global)")
 def test_a_prologue_rounded_once_fails_the_bit_for_bit_check(monkeypatch):
