@@ -47,16 +47,16 @@ def refusal(problems: list[str]) -> EagleExportError:
                             "run without --exact (exact=False): " + kernels.TIERED)
 
 
-def problems(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0, group: int = 1,
+def problems(device: str, dtypes, precisions=(), head_dim: int = 0, group: int = 1,
              backend: str = "torch") -> list[str]:
     """Why the kernels cannot run `backend`'s models of these dtypes, precisions and shapes (the largest
-    head_dim, hidden size and query heads per KV head of target and drafter) on `device`; [] when they can."""
+    head_dim and query heads per KV head of target and drafter) on `device`; [] when they can."""
     found = [] if backend == "torch" else [
         f"the {backend} backend runs its own kernels (only the torch backend binds the width-invariant ones)"]
     quantized = sorted(set(precisions) - {"fp32", "fp16", "bf16"})
     if quantized:
         found.append(f"{', '.join(quantized)} weights (the kernels run unquantized ones)")
-    return found + kernels.problems(str(device), dtypes, head_dim, group, hidden)
+    return found + kernels.problems(str(device), dtypes, head_dim, group)
 
 
 def check(*args, **kwargs) -> None:
@@ -79,7 +79,7 @@ def model_problems(device: str, target, drafter) -> list[str]:
                     if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
     return problems(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
                     [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
-                    max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
+                    max(c.num_heads // c.num_kv_heads for c in configs))
 
 
 def resolve(exact: bool | None, device: str, target, drafter) -> bool:
