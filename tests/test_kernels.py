@@ -407,11 +407,13 @@ def test_a_fused_prologue_matches_the_reference(dtype):
         K.linear(x, w, norm=(gain.to(torch.float64), 1e-5))
 
 
+@pytest.mark.skipif(not kernels.interpreted(), reason="on a GPU torch's exp and rsqrt and Triton's differ in "
+                    "fp32's last bits (the kernels are held to the references within tolerance there)")
 def test_the_standalone_kernels_round_as_torch():
     """rms_norm and silu_mul are the models' arithmetic bit for bit where only roundings could differ:
     rows whose sum of squares is exact in any order (small integers), and silu_mul elementwise (16-bit
-    dtypes: torch computes each op in fp32 and rounds, as the kernel does; the interpreter's truncating
-    bf16 cast would show)."""
+    dtypes: torch computes each op in fp32 and rounds, as the kernels do; the interpreter's own bf16
+    cast, which truncates, would show)."""
     gen = torch.Generator().manual_seed(11)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randint(-8, 9, (4, 300), generator=gen).to(DEVICE, dtype)
