@@ -6,7 +6,10 @@ wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON
              --default-only) a grid of fixed configurations
              (BLOCK_N, BLOCK_K, K splits, warps, stages), each timed as one CUDA graph streaming enough
              copies of the weight to pass the L2 cache (what a decode step does), in ms and GB/s;
-             and whether a row's bits match between M = 1 and M = 16 for every configuration timed.
+             and whether a row's bits match between M = 1 and M = 16 for every configuration timed;
+             at M = 1 and 16, the fused prologues at linear_config's choice: the RMSNorm (gain folded, as
+             a build folds it) inside qkv, gate_up and lm_head, silu(gate) * up inside down, each beside
+             the standalone kernel then the linear, and whether the two give the same bits.
     attention  the attention kernel at the 8B shape (32 query heads, 8 KV heads, D 128), batch 1 and 16,
              T = 1 and 5 new rows over 256 and 2048 cached keys: torch's SDPA beside the kernel at each
              (keys a block, keys a split, warps) of a grid, each a CUDA graph of 32 calls (a step's
@@ -98,6 +101,8 @@ def linear(budget_s: float, only_default: bool = False) -> dict:
                     row[key] = entry
                 except Exception as e:  # a configuration that does not compile here is a finding
                     row[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            if m <= 16 and name != "o":
+                row["prologue"] = prologue(K, name, m, k, weights, tuple(rec["default_config"]), gen)
             best = min(((c, v) for c, v in row.items() if isinstance(v, dict) and "ms" in v and c != "cublas"),
                        key=lambda cv: cv[1]["ms"], default=None)
             if best:
@@ -119,10 +124,34 @@ def linear(budget_s: float, only_default: bool = False) -> dict:
             total["best"] += rec["per_step"] * row[row["best"]]["ms"] if "best" in row else math.nan
             default = row.get("x".join(map(str, rec["default_config"])), {}).get("ms", math.nan)
             total["default"] += rec["per_step"] * default
+        for key in ("fused_ms", "apart_ms"):  # the layers with a prologue, a step's worth
+            total["prologue_" + key.removesuffix("_ms")] = sum(rec["per_step"] * rec["m"][m]["prologue"][key]
+                                                              for rec in result["shapes"].values()
+                                                              if "prologue" in rec["m"][m])
         result[f"step_linear_ms_m{m}"] = {k: round(v, 3) for k, v in total.items()}
         print(f"a step's linear layers at M={m}: {result[f'step_linear_ms_m{m}']}", flush=True)
     _save("linear", result)
     return result
+
+
+def prologue(K, name: str, m: int, k: int, weights, cfg, gen) -> dict:
+    """The layer with its prologue fused (the RMSNorm before qkv, gate_up, lm_head; SiLU-mul before
+    down) beside the standalone kernel then the layer, ms a layer, and whether their bits agree."""
+    if name == "down":
+        gate, up = (torch.randn(m, 2 * k, device="cuda", generator=gen) * 3).to(torch.bfloat16).split(k, dim=-1)
+        fused = lambda w: K.linear(gate, w, None, cfg, up=up)  # noqa: E731
+        apart = lambda w: K.linear(K.silu_mul(gate, up), w, None, cfg)  # noqa: E731
+    else:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        fused = lambda w: K.linear(x, w, None, cfg, norm=(None, 1e-5))  # noqa: E731
+        apart = lambda w: K.linear(K.rms_norm(x, None, 1e-5), w, None, cfg)  # noqa: E731
+    out = {"what": "silu_mul" if name == "down" else "rms_norm",
+           "bit_identical": torch.equal(fused(weights[0]), apart(weights[0]))}
+    for key, fn in (("fused_ms", fused), ("apart_ms", apart)):
+        out[key] = round(graph_ms(lambda: [fn(w) for w in weights]) / len(weights), 4)
+    print(f"  {name} M={m}: {out['what']} fused {out['fused_ms']} ms, apart {out['apart_ms']} ms, "
+          f"bit-identical {out['bit_identical']}", flush=True)
+    return out
 
 
 def attention(budget_s: float) -> dict:

@@ -2,8 +2,9 @@
 
 On a CPU through Triton's interpreter (conftest): a position's logits and K/V have the same bits as
 row 0 of a one-token step and as row j of a verify call, in fp32 and bf16, inside a batch too; a planted KV
-split by count fails that check; `--exact` where it cannot hold is one line before any model loads;
-the runtime imports no Triton unless exact mode is asked for.
+split by count fails that check; the norms and the MLP's activation ride in the linear kernels (counted);
+`--exact` where it cannot hold is one line before any model loads; the runtime imports no Triton unless
+exact mode is asked for.
 """
 
 import subprocess
@@ -127,8 +128,10 @@ def test_bound_outputs_match_torch_and_unbind_restores_it(monkeypatch):
 
 @pytest.mark.slow
 def test_qwen3s_qk_norm_rides_in_the_rope_launch(monkeypatch):
-    """A Qwen3 target bound: its qk-norm in the RoPE kernel (no RMSNorm launch for q or k), the logits
-    within 1e-4 of torch's (fp32, relative to the largest), and a position's bits the same in every call."""
+    """A Qwen3 target bound: its qk-norm in the RoPE kernel, and (gains unfolded, q/k/v and gate/up
+    unfused: each projection normalizes its rows itself) its other norms in the linear layers: no RMSNorm
+    launch at all; the logits within 1e-4 of torch's (fp32, relative to the largest), and a position's
+    bits the same in every call."""
     from tiny_models import tiny_target_config
 
     from eagle_export.models.config import TargetConfig
@@ -152,7 +155,7 @@ def test_qwen3s_qk_norm_rides_in_the_rope_launch(monkeypatch):
     exact.bind(graph)
     bound = graph(*args)[1]
     assert (bound - before).abs().max() <= 1e-4 * before.abs().max()
-    assert ("rope", 16, 5) in calls and not any(name == "rms_norm" and width == 16 for name, width, _ in calls)
+    assert ("rope", 16, 5) in calls and not any(name == "rms_norm" for name, _, _ in calls)
     assert mismatches(graph, target, batched=False) == []
 
 
@@ -277,3 +280,38 @@ def test_only_a_call_wider_than_any_decoding_call_runs_torchs_gemms_and_attentio
         graph(ids, torch.arange(width)[None], *target.empty_cache(1, 0), torch.zeros(1, dtype=torch.int64),
               torch.ones(1, width, width, dtype=torch.bool).tril())
         assert len(calls) == kernel_calls, (width, calls)
+
+
+def test_the_norms_and_the_activation_ride_in_the_linear_kernels(monkeypatch):
+    """Bound, a tiny Llama pair launches no RMSNorm or silu_mul of its own where a linear layer follows
+    (fp32, the real kernels, counted): the target's input and post-attention norms in q/k/v's and
+    gate/up's prologue, the final norm in lm_head's, silu(gate) * up in down's. The drafter keeps three
+    RMSNorm launches a step, which cannot fuse: input_layernorm and hidden_norm (the attention reads their
+    concatenation) and its final norm (its output is also fed back, and the root's row is picked after
+    it). Target and drafter outputs within 1e-4 of torch's (relative to the largest), draft ids equal."""
+    target, drafter = gpu_kit.random_pair("tiny", "cpu", torch.float32, layers=2)
+    graphs = TargetGraph(target, True), UnrolledDrafter(drafter, 2, False)
+    b, t, layers = 2, 3, len(target.layers)
+    target_args = (torch.randint(3, 500, (b, t)), torch.arange(t)[None].expand(b, -1), *target.empty_cache(b, 0),
+                   torch.zeros(b, dtype=torch.int64), torch.ones(b, t, t, dtype=torch.bool).tril())
+    drafter_args = (torch.randint(3, 500, (b, t)), torch.randn(b, t, target.aux_width), torch.tensor([t, 2]),
+                    *drafter.empty_cache(b, 0), torch.zeros(b, dtype=torch.int64))
+    before = graphs[0](*target_args), graphs[1](*drafter_args)
+    exact.bind(*graphs)
+    ops, calls = kernels.ops(), []
+    for name in ("linear", "rms_norm", "silu_mul"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name, **kw: calls.append(
+            (name, "norm" if kw.get("norm") else "up" if kw.get("up") is not None else "")) or real(*a, **kw))
+    bound = graphs[0](*target_args)
+    counts = {call: calls.count(call) for call in set(calls)}
+    assert counts == {("linear", "norm"): 2 * layers + 1, ("linear", "up"): layers, ("linear", ""): layers}
+    calls.clear()
+    bound = bound, graphs[1](*drafter_args)
+    counts = {call: calls.count(call) for call in set(calls)}
+    assert counts == {("rms_norm", ""): 3 * 2, ("linear", "norm"): 2, ("linear", "up"): 2, ("linear", ""): 2 * 3 + 1}
+    for got, want in zip(bound[0] + bound[1], before[0] + before[1]):
+        if want.is_floating_point():
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        else:
+            assert torch.equal(got, want)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the kernels' tests need triton (pip install '.[test]')")
+tl = triton.language
 
 from eagle_export import kernels  # noqa: E402
 from eagle_export.kernels import reference as R  # noqa: E402
@@ -354,3 +355,123 @@ def test_without_triton_the_error_says_what_runs_instead(monkeypatch):
     with pytest.raises(EagleExportError) as e:
         kernels.ops()
     assert "Triton" in e.value.problem and "tiered contract" in e.value.fix
+
+
+# --- prologues: an RMSNorm, or the MLP's silu(gate) * up, inside the linear's K loop ------------------------
+
+NORM_K = 300  # past K.NORM_BLOCK on a GPU and the interpreter (a ragged last step), three BLOCK_K steps
+
+
+def prologue_mismatches(fused=K.linear, dtypes=DTYPES) -> list:
+    """(dtype, case, split, residual) where `fused` (linear's signature) differs in any bit from the standalone kernel then the
+    linear: rms_norm(x, gain or None, eps) then linear, and silu_mul(gate, up) then linear (gate and up
+    the halves of one gate_up output), at one K split and three, each with a residual epilogue too.
+    x is a strided view (a row stride past K), its rows' magnitudes spread over 2^-4..2^4."""
+    gen, found = torch.Generator().manual_seed(9), []
+    for dtype in dtypes:
+        scale = (2.0 ** torch.randint(-4, 5, (5, 1), generator=gen)).to(DEVICE)
+        x = (rand(5, NORM_K + 20, dtype=torch.float32, gen=gen) * scale).to(dtype)[:, :NORM_K]
+        w, b = rand(70, NORM_K, dtype=dtype, gen=gen), rand(70, dtype=dtype, gen=gen)
+        gain, res = (rand(NORM_K, gen=gen).abs() + 0.5).to(dtype), rand(5, 70, dtype=dtype, gen=gen) * 3
+        gate, up = (rand(5, 2 * NORM_K, dtype=dtype, gen=gen) * 3).split(NORM_K, dim=-1)
+        for config in (None, SPLIT_CONFIG):
+            for residual in (None, res):
+                def both(fused, unfused, case):
+                    if not torch.equal(fused, unfused):
+                        found.append((dtype, case, config is not None, residual is not None))
+                both(fused(x, w, b, config, residual, norm=(gain, 1e-5)),
+                     K.linear(K.rms_norm(x, gain, 1e-5), w, b, config, residual), "norm")
+                both(fused(x, w, None, config, residual, norm=(None, 1e-6)),
+                     K.linear(K.rms_norm(x, None, 1e-6), w, None, config, residual), "norm without gain")
+                both(fused(gate, w, b, config, residual, up=up),
+                     K.linear(K.silu_mul(gate, up), w, b, config, residual), "silu")
+    return found
+
+
+@pytest.mark.slow
+def test_a_fused_prologue_is_the_standalone_kernel_then_the_linear_bit_for_bit():
+    assert prologue_mismatches() == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_fused_prologue_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(10)
+    x, w, b = rand(5, NORM_K, dtype=dtype, gen=gen), rand(70, NORM_K, dtype=dtype, gen=gen), rand(70, dtype=dtype, gen=gen)
+    gain, up = (rand(NORM_K, gen=gen).abs() + 0.5).to(dtype), rand(5, NORM_K, dtype=dtype, gen=gen)
+    for config in (None, SPLIT_CONFIG):
+        close(K.linear(x, w, b, config, norm=(gain, 1e-5)), R.linear(x, w, b, norm=(gain, 1e-5)), dtype)
+        close(K.linear(x, w, b, config, up=up), R.linear(x, w, b, up=up), dtype)
+    with pytest.raises(ValueError, match="not both"):
+        K.linear(x, w, norm=(gain, 1e-5), up=up)
+    with pytest.raises(ValueError, match="in x's dtype"):
+        K.linear(x, w, norm=(gain.to(torch.float64), 1e-5))
+
+
+def standalone_mismatches() -> set:
+    """(dtype, kernel) where rms_norm or silu_mul differ in any bit from the models' arithmetic, on
+    inputs where only roundings could: rows whose sum of squares is exact in any order (small
+    integers), silu_mul elementwise (16-bit dtypes: torch computes each op in fp32 and rounds)."""
+    gen, found = torch.Generator().manual_seed(11), set()
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randint(-8, 9, (4, 300), generator=gen).to(DEVICE, dtype)
+        gain = (rand(300, gen=gen).abs() + 0.5).to(dtype)
+        if not torch.equal(K.rms_norm(x, gain, 1e-5), R.rms_norm(x, gain, 1e-5)):
+            found.add((dtype, "rms_norm"))
+        gate, up = rand(4, 300, dtype=dtype, gen=gen) * 3, rand(4, 300, dtype=dtype, gen=gen)
+        if not torch.equal(K.silu_mul(gate, up), R.silu_mul(gate, up)):
+            found.add((dtype, "silu_mul"))
+    return found
+
+
+@pytest.mark.skipif(not kernels.interpreted(), reason="on a GPU torch's exp and rsqrt and Triton's differ in "
+                    "fp32's last bits (the kernels are held to the references within tolerance there)")
+def test_the_standalone_kernels_round_as_torch(monkeypatch):
+    """Bit for bit where only roundings could differ; planted, the interpreter's own bf16 cast (it
+    truncates, where torch rounds to nearest even): both kernels flagged in bf16, neither in fp16."""
+    assert standalone_mismatches() == set()
+    monkeypatch.setattr(K, "INTERPRETED", False)
+    assert standalone_mismatches() == {(torch.bfloat16, "rms_norm"), (torch.bfloat16, "silu_mul")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_fused_prologues_row_is_the_same_at_every_width_and_place(dtype):
+    """A row's rstd is over its own K columns, whatever rows share its tile, and whatever K split."""
+    gain = torch.linspace(0.5, 1.5, 128).to(DEVICE, dtype)
+    for config in (None, SPLIT_CONFIG):
+        assert linear_row_mismatches(lambda x, w, b: K.linear(x, w, b, config, norm=(gain, 1e-5)), dtype) == []
+        assert linear_row_mismatches(lambda x, w, b: K.linear(x, w, b, config, up=x.flip(-1)), dtype) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.interpreted(), reason="planted by replacing a @triton.jit helper, which only the "
+                    "interpreter resolves at each call (a compiled kernel refuses a changed global)")
+def test_a_prologue_rounded_once_fails_the_bit_for_bit_check(monkeypatch):
+    """Planted: the norm's x * rstd * gain, and silu(gate) * up, each in fp32 rounded once (what a kernel
+    that skips torch's intermediate rounding computes): every 16-bit case flagged, fp32 (where the
+    intermediate rounding is a no-op) not."""
+    @triton.jit
+    def normed_once(v, rstd, gain, cols, k, ty: tl.constexpr, out: tl.constexpr,
+                    HAS_GAIN: tl.constexpr, RNE: tl.constexpr):
+        normed = v.to(tl.float32) * rstd[:, None]
+        if HAS_GAIN:
+            normed = tl.load(gain + cols, mask=cols < k, other=0.0).to(tl.float32)[None, :] * normed
+        return K._round(normed, out, RNE)
+
+    @triton.jit
+    def silu_mul_once(g, u, ty: tl.constexpr, RNE: tl.constexpr):
+        g = g.to(tl.float32)
+        return K._round(g / (1.0 + tl.exp(-g)) * u.to(tl.float32), ty, RNE)
+
+    def planted(name, helper):
+        def fused(*args, **kwargs):  # the helper replaced in the fused call only (rms_norm, silu_mul share it)
+            with monkeypatch.context() as m:
+                m.setattr(K, name, helper)
+                return K.linear(*args, **kwargs)
+        return fused
+
+    found = prologue_mismatches(planted("_normed", normed_once))
+    assert {(dtype, case) for dtype, case, *_ in found} == {(d, "norm") for d in DTYPES[1:]}, found
+    assert len(found) == 2 * 4, found  # each 16-bit dtype: one split and three, with and without a residual
+    found = prologue_mismatches(planted("_silu_mul", silu_mul_once))
+    assert {(dtype, case) for dtype, case, *_ in found} == {(d, "silu") for d in DTYPES[1:]}, found

@@ -75,8 +75,7 @@ def check_exact(manifest: Manifest, backend: str) -> None:
     """Exact mode's refusal (runtime/exact.py) from the manifest alone, before any model loads."""
     models = manifest.models.values()
     exact_mode.check("cuda" if torch.cuda.is_available() else "cpu", {m.dtype for m in models},
-                     {m.precision for m in models}, max(m.head_dim for m in models), max(m.hidden_size for m in models),
-                     backend=backend)
+                     {m.precision for m in models}, max(m.head_dim for m in models), backend=backend)
 
 
 def make_backend(path: Path, manifest: Manifest, backend: str, threads: int | None = None,

@@ -8,8 +8,9 @@ Machines' batch_invariant_ops: a row's reduction order must be fixed by the laye
 
     linear     one tile configuration for every M (from the layer's shape and the card), a fixed order
                along K, no split-K chosen by M (a fixed K split by shape, added in split order)
-    rms_norm   one program per row (RMSNorm, and Qwen3's qk-norm over head_dim)
-    silu_mul   elementwise, fused
+    rms_norm   one program per row (RMSNorm, and Qwen3's qk-norm over head_dim), each row's sum of
+               squares in an order fixed by its length; also the prologue of the linear after it
+    silu_mul   elementwise, fused; also the prologue of the down projection
     attention  each row over its own visible keys in key order (the cache-first layout read
                through an index), fixed blocks, a fixed split SIZE, splits combined in order
     rope       q and k in one launch: torch's RoPE took ~10 small elementwise kernels a layer (slice,
@@ -30,7 +31,6 @@ import os
 from ..errors import EagleExportError
 
 DTYPES = ("float32", "float16", "bfloat16")
-MAX_ROW = 65536       # rms_norm keeps one row in one block
 MAX_HEAD_DIM = 256    # attention keeps a head's query and a key block in registers
 MAX_GROUP = 16        # query heads per KV head, held together by one attention program
 TIERED = "the torch backend's own kernels (cuBLAS GEMMs, torch attention) run instead, and outputs are " \
@@ -59,7 +59,7 @@ def capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
-def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) -> list[str]:
+def problems(device: str, dtypes, head_dim: int, group: int) -> list[str]:
     """Why the kernels cannot run a model here (empty when they can): no Triton, no CUDA device (the
     interpreter stands in for one), a card too old for Triton or for its bf16 dot, a dtype or a shape
     past the kernels' limits."""
@@ -87,6 +87,4 @@ def problems(device: str, dtypes, head_dim: int, group: int, widest_row: int) ->
         found.append(f"head_dim {head_dim} is odd (RoPE rotates its two halves)")
     if group > MAX_GROUP:
         found.append(f"{group} query heads per KV head > {MAX_GROUP}")
-    if widest_row > MAX_ROW:
-        found.append(f"a normalized row of {widest_row} > {MAX_ROW}")
     return found

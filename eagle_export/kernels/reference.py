@@ -14,9 +14,15 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor | None, float] | None = None,
+           up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N]; with `residual`, residual + that (each
-    rounded to the dtype, as the decoder layer's `x + linear(h)`)."""
+    rounded to the dtype, as the decoder layer's `x + linear(h)`). norm (gain, eps): rms_norm(x, gain,
+    eps) in place of x; up: silu_mul(x, up) in place of x."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    if up is not None:
+        x = silu_mul(x, up)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
 

@@ -5,10 +5,17 @@ tokens), so a row's bits are the same at every call width, batch size and place 
     linear     one tile configuration (linear_config: from the layer's shape and the card) for every
                M, fp32 accumulation along K in one fixed order; no split-K chosen by M (a layer with few
                output tiles splits K into a fixed number of parts, added in split order). Rows of one
-               tile never mix: an output element is a dot product of its own row.
-    rms_norm   a fixed number of rows per program (1 on a GPU), each row's sum of squares one
-               reduction of its own along a fixed-shape tile.
-    silu_mul   elementwise: silu(gate) rounded to the dtype, times up (torch's two roundings).
+               tile never mix: an output element is a dot product of its own row. Its prologue, on each
+               x tile as it is read (the weight still read once), can be an RMSNorm (`norm`: each row's
+               rstd over all of K first, in every program and K split, then x * rstd rounded, times
+               the gain, rounded) or the MLP's activation (`up`: silu(x) rounded, times up, rounded):
+               the RMSNorm or SiLU-mul before q/k/v, gate/up, lm_head or down without a launch of its
+               own, bit for bit the standalone kernel's output (the same @triton.jit helpers).
+    rms_norm   a fixed number of rows per program (1 on a GPU); each row's sum of squares in an order
+               fixed by its length alone (_rstd: NORM_BLOCK lanes, each adding its columns' squares in
+               turn, then added pairwise), never by a tl.sum's layout, which differs between kernels;
+               x * rstd rounded to the dtype, times the gain, rounded (torch's two roundings).
+    silu_mul   elementwise: silu(gate) rounded to the dtype, times up, rounded (torch's two roundings).
     attention  each query row reduces over its *own* visible keys, compacted in key order: the
                cache slots it sees, then the call's new keys it sees (its ancestors and itself in a
                tree). That is the cache-first layout (the call's K/V at the slots after the cache,
@@ -50,6 +57,7 @@ SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the te
 ATTN_WARPS = 2  # warps of an attention split's program: 2 beat 4 in 5 of 6 cells at the 8B shape (H200, gpu_probe attention)
 COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
 ARGMAX_BLOCK = 1024
+NORM_BLOCK = 256  # columns a step of an RMSNorm's sum of squares (_rstd): a power of 2, one for every kernel
 ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
 
 
@@ -65,21 +73,35 @@ def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, bias, res, y, part, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn, srm,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   SPLIT: tl.constexpr, RNE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _linear_kernel(x, w, bias, res, y, part, gain, up, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn, srm, eps,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_GAIN: tl.constexpr,
+                   GATED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                   RNE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr):
     """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
     steps, in order; one split writes y (_epilogue), several write fp32 partials that _sum_splits adds
-    in order."""
+    in order. The prologue, on each x tile before the dot (the weight is still read once): NORM, the
+    rows RMS-normalized (_normed, with each row's rstd over all of K from _rstd first, whatever the
+    split); GATED, x is the MLP's gate and the dot's operand silu(x) * up (_silu_mul)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     k_lo = tl.program_id(2) * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    ty = x.dtype.element_ty
+    if NORM:
+        rstd = _rstd(x, rm, sxm, sxk, M, K, eps, BM, NB)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + rk
-        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm < M)[:, None] & (kk < k_hi)[None, :], other=0.0)
+        inside = (rm < M)[:, None] & (kk < k_hi)[None, :]
+        a = tl.load(x + rm[:, None] * sxm + kk[None, :] * sxk, mask=inside, other=0.0)
+        if NORM:
+            a = _normed(a, rstd, gain, kk, k_hi, ty, ty, HAS_GAIN, RNE)
+        if GATED:  # gate * 1.0 (a row inside the call) is exact, and it keeps the activation in the layout
+            # the tile is loaded in: without it Triton computes it in the dot operand's, where each of the 4
+            # warps repeats the whole tile (compiled for sm_90: 4x the exp and divide, 254 registers, not 206)
+            a = _silu_mul(a.to(tl.float32) * tl.where(rm < M, 1.0, 0.0)[:, None],
+                          tl.load(up + rm[:, None] * sxm + kk[None, :] * sxk, mask=inside, other=0.0), ty, RNE)
         b = tl.load(w + rn[None, :] * swn + kk[:, None] * swk, mask=(rn < N)[None, :] & (kk < k_hi)[:, None], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -107,6 +129,45 @@ def _epilogue(acc, bias, res, rows, cols, M, N, srm, ty: tl.constexpr, HAS_BIAS:
         r = tl.load(res + rows[:, None] * srm + cols[None, :], mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
         out = _round(out.to(tl.float32) + r.to(tl.float32), ty, RNE)
     return out
+
+
+@triton.jit
+def _rstd(x, rows, sxm, sxk, M, K, eps, R: tl.constexpr, NB: tl.constexpr):
+    """1 / sqrt(mean of squares + eps) of each of x's rows [R] over its K columns, fp32, in an order fixed
+    by K alone: lane j of NB adds the squares of columns j, j + NB, j + 2NB, ... in turn (one fma each),
+    then the NB lanes are added pairwise, neighbours, log2(NB) times. Each step of that tree adds two
+    numbers (commutative: the same bits in either order), so nothing is left to the compiler's layout
+    of a tl.sum, which differs between kernels: rms_norm and linear's norm prologue share this and get
+    the same bits, at every M, row place and K split."""
+    cols = tl.arange(0, NB)
+    acc = tl.zeros([R, NB], tl.float32)
+    for k0 in range(0, K, NB):
+        v = tl.load(x + rows[:, None] * sxm + (k0 + cols)[None, :] * sxk,
+                    mask=(rows < M)[:, None] & (k0 + cols < K)[None, :], other=0.0).to(tl.float32)
+        acc = tl.fma(v, v, acc)
+    for level in tl.static_range(1, NB.bit_length()):
+        left, right = tl.split(tl.reshape(acc, [R, NB >> level, 2]))
+        acc = left + right
+    return tl.math.rsqrt(tl.reshape(acc, [R]) / K + eps)
+
+
+@triton.jit
+def _normed(v, rstd, gain, cols, K, ty: tl.constexpr, out: tl.constexpr, HAS_GAIN: tl.constexpr, RNE: tl.constexpr):
+    """RMSNorm's rounding of x's columns `cols` [R, C]: x * rstd rounded to ty (x's dtype), then with a
+    gain, gain * that rounded to `out` (torch's `weight * normed`)."""
+    normed = _round(v.to(tl.float32) * rstd[:, None], ty, RNE)
+    if HAS_GAIN:
+        normed = _round(tl.load(gain + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :] * normed.to(tl.float32),
+                        out, RNE)
+    return normed
+
+
+@triton.jit
+def _silu_mul(g, u, ty: tl.constexpr, RNE: tl.constexpr):
+    """silu(g) = g / (1 + exp(-g)) rounded to ty, times u, rounded again: torch's F.silu(gate) * up."""
+    g = g.to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), ty, RNE).to(tl.float32)
+    return _round(silu * u.to(tl.float32), ty, RNE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -144,13 +205,25 @@ def linear_config(n: int, k: int, device=None) -> tuple[int, int, int, int, int,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int, int, int, int] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+           config: tuple[int, int, int, int, int, int] | None = None, residual: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor | None, float] | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype; with `residual` [..., N],
-    residual + that (the decoder layer's skip connection, fused). `config`: linear_config's tuple (the
-    tests and the GPU probe pass their own)."""
+    residual + that (the decoder layer's skip connection, fused). `norm` (gain [K] in x's dtype or
+    None, eps): the rows of rms_norm(x, gain, eps) in place of x, bit for bit, normalized inside the
+    K loop (the RMSNorm before q/k/v, gate/up or lm_head, without a launch or a pass over memory of its
+    own); `up` [..., K]: x is the MLP's gate and the product's input silu_mul(x, up), bit for bit (the
+    down projection's activation, fused). `config`: linear_config's tuple (the tests and the GPU probe
+    pass their own)."""
     rows = x.reshape(-1, x.shape[-1])
     m, k = rows.shape
     n = weight.shape[0]
+    gain = None if norm is None else norm[0]
+    if (norm is not None and up is not None) or (gain is not None and (gain.dtype != x.dtype or gain.shape != (k,))):
+        raise ValueError(f"linear: a norm or an up operand, not both; a norm's gain [{k}] in x's dtype {x.dtype}")
+    if up is not None:
+        up = up.reshape(m, k)
+        if up.stride() != rows.stride():  # gate and up read through one pair of strides
+            rows, up = rows.contiguous(), up.contiguous()
     res = None if residual is None else residual.reshape(m, n)
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
@@ -162,9 +235,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, RNE=INTERPRETED)
     bias, res = (bias if bias is not None else weight), (res if res is not None else y)
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        rows, weight, bias, res, y, part, m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0),
-        weight.stride(1), y.stride(0), y.stride(1), res.stride(0), UPCAST=INTERPRETED,
-        IEEE=x.dtype == torch.float32, SPLIT=split, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **flags)
+        rows, weight, bias, res, y, part, gain if gain is not None else rows, up if up is not None else rows,
+        m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        res.stride(0), norm[1] if norm is not None else 0.0, NORM=norm is not None, HAS_GAIN=gain is not None,
+        GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, BM=bm, BN=bn, BK=bk,
+        NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
     if split > 1:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
@@ -173,15 +248,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit(do_not_specialize=["M"])
-def _rms_norm_kernel(x, w, y, M, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x, w, y, M, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, RNE: tl.constexpr, R: tl.constexpr,
+                     NB: tl.constexpr):
+    """Program (R rows): each row's rstd (_rstd), then the row in NB-column steps through _normed."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
-    cols = tl.arange(0, BLOCK)
-    inside = (rows < M)[:, None] & (cols < H)[None, :]
-    v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    normed = (v * tl.math.rsqrt(tl.sum(v * v, axis=1) / H + eps)[:, None]).to(y.dtype.element_ty)
-    if HAS_WEIGHT:
-        normed = tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] * normed.to(tl.float32)
-    tl.store(y + rows[:, None] * sy + cols[None, :], normed.to(y.dtype.element_ty), mask=inside)
+    rstd = _rstd(x, rows, sx, 1, M, H, eps, R, NB)
+    for c0 in range(0, H, NB):
+        cols = c0 + tl.arange(0, NB)
+        inside = (rows < M)[:, None] & (cols < H)[None, :]
+        v = tl.load(x + rows[:, None] * sx + cols[None, :], mask=inside, other=0.0)
+        out = _normed(v, rstd, w, cols, H, x.dtype.element_ty, y.dtype.element_ty, HAS_WEIGHT, RNE)
+        tl.store(y + rows[:, None] * sy + cols[None, :], out, mask=inside)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -194,19 +271,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], ROWS),)](
         rows, weight if weight is not None else rows, y, rows.shape[0], h, rows.stride(0), y.stride(0), eps,
-        HAS_WEIGHT=weight is not None, R=ROWS, BLOCK=triton.next_power_of_2(h))
+        HAS_WEIGHT=weight is not None, RNE=INTERPRETED, R=ROWS, NB=NORM_BLOCK)
     return y.view(x.shape)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, R: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, RNE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = (rows < M)[:, None] & (cols < width)[None, :]
-    a = tl.load(g + rows[:, None] * sg + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    b = tl.load(u + rows[:, None] * su + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    silu = (a / (1.0 + tl.exp(-a))).to(y.dtype.element_ty).to(tl.float32)
-    tl.store(y + rows[:, None] * sy + cols[None, :], (silu * b).to(y.dtype.element_ty), mask=inside)
+    a = tl.load(g + rows[:, None] * sg + cols[None, :], mask=inside, other=0.0)
+    b = tl.load(u + rows[:, None] * su + cols[None, :], mask=inside, other=0.0)
+    tl.store(y + rows[:, None] * sy + cols[None, :], _silu_mul(a, b, y.dtype.element_ty, RNE), mask=inside)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -217,7 +293,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
-        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), R=ROWS, BLOCK=block)
+        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), RNE=INTERPRETED, R=ROWS, BLOCK=block)
     return y.view(gate.shape)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import DrafterConfig
-from .layers import MLP, Attention, RMSNorm, attention_mask, in_window, key_positions, rope_cos_sin, rope_inv_freq
+from .layers import MLP, Attention, RMSNorm, attention_mask, in_window, key_positions, prenorm, rope_cos_sin, rope_inv_freq
 
 
 class DrafterLayer(nn.Module):
@@ -35,7 +35,8 @@ class DrafterLayer(nn.Module):
         attn_in = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
         x, new_k, new_v = self.self_attn(attn_in, cos, sin, k_cache, v_cache, mask, prefix_kv, cache_lens,
                                          residual=residual)
-        return self.mlp(self.post_attention_layernorm(x), residual=x), new_k, new_v
+        h, norm = prenorm(self.post_attention_layernorm, x, self.mlp.inputs())  # (the attention's two inputs
+        return self.mlp(h, residual=x, norm=norm), new_k, new_v  # are normed apart: their own launches)
 
 
 class Drafter(nn.Module):

@@ -345,37 +345,43 @@ class Attention(nn.Module):
     # cache (the torch backend on a GPU, the models' own references, the export).
     core = None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None, residual=None):
+    def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None, residual=None, norm=None):
         """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
         prefix_kv: optional small (K, V) [B,Hkv,E,D] sitting between the cache and the new tokens
         (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys. cache_lens [B]:
         each sequence's cached slots (None: no cache semantics, the keys are [cache | prefix | new]
         as the mask says). residual [B,T,out]: out is residual + o_proj(...), the layer's skip
-        connection (exact mode's linear adds it in its epilogue, bit for bit the same)."""
-        q, k, v = self.project(x, cos, sin)
+        connection (exact mode's linear adds it in its epilogue, bit for bit the same). norm: the
+        RMSNorm x has yet to pass, applied by the projections themselves (`prenorm`)."""
+        q, k, v = self.project(x, cos, sin, norm)
         if self.core is None:
             out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap, self.head_dim)
         else:
             out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
         return plus(self.o_proj, out, residual), k, v
 
-    def project(self, x, cos, sin):
+    def inputs(self) -> list[nn.Module]:
+        """The linear layers reading the attention's input: q/k/v, or the fused qkv_proj."""
+        return [self.qkv_proj] if self.qkv_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
+
+    def project(self, x, cos, sin, norm=None):
         """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D], RoPE applied (and Qwen3's qk-norm before it)."""
-        q, k, v = self.heads(x)
+        q, k, v = self.heads(x, norm=norm)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def heads(self, x, norm: bool = True):
+    def heads(self, x, qk_norm: bool = True, norm=None):
         """x [B,T,in] -> q [B,Hq,T,D], k, v [B,Hkv,T,D] before RoPE (Qwen3's qk-norm applied unless
-        `norm` is False: exact mode's RoPE kernel applies it): views of the projections' [B,T,H*D] outputs."""
+        `qk_norm` is False: exact mode's RoPE kernel applies it): views of the projections' [B,T,H*D]
+        outputs. norm: see `prenorm`."""
         b, t, _ = x.shape
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q, k, v = normed_linear(self.qkv_proj, x, norm).split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (normed_linear(linear, x, norm) for linear in self.inputs())
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if norm and self.q_norm is not None:
+        if qk_norm and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -389,14 +395,38 @@ class MLP(nn.Module):
         self.gate_up_proj = None  # gate and up as one Linear once passes.fuse_gate_up has run
         self.intermediate_size = intermediate  # an int of its own: a quantized down_proj may not keep in_features
 
-    def forward(self, x, residual=None):
-        """down(silu(gate(x)) * up(x)), plus `residual` when given (as Attention's)."""
+    def inputs(self) -> list[nn.Module]:
+        """The linear layers reading the MLP's input: gate/up, or the fused gate_up_proj."""
+        return [self.gate_up_proj] if self.gate_up_proj is not None else [self.gate_proj, self.up_proj]
+
+    def forward(self, x, residual=None, norm=None):
+        """down(silu(gate(x)) * up(x)), plus `residual` when given (as Attention's); norm: see `prenorm`."""
+        gate, up = self.gate_up(x, norm)
+        return plus(self.down_proj, F.silu(gate) * up, residual)
+
+    def gate_up(self, x, norm=None):
+        """x [B,T,H] -> (gate, up) [B,T,I]: views of gate_up_proj's output (gate first), or each its own."""
         if self.gate_up_proj is not None:
             # split at a Python int, not chunk(2): the exporter turns chunk into shape arithmetic
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return plus(self.down_proj, F.silu(gate) * up, residual)
+            return normed_linear(self.gate_up_proj, x, norm).split(self.intermediate_size, dim=-1)
+        return normed_linear(self.gate_proj, x, norm), normed_linear(self.up_proj, x, norm)
+
+
+def prenorm(norm: RMSNorm, x, linears) -> tuple[torch.Tensor, RMSNorm | None]:
+    """(input, norm) for the `linears` that read norm(x) (a decoder layer's q/k/v, gate/up, lm_head),
+    handed to each through `normed_linear`: (norm(x), None), the norm applied here, once; or, where each
+    of them fuses a norm into its GEMM (`fuses_norm`: exact mode's linear, which normalizes the rows it
+    reads in its K loop, bit for bit the norm's own kernel) and the gain is in x's dtype, (x, norm):
+    no launch, and no pass over memory, of the norm's own."""
+    if linears and all(getattr(linear, "fuses_norm", False) for linear in linears) \
+            and (norm.weight is None or norm.weight.dtype == x.dtype):
+        return x, norm
+    return norm(x), None
+
+
+def normed_linear(linear, x, norm=None):
+    """linear(x), or linear(x, norm=norm): x yet to pass `norm` (see `prenorm`)."""
+    return linear(x) if norm is None else linear(x, norm=norm)
 
 
 def plus(linear, x, residual=None):

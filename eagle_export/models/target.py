@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
-from .layers import MLP, Attention, RMSNorm, attention_mask, rms_normalize, rope_cos_sin, rope_inv_freq
+from .layers import MLP, Attention, RMSNorm, attention_mask, normed_linear, prenorm, rms_normalize, rope_cos_sin, rope_inv_freq
 
 
 class DecoderLayer(nn.Module):
@@ -25,9 +25,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, k_cache, v_cache, mask, cache_lens=None):
-        x, new_k, new_v = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, mask,
-                                         cache_lens=cache_lens, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x), new_k, new_v
+        """Each norm applied here, or by the linear layers after it (`prenorm`: exact mode)."""
+        h, norm = prenorm(self.input_layernorm, x, self.self_attn.inputs())
+        x, new_k, new_v = self.self_attn(h, cos, sin, k_cache, v_cache, mask, cache_lens=cache_lens, residual=x,
+                                         norm=norm)
+        h, norm = prenorm(self.post_attention_layernorm, x, self.mlp.inputs())
+        return self.mlp(h, residual=x, norm=norm), new_k, new_v
 
 
 class Target(nn.Module):
@@ -76,21 +79,25 @@ class Target(nn.Module):
             aux.append(x)
         if self.aux_norm_eps is not None:
             aux = [rms_normalize(a, self.aux_norm_eps) for a in aux]
-        x = self.norm(x)
-        out = self.project_logits(x) if logits else x
+        x, norm = prenorm(self.norm, x, [self.lm_head] if logits and not self.tied_gemm() else [])
+        out = self.project_logits(x, norm) if logits else x
         aux_states = torch.cat(aux, dim=-1) if aux else x.new_zeros(*x.shape[:2], 0)
         return out, aux_states, torch.stack(new_ks), torch.stack(new_vs)
 
-    def project_logits(self, x):
-        """lm_head(x), [B,T,H] -> [B,T,V]. A table tied to the embeddings is applied as one Gemm with
-        transB on [B*T,H] rows (and a zero bias, the form the exporter maps to Gemm), reading the very
-        weight the embedding Gather reads: the exported graph then stores the table once (a 3-D linear
-        exports as MatMul on a constant-folded transposed copy, a second table of V*H). A quantized
-        lm_head (not a plain Linear) keeps its module."""
-        if self.lm_head.weight is self.embed_tokens.weight and type(self.lm_head) is nn.Linear:
+    def tied_gemm(self) -> bool:
+        """lm_head is a plain Linear tied to the embeddings: `project_logits` applies it as a Gemm."""
+        return self.lm_head.weight is self.embed_tokens.weight and type(self.lm_head) is nn.Linear
+
+    def project_logits(self, x, norm=None):
+        """lm_head(x), [B,T,H] -> [B,T,V] (x yet to pass `norm`: see layers.prenorm). A table tied to the
+        embeddings is applied as one Gemm with transB on [B*T,H] rows (and a zero bias, the form the
+        exporter maps to Gemm), reading the very weight the embedding Gather reads: the exported graph
+        then stores the table once (a 3-D linear exports as MatMul on a constant-folded transposed
+        copy, a second table of V*H). A quantized lm_head (not a plain Linear) keeps its module."""
+        if self.tied_gemm():
             zero_bias = x.new_zeros(self.config.vocab_size)  # 2-D linear with a bias is what exports as Gemm
             return nn.functional.linear(x.flatten(0, 1), self.lm_head.weight, zero_bias).unflatten(0, x.shape[:2])
-        return self.lm_head(x)
+        return normed_linear(self.lm_head, x, norm)
 
     @torch.no_grad()
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from eagle_export.models.drafter import Drafter
-from eagle_export.models.layers import MLP, Attention, RMSNorm
+from eagle_export.models.layers import RMSNorm
 from eagle_export.models.target import Target
 
 
@@ -38,15 +38,6 @@ class EagleModels:
             for b in model.buffers():
                 nbytes += b.numel() * b.element_size()
         return {"parameters": params, "bytes": nbytes, "modules": modules}
-
-
-def attention_inputs(attn: Attention) -> list[nn.Linear]:
-    """The Linear layers reading the attention input: q/k/v, or the fused qkv_proj."""
-    return [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-
-
-def mlp_inputs(mlp: MLP) -> list[nn.Linear]:
-    return [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
 
 
 @torch.no_grad()

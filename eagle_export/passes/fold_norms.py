@@ -15,7 +15,7 @@ from torch import nn
 from eagle_export.models.layers import RMSNorm
 
 from .base import PassBase, PassResult, PostconditionError
-from .eagle_models import EagleModels, attention_inputs, fold_gain, mlp_inputs
+from .eagle_models import EagleModels, fold_gain
 
 
 class FoldFcNorm(PassBase):
@@ -123,9 +123,9 @@ def foldable_norms(models: EagleModels) -> tuple[list[tuple[str, RMSNorm, list[n
     if t is not None:
         for i, layer in enumerate(t.layers):
             folds.append((f"target.layers.{i}.input_layernorm", layer.input_layernorm,
-                          attention_inputs(layer.self_attn), 0))
+                          layer.self_attn.inputs(), 0))
             folds.append((f"target.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm,
-                          mlp_inputs(layer.mlp), 0))
+                          layer.mlp.inputs(), 0))
         if t.lm_head.weight is t.embed_tokens.weight:
             kept["target.norm"] = ("lm_head is tied to embed_tokens: folding would untie it and store a "
                                    "second vocab x hidden table (the drafter shares embed_tokens too)")
@@ -135,13 +135,13 @@ def foldable_norms(models: EagleModels) -> tuple[list[tuple[str, RMSNorm, list[n
         layer, h = d.midlayer, d.config.hidden_size
         if d.input_norm is not None:
             folds.append(("drafter.input_norm", d.input_norm, [d.fc], 0))
-        folds.append(("drafter.midlayer.input_layernorm", layer.input_layernorm, attention_inputs(layer.self_attn), 0))
+        folds.append(("drafter.midlayer.input_layernorm", layer.input_layernorm, layer.self_attn.inputs(), 0))
         if layer.norm_before_residual:
             kept["drafter.midlayer.hidden_norm"] = "norm_before_residual: its output is also the residual"
         else:
-            folds.append(("drafter.midlayer.hidden_norm", layer.hidden_norm, attention_inputs(layer.self_attn), h))
+            folds.append(("drafter.midlayer.hidden_norm", layer.hidden_norm, layer.self_attn.inputs(), h))
         folds.append(("drafter.midlayer.post_attention_layernorm", layer.post_attention_layernorm,
-                      mlp_inputs(layer.mlp), 0))
+                      layer.mlp.inputs(), 0))
         if d.config.norm_output:
             kept["drafter.norm"] = "norm_output (EAGLE-3.1): the normed state is also fed back"
         else:

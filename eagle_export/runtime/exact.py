@@ -8,7 +8,12 @@ baseline and `validate`'s references then run the same kernels, and a position's
 bits whether it is row 0 of a one-token step or row j of a verify call (bf16, fp16, fp32).
 
 The residual adds ride in the o- and down-projections' epilogue (`layers.plus`): the product rounded,
-then the sum rounded, as torch's add (one launch a layer less each). Not swapped, and why that keeps
+then the sum rounded, as torch's add (one launch a layer less each). An RMSNorm read only by linear
+layers (the target's input and post-attention norms, its final norm before lm_head, the drafter's
+post-attention norm) rides in their prologue (`layers.prenorm`), and the MLP's silu(gate) * up in the
+down projection's: bit for bit the RMSNorm and SiLU-mul kernels, with no launch of their own. The
+drafter's input_layernorm and hidden_norm (its attention reads their concatenation) and its final
+norm (also fed back, and the root's row is picked after it) keep their launches. Not swapped, and why that keeps
 the property: embeddings (a gather), casts (elementwise, so per element the same ops at any width),
 and the drafter's softmax/top-k over its draft vocabulary (they choose drafts, which greedy
 verification accepts only where they equal the target's argmax). A diagnose tap on the attention
@@ -34,7 +39,7 @@ from torch import nn
 from .. import kernels
 from ..errors import EagleExportError
 from ..models.contract import MAX_TREE_NODES
-from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph, plus
+from ..models.layers import MLP, Attention, RMSNorm, RowLinear, attend_graph
 
 
 def refusal(problems: list[str]) -> EagleExportError:
@@ -42,16 +47,16 @@ def refusal(problems: list[str]) -> EagleExportError:
                             "run without --exact (exact=False): " + kernels.TIERED)
 
 
-def problems(device: str, dtypes, precisions=(), head_dim: int = 0, hidden: int = 0, group: int = 1,
+def problems(device: str, dtypes, precisions=(), head_dim: int = 0, group: int = 1,
              backend: str = "torch") -> list[str]:
     """Why the kernels cannot run `backend`'s models of these dtypes, precisions and shapes (the largest
-    head_dim, hidden size and query heads per KV head of target and drafter) on `device`; [] when they can."""
+    head_dim and query heads per KV head of target and drafter) on `device`; [] when they can."""
     found = [] if backend == "torch" else [
         f"the {backend} backend runs its own kernels (only the torch backend binds the width-invariant ones)"]
     quantized = sorted(set(precisions) - {"fp32", "fp16", "bf16"})
     if quantized:
         found.append(f"{', '.join(quantized)} weights (the kernels run unquantized ones)")
-    return found + kernels.problems(str(device), dtypes, head_dim, group, hidden)
+    return found + kernels.problems(str(device), dtypes, head_dim, group)
 
 
 def check(*args, **kwargs) -> None:
@@ -74,7 +79,7 @@ def model_problems(device: str, target, drafter) -> list[str]:
                     if type(m) not in known and next(m.parameters(recurse=False), None) is not None})
     return problems(device, {target.embed_tokens.weight.dtype, drafter.fc.weight.dtype},
                     [f"{other[0]} layers'"] if other else (), max(c.head_dim for c in configs),
-                    max(c.hidden_size for c in configs), max(c.num_heads // c.num_kv_heads for c in configs))
+                    max(c.num_heads // c.num_kv_heads for c in configs))
 
 
 def resolve(exact: bool | None, device: str, target, drafter) -> bool:
@@ -110,12 +115,19 @@ def prefill(x) -> bool:
 
 class ExactLinear(nn.Linear):
     fuses_residual = True  # layers.plus hands it the skip connection: added in the kernel's epilogue
+    fuses_norm = True  # layers.prenorm hands it the RMSNorm before it: the rows normalized in its K loop
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, norm=None, up=None):
+        """x @ W^T (+ bias) (+ residual). norm (an RMSNorm): x's rows normalized first; up: x is the MLP's
+        gate, the input silu(x) * up. Both inside the kernel, bit for bit the RMSNorm and silu_mul kernels."""
+        ops = kernels.ops()
         if prefill(x):
+            x = x if norm is None else norm(x)
+            x = x if up is None else ops.silu_mul(x, up)
             y = nn.functional.linear(x, self.weight, self.bias)
             return y if residual is None else residual + y
-        return kernels.ops().linear(x, self.weight, self.bias, residual=residual)
+        return ops.linear(x, self.weight, self.bias, residual=residual,
+                          norm=None if norm is None else (norm.weight, norm.eps), up=up)
 
 
 class ExactRMSNorm(RMSNorm):
@@ -124,12 +136,11 @@ class ExactRMSNorm(RMSNorm):
 
 
 class ExactMLP(MLP):
-    def forward(self, x, residual=None):
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return plus(self.down_proj, kernels.ops().silu_mul(gate, up), residual)
+    """The activation in the down projection's prologue: silu(gate) * up per element as it is read."""
+
+    def forward(self, x, residual=None, norm=None):
+        gate, up = self.gate_up(x, norm)
+        return self.down_proj(gate, residual=residual, up=up)
 
 
 class ExactAttention(Attention):
@@ -137,11 +148,11 @@ class ExactAttention(Attention):
     projections wrote them (the attention kernel reads them there, no copy), Qwen3's qk-norm in the
     same launch where its gains are in the activations' dtype (else the RMSNorm kernel first)."""
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, norm=None):
         qn, kn = self.q_norm, self.k_norm
         fused = qn is not None and qn.weight is not None and kn.weight is not None and qn.eps == kn.eps \
             and qn.weight.dtype == kn.weight.dtype == cos.dtype
-        q, k, v = self.heads(x, norm=not fused)
+        q, k, v = self.heads(x, qk_norm=not fused, norm=norm)
         return *kernels.ops().rope(q, k, cos, sin, (qn.weight, kn.weight, qn.eps) if fused else None), v
 
 
