@@ -61,7 +61,15 @@ NORM_BLOCK = 256  # columns a step of an RMSNorm's sum of squares (_rstd): a pow
 ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
 
 
-@triton.jit
+def _device(fn):
+    """A device function the kernels call (_round, _epilogue, _rstd, _normed, _silu_mul): @triton.jit,
+    and under the interpreter the plain Python function, the same source and arithmetic. The interpreter
+    re-patches triton.language (scanning its modules) on every nested @jit call: a fifth of the kernels'
+    CPU test time went there."""
+    return fn if INTERPRETED else triton.jit(fn)
+
+
+@_device
 def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
     """fp32 x rounded to ty, to nearest even as torch rounds. RNE: bf16 rounded by hand first (add
     half an ulp of bf16, ties to even, drop the low 16 bits): the interpreter's fp32 -> bf16 cast
@@ -117,7 +125,7 @@ def _linear_kernel(x, w, bias, res, y, part, gain, up, M, N, K, K_SPLIT, sxm, sx
         tl.store(part + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=inside)
 
 
-@triton.jit
+@_device
 def _epilogue(acc, bias, res, rows, cols, M, N, srm, ty: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, RNE: tl.constexpr):
     """fp32 sums [rows, cols] + bias, rounded to ty once (a GEMM epilogue's one rounding); with a
@@ -131,7 +139,7 @@ def _epilogue(acc, bias, res, rows, cols, M, N, srm, ty: tl.constexpr, HAS_BIAS:
     return out
 
 
-@triton.jit
+@_device
 def _rstd(x, rows, sxm, sxk, M, K, eps, R: tl.constexpr, NB: tl.constexpr):
     """1 / sqrt(mean of squares + eps) of each of x's rows [R] over its K columns, fp32, in an order fixed
     by K alone: lane j of NB adds the squares of columns j, j + NB, j + 2NB, ... in turn (one fma each),
@@ -151,7 +159,7 @@ def _rstd(x, rows, sxm, sxk, M, K, eps, R: tl.constexpr, NB: tl.constexpr):
     return tl.math.rsqrt(tl.reshape(acc, [R]) / K + eps)
 
 
-@triton.jit
+@_device
 def _normed(v, rstd, gain, cols, K, ty: tl.constexpr, out: tl.constexpr, HAS_GAIN: tl.constexpr, RNE: tl.constexpr):
     """RMSNorm's rounding of x's columns `cols` [R, C]: x * rstd rounded to ty (x's dtype), then with a
     gain, gain * that rounded to `out` (torch's `weight * normed`)."""
@@ -162,7 +170,7 @@ def _normed(v, rstd, gain, cols, K, ty: tl.constexpr, out: tl.constexpr, HAS_GAI
     return normed
 
 
-@triton.jit
+@_device
 def _silu_mul(g, u, ty: tl.constexpr, RNE: tl.constexpr):
     """silu(g) = g / (1 + exp(-g)) rounded to ty, times u, rounded again: torch's F.silu(gate) * up."""
     g = g.to(tl.float32)
