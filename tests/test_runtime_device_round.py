@@ -155,9 +155,9 @@ def _one_row_too_many(monkeypatch):
 
 def _drafter_row_short(monkeypatch):
     """Planted: the drafter's next rows miss the newest one (the target's own token) each round."""
-    original = runtime_module._PendingRows.append
-    monkeypatch.setattr(runtime_module._PendingRows, "append",
-                        lambda self, tokens, aux, rows, added: original(self, tokens, aux, rows, (added - 1).clamp(min=0)))
+    original = runtime_module._append_rows
+    monkeypatch.setattr(runtime_module, "_append_rows", lambda ids, aux_rows, count, tokens, aux, rows, added: original(
+        ids, aux_rows, count, tokens, aux, rows, (added - 1).clamp(min=0)))
 
 
 @pytest.mark.parametrize("plant", [_off_by_one_accept, _one_row_too_many, _drafter_row_short],
