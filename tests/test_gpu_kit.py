@@ -54,7 +54,8 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
                  f"  lossless (eager): batch 1, random drafter: identical {lossless['identical']}/{lossless['of']} "
                  f"(to verify width {lossless['identical_to_verify_width']}/{lossless['of']}), tau {lossless['tau']:.2f}",
                  f"  costs: batch 1: verify T=1 {shape['costs']['1']['verify_ms']['1']:.2f} ms",
-                 "  sweep: batch 1: speedup goodput/fixed 0 ", "greedy ids equal to torch: yes"):
+                 "  sweep: batch 1: speedup goodput/fixed 0 ", "greedy ids equal to torch: yes",
+                 "host per drafted round (fixed) "):
         assert line in result.output, line
     assert " done in " not in result.output
 

@@ -593,6 +593,9 @@ def step_result(name: str, value) -> str:
                 f"{rec['acceptance']} {rec['policies']['goodput']['decode_speedup']:.2f}/"
                 f"{rec['policies']['fixed']['decode_speedup']:.2f}x" for rec in build["sweep"])
             + f", break-even acceptance {build['break_even_acceptance']}"
+            # the fixed policy's rounds all draft and run on the device (captured bookkeeping with CUDA graphs)
+            + ", host per drafted round (fixed) {:.2f}-{:.2f} ms".format(*_span(
+                rec["policies"]["fixed"]["time_split"]["host_per_round_ms"] for rec in build["sweep"]))
             for r in value for build in r["builds"].values())
     if name.startswith("exact lossless"):
         same = sum(e["identical"] for e in value.values())
@@ -605,6 +608,11 @@ def step_result(name: str, value) -> str:
         return (f"greedy ids equal to torch: {'yes' if value['greedy_ids_equal'] else 'NO'}, aux max relative error "
                 f"{value['aux_max_rel_err']:.2g}")
     return "done"
+
+
+def _span(values) -> tuple[float, float]:
+    values = list(values)
+    return min(values), max(values)
 
 
 def check_shapes(text: str) -> list[str]:
