@@ -11,7 +11,7 @@
 #      (the call as the runtime pays it, and the graph's device time alone)
 #   4. `gpu-kit --exact --steps sweep` on Llama-3.1-8B: the bf16 sweep at acceptance 0 and vLLM CI's
 #      profile, with the host time per drafted round (the fixed policy's: its rounds run on the device,
-#      three graph replays and one read; the line "host per drafted round (fixed)"; target <= 0.3 ms)
+#      three graph replays and one read; the line "host per drafted round (fixed, ...)"; target <= 0.3 ms)
 #   5. with time left, the attention kernel beside SDPA (scripts/gpu_probe.py attention)
 # Each kit run stops starting steps when its budget runs out. Results in $OUT (the device machine's
 # return folder) or ./gpu-exact/. Needs torch with CUDA and triton; click, onnx_ir and pytest are

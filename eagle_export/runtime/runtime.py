@@ -122,12 +122,14 @@ class Timings:
     token costs without speculation, measured the same way in both kinds of stream. A device round's
     one host read waits for the work queued before it (on a GPU: the drafter's graph, the target's,
     acceptance and commits) and that wait is counted as verify: there a drafter call's seconds are its
-    launch, and host is the host's own work."""
+    launch, and host is the host's own work. `synthetic`: the part of host spent making synthetic drafts
+    (a measurement tool's work, not the runtime's; the benchmarks report it beside host)."""
 
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     total: float = 0.0
+    synthetic: float = 0.0
     plain_round_s: list[float] = field(default_factory=list)
 
     @property
@@ -521,8 +523,7 @@ class SpeculativeRuntime:
             nodes = out[C.DRAFT_IDS]
             if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
                 depths = torch.arange(1, nodes.shape[1] + 1).expand(b, -1)
-                nodes = state.synthetic.replace(depths - 2, depths, [len(g) for g in state.generated])[0]
-                nodes = nodes.to(self.device, non_blocking=True)
+                nodes = self._synthetic(state, depths - 2, depths)[0].to(self.device, non_blocking=True)
             buffers.drafts.copy_(nodes)
         elif state.pending is not None and not buffers.adopted:  # (near the limit from the start: no drafter call)
             buffers.adopt(state.pending)
@@ -666,9 +667,15 @@ class SpeculativeRuntime:
         parents = _chain(nodes.shape[1]).expand(len(nodes), -1) if state.chain else out[C.DRAFT_PARENTS].cpu()
         token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
         if state.synthetic is not None:
-            nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
-                                                         [len(g) for g in state.generated])
+            nodes, token_probs = self._synthetic(state, parents, tree.node_depths(parents))
         return nodes, parents, token_probs, out.get(C.DRAFT_PROBS)
+
+    def _synthetic(self, state, parents, depths):
+        """The synthetic drafts replacing a drafter call's (`SyntheticDrafts.replace`), timed apart."""
+        start = time.perf_counter()
+        drafts = state.synthetic.replace(parents, depths, [len(g) for g in state.generated])
+        self.timings.synthetic += time.perf_counter() - start
+        return drafts
 
     @property
     def device(self):
