@@ -109,14 +109,14 @@ class ShapeGraphs:
         return inputs, replay, tuple(outputs)
 
 
-
 # Ops a CUDA graph cannot hold: a read of a value on the host (a sync, refused while capturing), or an
 # output whose shape depends on the data (a graph replays the shapes it recorded).
 HOST_READS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "allclose"}
 DATA_SHAPED = {"nonzero", "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-               "unique_consecutive", "unique_dim_consecutive", "bincount", "histc", "repeat_interleave",
-               "_assert_async"}
+               "unique_consecutive", "unique_dim_consecutive", "bincount", "histc",
+               "repeat_interleave"}  # (without output_size: its length is read on the host)
 HOST_DATA = {"lift_fresh", "lift_fresh_copy"}  # torch.tensor(python data) inside
+MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}  # x[mask], x[mask] = v: nonzero inside
 
 
 # Reads of a tensor on the host that, on a CPU tensor, issue no aten op (so the dispatch level misses them).
@@ -155,9 +155,9 @@ class _Recorder(TorchDispatchMode):
             self.problems.append(f"{name}: its output's shape depends on the data")
         elif name in HOST_DATA:
             self.problems.append(f"{name}: a tensor made from host data")
-        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                     for i in (args[1] if len(args) > 1 else ()) if i is not None):
-            self.problems.append("index: a boolean mask selects a data-dependent number of elements")
+        elif name in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                          for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            self.problems.append(f"{name}: a boolean mask selects a data-dependent number of elements")
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.device != self.device:
@@ -173,8 +173,6 @@ def check_capturable(fn: Callable, inputs: list[torch.Tensor], variants: list[li
     host data or on another device, and, over `variants` (inputs of the same shapes holding other data),
     a different sequence of ops (a branch taken on the data).
     Returns the ops of `inputs`' run; raises EagleExportError naming the first problem."""
-    from ..errors import EagleExportError
-
     device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
     runs = []
     for run_inputs in [inputs, *variants]:
