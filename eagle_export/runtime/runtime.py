@@ -567,6 +567,7 @@ class SpeculativeRuntime:
             buffers.adopt(pending)
             return out, None
         width = self.drafter_width(max(h for h, a in zip(pending.host, alive) if a))
+        assert width <= self.depth + 1, "a sequence that drafts has at most K+1 rows pending"
         ids, aux = buffers.drafter_rows(width)
         if width != self.depth + 1:  # (growing caches only: the drafter's rows are not padded to K+1)
             torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
