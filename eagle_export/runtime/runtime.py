@@ -427,7 +427,7 @@ class SpeculativeRuntime:
             shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
             shifted[torch.arange(b), last] = first
             state.pending = _PendingRows(shifted, out[C.AUX_HIDDEN], prompt_lens)
-            state.draft_lens = torch.zeros(b, dtype=torch.int64)
+            state.draft_lens = torch.zeros_like(state.pending.count)  # beside num_valid (the pending counts)
         state.last_token = first
         if state.device_rounds:  # the round's state moves into the device round's buffers once
             state.buffers = self.round_buffers(b)
