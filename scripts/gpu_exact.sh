@@ -2,14 +2,16 @@
 # Exact mode on one GPU (issues 43/44), the one script a GPU sitting runs; ~7 minutes on an H200:
 #   1. torch sees the GPU and Triton imports (versions recorded)
 #   2. the kernels' accuracy and invariance tests natively (tests/test_kernels.py with the
-#      interpreter off): bf16 and fp16 tl.dot on tensor cores, checkable only here
+#      interpreter off): bf16 and fp16 tl.dot on tensor cores, checkable only here; then the CUDA-marked
+#      graph tests (tiny models, <= 90 s): the device round's bookkeeping captured in a real CUDA graph
 #   3. `gpu-kit --exact --steps lossless,cost,costs` on SHAPES (default Llama-3.1-8B, then
 #      Llama-3.2-1B): bf16 speculative == plain on every prompt (batch 1/4/16, random drafter and
 #      synthetic 0.7/0.9, chain and dynamic tree, CUDA graphs), the exact plain step beside the
 #      cuBLAS + torch-attention one at batch 1 and 16, the cost curves and the plain step's bandwidth
 #      (the call as the runtime pays it, and the graph's device time alone)
 #   4. `gpu-kit --exact --steps sweep` on Llama-3.1-8B: the bf16 sweep at acceptance 0 and vLLM CI's
-#      profile, with the host time per drafted round
+#      profile, with the host time per drafted round (the fixed policy's: its rounds run on the device,
+#      three graph replays and one read; the line "host per drafted round (fixed, ...)"; target <= 0.3 ms)
 #   5. with time left, the attention kernel beside SDPA (scripts/gpu_probe.py attention)
 # Each kit run stops starting steps when its budget runs out. Results in $OUT (the device machine's
 # return folder) or ./gpu-exact/. Needs torch with CUDA and triton; click, onnx_ir and pytest are
@@ -36,6 +38,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 timeout 120 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
     2>&1 | tail -15 | tee "$out/kernels.txt"
 echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
+timeout 90 python3 -m pytest tests/test_cuda_graphs.py tests/test_runtime_device_round.py -m cuda -q -p no:cacheprovider \
+    -o addopts="" 2>&1 | tail -8 | tee "$out/graph-tests.txt"
+echo "graph tests: after $((SECONDS - start)) s" | tee -a "$out/graph-tests.txt"
 
 left=$((total - (SECONDS - start)))
 timeout $((left * 11 / 20)) python3 -m eagle_export.cli gpu-kit --exact --plot "" --shapes "$shapes" --steps lossless,cost,costs \

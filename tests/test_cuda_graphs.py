@@ -16,10 +16,11 @@ from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
-def replay_eagerly(fn, inputs):
+def replay_eagerly(fn, inputs, warmup=None):
     """A stand-in for a CUDA graph on CPU: static inputs and outputs as captured, a replay that
-    recomputes from the static inputs and copies into the outputs the capture returned."""
-    outputs = tuple(fn(*inputs))
+    recomputes from the static inputs and copies into the outputs the capture returned. As a CUDA
+    capture records without running, the outputs are made by a warm-up call (on `warmup`, if given)."""
+    outputs = tuple(fn(*(inputs if warmup is None else warmup)))
 
     def replay():
         for static, fresh in zip(outputs, fn(*inputs)):
@@ -36,9 +37,9 @@ def keys(backend):
 def test_inputs_are_copied_into_static_buffers_and_bound_ones_are_read_in_place():
     captures = []
 
-    def capture(fn, inputs):
+    def capture(fn, inputs, warmup=None):
         captures.append(inputs)
-        return replay_eagerly(fn, inputs)
+        return replay_eagerly(fn, inputs, warmup)
 
     graphs = ShapeGraphs(lambda x, cache: (x * 2 + cache.sum(),), ["x", "cache"], ("cache",), capture)
     cache = torch.zeros(3)
@@ -52,10 +53,32 @@ def test_inputs_are_copied_into_static_buffers_and_bound_ones_are_read_in_place(
     assert first.tolist() == [8, 8] and graphs.copied_bound == 1
     graphs({"x": torch.ones(4), "cache": cache})  # a new shape: its own graph
     assert len(captures) == 2 and graphs.keys() == {(2,), (4,)}
+    x = torch.ones(4)
+    out = graphs({"x": x, "cache": cache})[0]
+    x += 1  # the same input tensor, written in place: copied in again (only its shapes are known)
+    assert graphs({"x": x, "cache": cache})[0].tolist() == [10, 10, 10, 10] and out.tolist() == [10, 10, 10, 10]
+
+
+@pytest.mark.parametrize("warmup", [True, False], ids=["dry warm-up", "planted: warm-up on the real inputs"])
+def test_a_function_that_writes_its_inputs_warms_up_on_inputs_it_leaves_unchanged(warmup):
+    """A capture runs its function before it records it; a function that writes its inputs in place (a
+    device round's bookkeeping) names warm-up inputs under which it writes nothing, so each call applies
+    it once. Planted: warmed up on the real inputs, the first call applies it twice."""
+    def advance(step, total):
+        total.add_(step)
+        return (total * 1,)
+
+    total = torch.zeros(2)
+    graphs = ShapeGraphs(advance, ["step", "total"], ("step", "total"), replay_eagerly,
+                         warmup=(lambda inputs: [torch.zeros_like(inputs[0]), inputs[1]]) if warmup else None)
+    step = torch.ones(2)
+    graphs({"step": step, "total": total})
+    graphs({"step": step, "total": total})
+    assert (total.tolist() == [2, 2]) is warmup
 
 
 def test_a_capture_that_fails_is_a_clear_error():
-    def capture(fn, inputs):
+    def capture(fn, inputs, warmup=None):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     graphs = ShapeGraphs(lambda x: (x,), ["x"], (), capture)

@@ -45,6 +45,8 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
             assert all(p["identical_to_autoregressive"] and p["model_speedup"] > 0 for p in rec["policies"].values())
             for p in rec["policies"].values():  # two passes, their median and spread, and the flag
                 assert len(p["speedup_by_pass"]) == 2 and p["repeats_disagree"] == (p["spread_of_passes"] > 0.05)
+                split = p["time_split"]  # the synthetic drafts' making: a part of host, told apart
+                assert 0 < split["synthetic_per_round_ms"] <= split["host_per_round_ms"]
     export = next(v for k, v in report.items() if k.startswith("export"))
     assert export["greedy_ids_equal"] and export["aux_max_rel_err"] < 1e-4
     assert "error" not in json.dumps(report)
@@ -54,7 +56,8 @@ def test_the_tiny_kit_runs_every_step_on_a_cpu(tmp_path, monkeypatch):
                  f"  lossless (eager): batch 1, random drafter: identical {lossless['identical']}/{lossless['of']} "
                  f"(to verify width {lossless['identical_to_verify_width']}/{lossless['of']}), tau {lossless['tau']:.2f}",
                  f"  costs: batch 1: verify T=1 {shape['costs']['1']['verify_ms']['1']:.2f} ms",
-                 "  sweep: batch 1: speedup goodput/fixed 0 ", "greedy ids equal to torch: yes"):
+                 "  sweep: batch 1: speedup goodput/fixed 0 ", "greedy ids equal to torch: yes",
+                 "host per drafted round (fixed, synthetic drafts' making apart) "):
         assert line in result.output, line
     assert " done in " not in result.output
 

@@ -71,15 +71,15 @@ def stale_aux_row(runtime_module):
     held in that slot before (an earlier round's row, or zeros)."""
     import torch
 
-    original = runtime_module._PendingRows.append
+    original = runtime_module._append_rows  # (every path's pending rows, the device round's included)
 
-    def append(self, tokens, aux, rows, added):
-        newest, width, batch = self.count + added - 1, self.aux.shape[1], torch.arange(len(self.count))
-        held = torch.where((newest < width)[:, None], self.aux[batch, newest.clamp(0, width - 1)], 0)
-        original(self, tokens, aux, rows, added)
+    def append(ids, aux_rows, count, tokens, aux, rows, added):
+        newest, width, batch = count + added - 1, aux_rows.shape[1], torch.arange(len(count))
+        held = torch.where((newest < width)[:, None], aux_rows[batch, newest.clamp(0, width - 1)], 0)
+        original(ids, aux_rows, count, tokens, aux, rows, added)
         fresh = added > 0
-        self.aux[batch[fresh], newest[fresh]] = held[fresh]
-    return "_PendingRows.append", append
+        aux_rows[batch[fresh], newest[fresh]] = held[fresh]
+    return "_append_rows", append
 
 
 def test_t0_checks_every_drafter_call_against_the_accepted_path(runtime):
@@ -94,7 +94,7 @@ def test_a_stale_aux_row_fed_to_the_drafter_fails_t0(runtime, monkeypatch):
     import eagle_export.runtime.runtime as runtime_module
 
     name, append = stale_aux_row(runtime_module)
-    monkeypatch.setattr(runtime_module._PendingRows, "append", append)
+    monkeypatch.setattr(runtime_module, name, append)
     (_, ok, detail), record = _synthetic_tier(runtime, PROMPTS, exact_plain=True)
     assert not ok and "aux state at position" in detail, detail
     assert not any("changed the output" in p for p in record["problems"])  # the output alone never shows it

@@ -162,6 +162,7 @@ class Backend:
     name = "?"
     device = "cpu"
     cuda_graphs = False  # calls replayed from CUDA graphs: the runtime must keep its caches static
+    capture = None  # with cuda_graphs: capture(fn, inputs, warmup) -> (replay, outputs) (cuda_graphs.py)
     exact = False  # bound to the width-invariant kernels (the torch backend's exact mode)
 
     def __init__(self, speculation: int | Speculation, model_dtype: torch.dtype, has_logits: bool,
@@ -219,11 +220,12 @@ class TorchBackend(Backend):
                             if graph is not None})
         self.cuda_graphs = cuda_graphs
         self.captured = {}  # graph key (None: target, False/True: drafter) -> ShapeGraphs
+        self.capture = None  # what captures a graph (the runtime captures its round's bookkeeping with it too)
         if cuda_graphs:
             if capture is None and str(device) != "cuda":
                 raise EagleExportError(f"CUDA graphs need a CUDA device, the torch backend runs on {device}",
                                        "run on a machine with a CUDA GPU, or without --cuda-graphs")
-            capture = capture or CudaGraphCapture()
+            capture = self.capture = capture or CudaGraphCapture()
             self.captured = {key: ShapeGraphs(graph, spec.input_names, (C.PAST_KEY, C.PAST_VALUE), capture)
                              for key, (graph, spec) in self.graphs.items()}
 

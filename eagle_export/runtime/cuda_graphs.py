@@ -14,6 +14,13 @@ gpt-fast do. A graph replays the memory it was captured with, so:
 The capture itself is the only CUDA-only code (`CudaGraphCapture`, written against the documented
 torch.cuda.CUDAGraph API: warm-up on a side stream, then capture, all graphs in one memory pool);
 the bookkeeping above is tested on CPU with a capture that replays eagerly into the same buffers.
+
+The runtime captures one function of its own the same way: a device round's bookkeeping (acceptance,
+cache commits, the next drafter rows; `runtime._settle_round`), which writes the runtime's state in
+place. A capture runs its function eagerly a few times first (the warm-up), so a function with side
+effects names warm-up inputs under which it changes nothing that is read later (`warmup`). What a
+capture can hold is checked on CPU by `check_capturable`: no host read, no host data, no op whose
+output shape depends on the data (a graph replays fixed shapes, and a host read inside a capture fails).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import EagleExportError
 
@@ -34,12 +43,14 @@ class CudaGraphCapture:
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, fn: Callable, inputs: list[torch.Tensor]):
+    def __call__(self, fn: Callable, inputs: list[torch.Tensor], warmup: list[torch.Tensor] | None = None):
+        """warmup: the inputs of the eager warm-up calls (default `inputs`): a capture records without
+        running, the warm-up runs, so a function that writes its inputs warms up on ones it leaves as they were."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
-                fn(*inputs)
+                fn(*(inputs if warmup is None else warmup))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -49,36 +60,132 @@ class CudaGraphCapture:
 
 class ShapeGraphs:
     """A module called by input name, one captured graph per set of input shapes. `bound` names the
-    inputs captured by reference (the caches); the others are copied into static buffers."""
+    inputs captured by reference (the caches); the others are copied into static buffers. `warmup`
+    maps a capture's inputs to those its warm-up calls get (None: the same; see CudaGraphCapture)."""
 
-    def __init__(self, fn: Callable, input_names: list[str], bound: tuple[str, ...], capture: Callable):
-        self.fn, self.input_names, self.bound, self.capture = fn, input_names, bound, capture
+    def __init__(self, fn: Callable, input_names: list[str], bound: tuple[str, ...], capture: Callable,
+                 warmup: Callable | None = None):
+        self.fn, self.input_names, self.bound, self.capture, self.warmup = fn, input_names, bound, capture, warmup
         self.graphs: dict[tuple, tuple] = {}  # input shapes -> (static inputs, replay, static outputs)
         self.copied_bound = 0  # bound inputs that had to be copied in (another tensor than at capture)
+        self._last = None  # (the last call's inputs, its graph)
 
     def keys(self) -> set[tuple[int, int]]:
         """(batch, width) of every captured graph: the first input's shape (input_ids [B, T])."""
         return {tuple(shapes[0]) for shapes in self.graphs}
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Copy the inputs into the static ones where they are other tensors, and replay. The same
+        tensors as the last call's (a device round's buffers, the caches) are known to have its shapes:
+        every torch call here, a tensor's shape or address included, is host time in every round."""
         given = [feeds[name] for name in self.input_names]
-        key = tuple(tuple(t.shape) for t in given)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(key, given)
-        inputs, replay, outputs = self.graphs[key]
+        last = self._last
+        if last is not None and all(a is b for a, b in zip(given, last[0])):
+            inputs, replay, outputs = last[1]
+        else:
+            key = tuple(tuple(t.shape) for t in given)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key, given)
+            inputs, replay, outputs = self.graphs[key]
+            self._last = (given, self.graphs[key])  # (holding the tensors keeps their ids unique)
         for name, static, tensor in zip(self.input_names, inputs, given):
-            if static.data_ptr() != tensor.data_ptr() or static.stride() != tensor.stride():
+            if static is tensor:
+                continue
+            if name not in self.bound:  # (a static input is the graph's own clone: never the caller's memory)
                 static.copy_(tensor)
-                self.copied_bound += name in self.bound
+            elif static.data_ptr() != tensor.data_ptr() or static.stride() != tensor.stride():
+                static.copy_(tensor)
+                self.copied_bound += 1
         replay()
         return outputs
 
     def _capture(self, key, given):
         inputs = [t if name in self.bound else t.clone() for name, t in zip(self.input_names, given)]
         try:
-            replay, outputs = self.capture(self.fn, inputs)
+            replay, outputs = self.capture(self.fn, inputs, None if self.warmup is None else self.warmup(inputs))
         except RuntimeError as e:  # an op that syncs with the host or allocates on the CPU inside the graph
             raise EagleExportError(f"CUDA graph capture failed for input shapes {key}: {str(e).splitlines()[0]}",
                                    "run without CUDA graphs (--no-cuda-graphs, or cuda_graphs=False)") from e
         return inputs, replay, tuple(outputs)
 
+
+# Ops a CUDA graph cannot hold: a read of a value on the host (a sync, refused while capturing), or an
+# output whose shape depends on the data (a graph replays the shapes it recorded).
+HOST_READS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "allclose"}
+DATA_SHAPED = {"nonzero", "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+               "unique_consecutive", "unique_dim_consecutive", "bincount", "histc",
+               "repeat_interleave"}  # (without output_size: its length is read on the host)
+HOST_DATA = {"lift_fresh", "lift_fresh_copy"}  # torch.tensor(python data) inside
+MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}  # x[mask], x[mask] = v: nonzero inside
+
+
+# Reads of a tensor on the host that, on a CPU tensor, issue no aten op (so the dispatch level misses them).
+HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy,
+                     torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class _HostReads(TorchFunctionMode):
+    """The host reads a function makes at the Python level (`.tolist()`, `.cpu()`, ...)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__()
+        self.problems = problems
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READ_METHODS:
+            self.problems.append(f"{func.__name__}: reads a value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op a function issues (the ops a capture would record) and what makes it
+    uncapturable."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.ops, self.problems = device, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        self.ops.append(name)
+        if name in HOST_READS:
+            self.problems.append(f"{name}: reads a value on the host")
+        elif name in DATA_SHAPED:
+            self.problems.append(f"{name}: its output's shape depends on the data")
+        elif name in HOST_DATA:
+            self.problems.append(f"{name}: a tensor made from host data")
+        elif name in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                          for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            self.problems.append(f"{name}: a boolean mask selects a data-dependent number of elements")
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                self.problems.append(f"{name}: makes a tensor on {t.device}, outside the graph's device {self.device}")
+        return out
+
+
+def check_capturable(fn: Callable, inputs: list[torch.Tensor], variants: list[list[torch.Tensor]] = ()) -> list[str]:
+    """Whether a CUDA graph can hold `fn(*inputs)`, checked on whatever device the inputs are on (a CPU
+    proof for a GPU capture): the aten ops it issues are recorded, and it fails on a host read
+    (`.item()`, `.tolist()`, a tensor's truth value: aten._local_scalar_dense), an op whose output shape
+    depends on the data (nonzero, masked_select, unique, a boolean-mask index, ...), a tensor made from
+    host data or on another device, and, over `variants` (inputs of the same shapes holding other data),
+    a different sequence of ops (a branch taken on the data).
+    Returns the ops of `inputs`' run; raises EagleExportError naming the first problem."""
+    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+    runs = []
+    for run_inputs in [inputs, *variants]:
+        recorder = _Recorder(device)
+        with _HostReads(recorder.problems), recorder:
+            fn(*run_inputs)
+        if recorder.problems:
+            raise EagleExportError(f"{getattr(fn, '__name__', 'the function')} cannot be captured in a CUDA graph: "
+                                   f"{recorder.problems[0]}",
+                                   "keep the values on the device: tensor ops of fixed shapes, no host reads")
+        runs.append(recorder.ops)
+    if any(ops != runs[0] for ops in runs[1:]):
+        raise EagleExportError(f"{getattr(fn, '__name__', 'the function')} cannot be captured in a CUDA graph: "
+                               "other data of the same shapes runs other ops (a branch on a value)",
+                               "compute both sides with torch.where instead of branching on a value")
+    return runs[0]

@@ -41,8 +41,14 @@ ONE device -> host read a round, [accepted count, the target's greedy ids] per s
 to emit tokens and test EOS, stop strings and the limits; acceptance (the longest prefix of drafts equal
 to the target's argmax), the cache commits, the next root token, the lengths and the drafter's next
 rows (for a chain: the target's greedy ids and aux states as they are, `accepted + 1` of them valid)
-are computed on the device, queued behind the graphs. The other cases (sampling, trees, a policy that
-chooses k from the drafts' probabilities) read the drafts and the target's ids on the host as before.
+are computed on the device, queued behind the graphs. That bookkeeping is one function of fixed-shape
+tensors (`_settle_round`, over the round's buffers `_RoundBuffers` and the graphs' outputs, written in
+place, no host read: `cuda_graphs.check_capturable` proves it on CPU), so where the backend captures CUDA
+graphs it is one more graph, captured per set of shapes beside the target's and the drafter's: a drafted
+round costs the host three replays, the copies of the small inputs into the graphs' static ones, and the
+read (25 torch calls, 171 when the bookkeeping ran eagerly; each is host time on a GPU, 5-10 us a launch).
+The other cases (sampling, trees, a policy that chooses k from the drafts' probabilities) read the drafts
+and the target's ids on the host as before.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from ..speculation.synthetic import SyntheticDrafts
 from ..speculation.tree import greedy_accepted_path
 from .backends import Backend
 from .costs import CostCache, CostCurves, measure
+from .cuda_graphs import ShapeGraphs
 from .generation import GenerationConfig, is_int
 from .verify_policy import FixedDepth, check_policy, make_policy
 
@@ -121,12 +128,14 @@ class Timings:
     token costs without speculation, measured the same way in both kinds of stream. A device round's
     one host read waits for the work queued before it (on a GPU: the drafter's graph, the target's,
     acceptance and commits) and that wait is counted as verify: there a drafter call's seconds are its
-    launch, and host is the host's own work."""
+    launch, and host is the host's own work. `synthetic`: the part of host spent making synthetic drafts
+    (a measurement tool's work, not the runtime's; the benchmarks report it beside host)."""
 
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     total: float = 0.0
+    synthetic: float = 0.0
     plain_round_s: list[float] = field(default_factory=list)
 
     @property
@@ -207,7 +216,9 @@ class SpeculativeRuntime:
         self.timings = Timings()
         # Caches grow in steps of this many slots as the sequences do (see _State.reserve).
         self.cache_step = 64
-        self._chain_masks = {}  # (batch, width) -> a chain verify call's mask and row offsets (_chain_mask)
+        self._chain_masks = {}  # (batch, width) -> a chain verify call's mask (_chain_mask)
+        self._round_buffers: dict[int, _RoundBuffers] = {}  # static mode: batch -> its device rounds' buffers
+        self._settle_graphs: dict[tuple[str, ...], ShapeGraphs] = {}  # _settle_round's inputs -> its graphs
 
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
@@ -416,12 +427,13 @@ class SpeculativeRuntime:
             shifted = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.int64)], dim=1)
             shifted[torch.arange(b), last] = first
             state.pending = _PendingRows(shifted, out[C.AUX_HIDDEN], prompt_lens)
-            state.draft_lens = torch.zeros(b, dtype=torch.int64)
+            state.draft_lens = torch.zeros_like(state.pending.count)  # beside num_valid (the pending counts)
         state.last_token = first
-        if state.device_rounds:  # the round's state moves to the device once (a no-op on the CPU)
-            state.lens, state.last_token = state.lens.to(self.device), state.last_token.to(self.device)
-            state.no_accepts = torch.zeros(b, 1, dtype=torch.int64, device=self.device)  # a plain step's
-            state.draft_lens = None if state.draft_lens is None else state.draft_lens.to(self.device)
+        if state.device_rounds:  # the round's state moves into the device round's buffers once
+            state.buffers = self.round_buffers(b)
+            state.buffers.start(state.lens, first, state)
+            state.lens = state.buffers.lens
+            state.draft_lens = None if state.draft_lens is None else state.buffers.draft_lens
         yield from events
 
     def _round(self, state, live, policy=None, drafted=False):
@@ -495,38 +507,37 @@ class SpeculativeRuntime:
 
     def _device_round(self, state, live, policy=None, drafted=False):
         """`_round` for a greedy chain under the fixed policy, or a plain step, on the device: one drafter
-        call, one target call over [last token, the K drafts], and one host read of [accepted, greedy ids]
-        per sequence. With the drafts d_1..d_K and the target's argmax g_0..g_K at the call's rows, a is
-        the number of leading i with d_i == g_{i-1}; the sequence emits g_0..g_a (the accepted drafts
+        call, one target call over [last token, the K drafts], the round's bookkeeping (`_settle_round`:
+        one graph replay where the backend captures CUDA graphs) and one host read of [accepted, greedy
+        ids] per sequence. With the drafts d_1..d_K and the target's argmax g_0..g_K at the call's rows, a
+        is the number of leading i with d_i == g_{i-1}; the sequence emits g_0..g_a (the accepted drafts
         are g_0..g_{a-1}, then the target's own token g_a), its cache takes the call's rows 0..a at its
         length, its next root is g_a, and the drafter's next rows are (g_i, the call's aux state at row
-        i) for i <= a: the call's outputs as they are, a + 1 rows valid. Near the context limit the
-        stream's plain steps come here too (those sequences never draft again)."""
+        i) for i <= a: the call's outputs as they are, a + 1 rows valid. The state lives in buffers of
+        fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
+        host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
+        graph calls (each copies its small inputs into its static ones), and the read. Near the context
+        limit the stream's plain steps come here too (those sequences never draft again)."""
         start = time.perf_counter()
         b, alive = len(state.prompts), live.tolist()
-        on_device = state.on_device(alive)
+        buffers = state.buffers
+        buffers.set_live(alive, state)
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
-        verify_ids = state.last_token[:, None]
+        drafter_rows = None
         if drafted:
-            out, _ = self._call_drafter(state, alive, on_device)
+            out, drafter_rows = self._device_draft(state, alive)
             nodes = out[C.DRAFT_IDS]
             if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
                 depths = torch.arange(1, nodes.shape[1] + 1).expand(b, -1)
-                nodes = state.synthetic.replace(depths - 2, depths, [len(g) for g in state.generated])[0]
-                nodes = nodes.to(self.device, non_blocking=True)
-            verify_ids = torch.cat([verify_ids, nodes], dim=1)
-        mask, offsets = self._chain_mask(b, verify_ids.shape[1])
-        out = self._target(state, verify_ids, state.lens[:, None] + offsets, state.lens, mask, False, read=False)
-        greedy = out[C.GREEDY_IDS]
-        accepted = greedy_accepted_path(nodes, None, greedy)[0].view(b, 1) if drafted else state.no_accepts
-        taken = torch.where(on_device.view(b, 1), accepted + 1, 0)             # [B,1]: rows each sequence keeps
-        state.write_target(out, taken.view(b), on_device)
-        if state.pending is not None:
-            state.pending.append(greedy, out[C.AUX_HIDDEN], None, taken.view(b))
-        state.lens = state.lens + taken.view(b)
-        state.last_token = torch.where(on_device, greedy.gather(1, accepted).view(b), state.last_token)
+                nodes = self._synthetic(state, depths - 2, depths)[0].to(self.device, non_blocking=True)
+            buffers.drafts.copy_(nodes)
+        elif state.pending is not None and not buffers.adopted:  # (near the limit from the start: no drafter call)
+            buffers.adopt(state.pending)
+        ids, positions = buffers.views[self.depth + 1 if drafted else 1]
+        out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False)
+        settled = self._settle(state, out, drafter_rows)
         read = time.perf_counter()  # the one host read: it waits for everything queued above
-        rows = torch.cat([accepted, greedy], dim=1).tolist()
+        rows = settled.tolist()
         self.timings.verify += time.perf_counter() - read
         emitted = [row[1:row[0] + 2] for row in rows]
         for i, a in enumerate(alive):
@@ -535,19 +546,81 @@ class SpeculativeRuntime:
         if state.pending is not None:
             state.pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
         if policy is not None:  # (the fixed policy learns nothing: it is not told)
-            width = verify_ids.shape[1]
+            width = ids.shape[1]
             state.record(alive, [row[0] for row in rows], [width - 1] * b, width, drafted)
         events = state.emit(emitted, alive)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
 
-    def _chain_mask(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chain's verify call of `width` tokens: its tree_mask (causal) and each row's offset from
-        the root's position, on the device, made once per (batch, width)."""
+    def _device_draft(self, state, alive: list[bool]):
+        """A device round's drafter call -> (its outputs, its new K/V rows for `_settle_round` to commit;
+        None when committed here). The stream's first call reads every prompt row (a call wider than
+        K+1 rows, run eagerly) and commits at once; then the pending rows move into the round's buffers,
+        and every later call reads at most K+1 rows from them (a sequence that drafted has at most K+1
+        rows pending: the last round's accepted path and the target's token)."""
+        buffers, pending = state.buffers, state.pending
+        if not buffers.adopted:
+            out, _ = self._call_drafter(state, alive, buffers.live)
+            buffers.draft_lens.copy_(state.draft_lens)
+            state.draft_lens = buffers.draft_lens
+            buffers.adopt(pending)
+            return out, None
+        width = self.drafter_width(max(h for h, a in zip(pending.host, alive) if a))
+        assert width <= self.depth + 1, "a sequence that drafts has at most K+1 rows pending"
+        ids, aux = buffers.drafter_rows(width)
+        if width != self.depth + 1:  # (growing caches only: the drafter's rows are not padded to K+1)
+            torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
+        dtype = self.backend.drafter_dtype
+        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype),
+                 C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
+                 C.CACHE_LENS: buffers.draft_lens}
+        start = time.perf_counter()
+        out = self.backend.drafter(feeds)
+        self.timings.draft += time.perf_counter() - start
+        pending.taken(alive)
+        return out, buffers.new_rows(out, width)
+
+    def _settle(self, state, out, drafter_rows) -> torch.Tensor:
+        """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]:
+        through a graph captured per set of input shapes (`ShapeGraphs`, every input bound by reference:
+        they are the runtime's own buffers and the graphs' static outputs) where the backend captures
+        CUDA graphs, eagerly otherwise."""
+        buffers = state.buffers
+        feeds = {"lens": buffers.lens, "verify_ids": buffers.verify_ids, "positions": buffers.positions,
+                 "live": buffers.live, "target_k": state.target_k, "target_v": state.target_v,
+                 "greedy": out[C.GREEDY_IDS], "aux": out[C.AUX_HIDDEN], "new_key": out[C.NEW_KEY],
+                 "new_value": out[C.NEW_VALUE]}
+        if state.pending is not None:
+            feeds.update(pending_ids=buffers.ids, pending_aux=buffers.aux, pending_count=buffers.count,
+                         num_valid=buffers.num_valid)
+        if drafter_rows is not None:
+            feeds.update(draft_lens=buffers.draft_lens, draft_k=state.draft_k, draft_v=state.draft_v,
+                         draft_new_key=drafter_rows[C.NEW_KEY], draft_new_value=drafter_rows[C.NEW_VALUE])
+        if self.backend.capture is None:
+            return _settle_round(**feeds)
+        names = tuple(feeds)
+        if names not in self._settle_graphs:
+            self._settle_graphs[names] = ShapeGraphs(lambda *inputs: (_settle_round(**dict(zip(names, inputs))),),
+                                                     list(names), names, self.backend.capture,
+                                                     warmup=functools.partial(_dry, names))
+        return self._settle_graphs[names](feeds)[0]
+
+    def round_buffers(self, batch: int) -> _RoundBuffers:
+        """A device round's buffers for `batch` sequences: new ones, or in static mode this batch size's,
+        made once and reused by every stream (a captured graph writes the tensors it was captured with)."""
+        if not self.static_cache:
+            return _RoundBuffers(batch, self.depth, self.aux_width, self.backend.model_dtype, self.device)
+        if batch not in self._round_buffers:
+            self._round_buffers[batch] = _RoundBuffers(batch, self.depth, self.aux_width, self.backend.model_dtype,
+                                                       self.device)
+        return self._round_buffers[batch]
+
+    def _chain_mask(self, batch: int, width: int) -> torch.Tensor:
+        """A chain's verify call of `width` tokens: its tree_mask (causal), on the device, made once per
+        (batch, width)."""
         if (batch, width) not in self._chain_masks:
-            self._chain_masks[batch, width] = (tree.verify_mask(_chain(width - 1).expand(batch, -1)).to(self.device),
-                                               torch.arange(width, device=self.device))
+            self._chain_masks[batch, width] = tree.verify_mask(_chain(width - 1).expand(batch, -1)).to(self.device)
         return self._chain_masks[batch, width]
 
     # ------------------------------------------------------------ graph calls
@@ -601,9 +674,15 @@ class SpeculativeRuntime:
         parents = _chain(nodes.shape[1]).expand(len(nodes), -1) if state.chain else out[C.DRAFT_PARENTS].cpu()
         token_probs = out[C.DRAFT_TOKEN_PROBS].cpu()
         if state.synthetic is not None:
-            nodes, token_probs = state.synthetic.replace(parents, tree.node_depths(parents),
-                                                         [len(g) for g in state.generated])
+            nodes, token_probs = self._synthetic(state, parents, tree.node_depths(parents))
         return nodes, parents, token_probs, out.get(C.DRAFT_PROBS)
+
+    def _synthetic(self, state, parents, depths):
+        """The synthetic drafts replacing a drafter call's (`SyntheticDrafts.replace`), timed apart."""
+        start = time.perf_counter()
+        drafts = state.synthetic.replace(parents, depths, [len(g) for g in state.generated])
+        self.timings.synthetic += time.perf_counter() - start
+        return drafts
 
     @property
     def device(self):
@@ -778,7 +857,7 @@ class _PendingRows:
 
     def __init__(self, ids, aux, count):
         self.ids, self.aux = ids.to(aux.device), aux.clone()  # ours to write into
-        self.count, self.host = count.to(aux.device), count.tolist()
+        self.count, self.host = count.to(aux.device).clone(), count.tolist()
 
     def _fit(self, width):
         if width > self.aux.shape[1]:  # grow by doubling: plain steps add one row at a time
@@ -791,13 +870,8 @@ class _PendingRows:
         verify call's row rows[b, i] (None: row i), the row that predicted it. All R go to the slots
         after its count (past added[b] they are padding): two scatters for the whole batch, no host
         read. The host's counts follow with `added`."""
-        device, (b, width), a = self.aux.device, tokens.shape, aux.shape[2]
-        self._fit(max(self.host) + width)
-        slots = self.count.view(b, 1) + _arange(width, device)
-        self.ids.scatter_(1, slots, _to(tokens, device))
-        source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
-        self.aux.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
-        self.count = self.count + _to(added, device)
+        self._fit(max(self.host) + tokens.shape[1])
+        _append_rows(self.ids, self.aux, self.count, tokens, aux, rows, added)
 
     def added(self, counts: list[int]) -> None:
         """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
@@ -811,8 +885,135 @@ class _PendingRows:
         self._fit(width)
         num_valid = self.count.clamp(1, width)
         self.count = torch.where(live, 0, self.count)
-        self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
+        self.taken(alive)
         return self.ids[:, :width], self.aux[:, :width], num_valid
+
+    def taken(self, alive: list[bool]) -> None:
+        """The host's counts after a drafter call took every row of the live sequences."""
+        self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
+
+
+def _append_rows(ids, aux_rows, count, tokens, aux, rows, added) -> None:
+    """Append to pending rows ids [B,P], aux_rows [B,P,A] with counts count [B], in place: sequence b's
+    rows tokens[b, i] [B,R] beside the aux state of the verify call's row rows[b, i] (None: row i), all
+    R of them at the slots after its count (past added[b] they are padding), then count += added. Two
+    scatters for the whole batch, no host read. A slot past P is clamped into the last one: `_PendingRows`
+    grows first so that none is, and a device round's buffers never read a slot that high (its drafter
+    calls read at most K+1 rows, and P = 2(K+1): see _RoundBuffers)."""
+    device, (b, width), a = aux_rows.device, tokens.shape, aux.shape[2]
+    slots = (count.view(b, 1) + _arange(width, device)).clamp_(max=ids.shape[1] - 1)
+    ids.scatter_(1, slots, _to(tokens, device))
+    source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
+    aux_rows.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
+    count.add_(_to(added, device))
+
+
+class _RoundBuffers:
+    """A device round's state on the device, in tensors of fixed shapes made once (per batch size in
+    static mode) that the graphs read and `_settle_round` writes in place: a CUDA graph replays the
+    addresses it was captured with. lens [B] (target positions in cache); verify_ids [B,K+1], the next
+    verify call's ids (column 0 its root, the last emitted token; then the drafts, `drafts`) and positions
+    [B,K+1] (lens + 0..K); live [B] (the round's live mask, copied in when it changes); with a drafter:
+    draft_lens [B], num_valid [B] (the next drafter call's valid rows) and the pending rows (ids [B,P],
+    aux [B,P,A], count [B], `_PendingRows`'s), P = 2(K+1): a drafter call reads the first K+1 rows, a
+    sequence that drafts has at most K+1 pending, and a row appended past them (a sequence that no
+    longer drafts: finished, or near the context limit) lands at or past slot K+1, read by no call."""
+
+    def __init__(self, batch: int, depth: int, aux_width: int, aux_dtype: torch.dtype, device):
+        w, zeros = depth + 1, functools.partial(torch.zeros, dtype=torch.int64, device=device)
+        self.lens, self.verify_ids, self.positions = zeros(batch), zeros(batch, w), zeros(batch, w)
+        self.live = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.draft_lens, self.num_valid, self.count = zeros(batch), zeros(batch), zeros(batch)
+        self.ids = zeros(batch, 2 * w)
+        self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
+        self.drafts = self.verify_ids[:, 1:]
+        # Views made once (each slicing is a torch call, host time in every round): a verify call's
+        # (ids, positions) by its width (a plain step: 1, a drafted round: K+1), the drafter's rows by theirs.
+        self.views = {1: (self.verify_ids[:, :1], self.positions[:, :1]), w: (self.verify_ids, self.positions)}
+        self._rows = {}
+        self.alive, self.adopted = None, False
+
+    def start(self, lens, first, state) -> None:
+        """A stream's state after its prompt pass: cache lengths, the first token (the first root), the
+        live mask; no drafter rows yet (`adopt` takes the prompt's after the first drafter call)."""
+        self.lens.copy_(lens)
+        self.verify_ids[:, 0].copy_(first)
+        self.positions.copy_(self.lens.view(-1, 1) + _arange(self.positions.shape[1], self.lens.device))
+        self.draft_lens.zero_()
+        self.alive, self.adopted = None, False
+        self.set_live(state.active.tolist(), state)
+
+    def set_live(self, alive: list[bool], state) -> None:
+        """The round's live mask into `live` (a copy on the device, only when it changed)."""
+        if alive != self.alive:
+            self.live.copy_(state.on_device(alive))
+            self.alive = alive
+
+    def adopt(self, pending: _PendingRows) -> None:
+        """Move the pending rows into these buffers (the first P of each sequence: see the class) and
+        make `pending` use them."""
+        p = min(self.ids.shape[1], pending.ids.shape[1])
+        self.ids.zero_()
+        self.aux.zero_()
+        self.ids[:, :p], self.aux[:, :p] = pending.ids[:, :p], pending.aux[:, :p]
+        self.count.copy_(pending.count)
+        torch.clamp(self.count, 1, self.verify_ids.shape[1], out=self.num_valid)
+        pending.ids, pending.aux, pending.count = self.ids, self.aux, self.count
+        self.adopted = True
+
+    def drafter_rows(self, width: int):
+        """The drafter's input rows (ids [B,W], aux [B,W,A]): views of the pending rows."""
+        if width not in self._rows:
+            self._rows[width] = self.ids[:, :width], self.aux[:, :width]
+        return self._rows[width]
+
+    def new_rows(self, out, width: int) -> dict[str, torch.Tensor]:
+        """The new K/V of a drafter call's `width` input rows (its later steps' rows follow), as views
+        made once per output tensor: a graph's outputs are the same tensors at every replay."""
+        key = (width, C.NEW_KEY)
+        if self._rows.get(key, (None,))[0] is not out[C.NEW_KEY]:
+            self._rows[key] = out[C.NEW_KEY], {name: out[name][:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
+        return self._rows[key][1]
+
+
+def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy, aux, new_key, new_value,
+                  pending_ids=None, pending_aux=None, pending_count=None, num_valid=None,
+                  draft_lens=None, draft_k=None, draft_v=None, draft_new_key=None, draft_new_value=None):
+    """A device round's bookkeeping, from the verify call's outputs to what the host reads: everything
+    in place on the round's buffers (`_RoundBuffers`) and the caches, tensor ops of fixed shapes with no
+    host read, so that one CUDA graph holds it (`cuda_graphs.check_capturable` proves it on CPU) ->
+    [accepted, greedy ids] [B,1+T], the one read. In order:
+      the drafter call of this round (given its new K/V rows): its first num_valid rows committed at
+      draft_lens, draft_lens += num_valid, its pending rows consumed (count = 0), live sequences only;
+      accepted = the leading drafts verify_ids[:, 1:T] equal to greedy (0 in a plain step, T = 1);
+      the target's rows 0..accepted committed at lens; the drafter's next rows (greedy, aux) appended,
+      accepted + 1 of them valid; lens += accepted + 1; the root becomes greedy[accepted]; positions
+      and num_valid made for the next round.
+    A sequence not live changes nothing that is read later (its rows write back what their slots held,
+    its appended rows are padding past its count): the capture's warm-up runs with no sequence live
+    (`_dry`)."""
+    b, width = greedy.shape
+    if draft_new_key is not None:
+        _write_rows(draft_k, draft_v, {C.NEW_KEY: draft_new_key, C.NEW_VALUE: draft_new_value}, draft_lens,
+                    num_valid, live)
+        draft_lens.add_(torch.where(live, num_valid, 0))
+        pending_count.masked_fill_(live, 0)
+    accepted = greedy_accepted_path(verify_ids[:, 1:width], None, greedy)[0].view(b, 1)
+    taken = torch.where(live.view(b, 1), accepted + 1, 0).view(b)
+    _write_rows(target_k, target_v, {C.NEW_KEY: new_key, C.NEW_VALUE: new_value}, lens, taken, live)
+    if pending_ids is not None:
+        _append_rows(pending_ids, pending_aux, pending_count, greedy, aux, None, taken)
+        torch.clamp(pending_count, 1, verify_ids.shape[1], out=num_valid)
+    lens.add_(taken)
+    root = verify_ids[:, 0]
+    root.copy_(torch.where(live, greedy.gather(1, accepted).view(b), root))
+    positions.copy_(lens.view(b, 1) + _arange(positions.shape[1], lens.device))
+    return torch.cat([accepted, greedy], dim=1)
+
+
+def _dry(names, inputs):
+    """`_settle_round`'s inputs with no sequence live: what its capture warms up on (see its docstring)."""
+    return [torch.zeros_like(t) if name == "live" else t for name, t in zip(names, inputs)]
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
