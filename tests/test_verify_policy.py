@@ -227,7 +227,8 @@ def test_calibration_below_full_trust_matches_the_formula_worked_by_hand(case):
 
 class _TimesE(GoodputDepth):  # planted: the menu's E scaled by the path's trust, not each depth's reach
     def _calibrated(self):
-        return [[self._trust_path[-1] * (1 + sum(entry)) for entry in menu] for menu in self._reach]
+        entries = [self._entry(j) for j in range(len(self.widths))]
+        return [[self._trust_path[-1] * (1 + sum(entry[b])) for entry in entries] for b in range(self.batch)]
 
 
 class _DepthAlone(GoodputDepth):  # planted: t_d alone, not t_1 ... t_d
@@ -555,8 +556,8 @@ def test_goodput_never_loses_to_fixed_or_plain_decoding_on_recorded_gpu_costs(ca
 
 
 class _WidthBlind(GoodputDepth):  # planted: every menu entry priced as if its verify call were a plain step's
-    def _round_cost(self, j):
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)
+    def _round_costs(self):
+        return [self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)] * len(self.widths)
 
 
 @pytest.mark.parametrize("planted", [None, _WidthBlind, _VerifiedOnly], ids=["goodput", "width blind", "verified only"])
