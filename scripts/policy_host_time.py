@@ -5,9 +5,12 @@ Both policies are driven by `runtime.replay` on the recorded H200 exact-bf16 cos
 observe timed with perf_counter. A drafted round's bookkeeping is should_draft + choose + observe; a
 k = 0 round's is should_draft + observe. Each figure is the median over the rounds of one replay, then
 the median over --repeat replays, old and new interleaved. The decisions of the two (drafted or not, the
-menu entry verified, per round) are compared as well: they must be the same.
+menu entry verified, per round) are compared as well: they must be the same. --decisions compares them
+only, over a sweep (every recorded card and batch size, catch-up unpriced and priced, 13 drafters: 11
+calibrated acceptances, one over- and one under-confident) and --random rounds of random trees and
+chains (random batch, claims, outcomes and finished sequences), driven as the runtime drives them.
 
-Run: PYTHONPATH=. python scripts/policy_host_time.py [--against REV] [--repeat 5]
+Run: PYTHONPATH=. python scripts/policy_host_time.py [--against REV] [--repeat 5] [--decisions [--random 4000]]
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_export.runtime.replay import DEPTH, recorded_costs, replay
+import torch
+
+from eagle_export.runtime.replay import DEPTH, RECORDED, recorded_costs, replay
+from eagle_export.speculation.tree import nested_subtrees
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = {"0": (0.0,) * DEPTH, "0.4": (0.4,) * DEPTH, "0.73/0.52/0.35/0.25": (0.73, 0.52, 0.35, 0.25)}
@@ -68,15 +74,81 @@ class Timed:
         self.decisions.append(j if drafted else None)
 
 
+def sweep_decisions(classes) -> tuple[int, int]:
+    """(cells where the policies' decisions differ, cells) over the sweep the module names."""
+    drafters = [((a,) * DEPTH, None) for a in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
+    drafters += [((0.2,) * DEPTH, (0.9,) * DEPTH), ((0.9,) * DEPTH, (0.9, 0.5, 0.3, 0.2))]
+    differ = cells = 0
+    for card in RECORDED:
+        for catch_up in (False, True):
+            costs = recorded_costs(card, catch_up)
+            for batch in RECORDED[card]:
+                for true, claimed in drafters:
+                    runs = []
+                    for cls in classes.values():
+                        timed = Timed(cls(DEPTH, costs))
+                        replay(timed, costs, batch, true, claimed)
+                        runs.append(timed.decisions)
+                    differ += runs[0] != runs[1]
+                    cells += 1
+    return differ, cells
+
+
+def random_decisions(classes, rounds: int, seed: int = 0) -> tuple[int, int]:
+    """(rounds whose decisions differ, rounds): random streams of random trees (a chain in half of them),
+    each round's claims, outcome, emitted tokens and finished sequences drawn at random."""
+    rng = torch.Generator().manual_seed(seed)
+    costs = recorded_costs("H200 exact bf16", True)
+    differ = done = 0
+    while done < rounds:
+        batch = [1, 4, 16][int(torch.randint(3, (1,), generator=rng))]
+        chain = bool(torch.randint(2, (1,), generator=rng))
+        policies = [cls(DEPTH, costs) for cls in classes.values()]
+        for policy in policies:
+            policy.start(batch)
+        live = torch.ones(batch, dtype=torch.bool)
+        for _ in range(64):
+            n = DEPTH  # (the recorded curves price verify calls of up to DEPTH + 1 tokens)
+            if chain:
+                parents = torch.arange(-1, DEPTH - 1).expand(batch, -1)
+            else:
+                parents = torch.stack([torch.tensor([int(torch.randint(i + 1, (1,), generator=rng)) - 1
+                                                     for i in range(n)]) for _ in range(batch)])
+            probs = torch.rand(batch, n, generator=rng) ** 0.5
+            nodes = torch.randint(50, (batch, n), generator=rng)
+            menu, reach = nested_subtrees(parents, probs, DEPTH, by_depth=False)
+            widths = (1 + menu.sum(-1).amax(-1)).tolist()
+            accepted = torch.randint(DEPTH + 1, (batch,), generator=rng)
+            emitted = [torch.randint(50, (int(a) + 1,), generator=rng).tolist() for a in accepted]
+            seen = []
+            for policy in policies:
+                drafted = policy.should_draft(live)
+                j = policy.choose(reach, live, widths, (nodes, parents)) if drafted else 0
+                policy.observe(j, accepted.clamp(max=j), live, drafted, [e if a else [] for e, a in zip(emitted, live)])
+                seen.append((drafted, j, policy.trust, policy.expected, policy.interval))
+            differ += seen[0] != seen[1]
+            done += 1
+            if torch.rand(1, generator=rng) < 0.05 and live.sum() > 1:
+                live = live.clone()
+                live[int(torch.nonzero(live)[0, 0])] = False
+    return differ, done
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="d0726d3", help="the commit whose policy is the old one")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--card", default="H200 exact bf16")
+    parser.add_argument("--decisions", action="store_true", help="compare decisions only (sweep and random rounds)")
+    parser.add_argument("--random", type=int, default=4000, help="random rounds for --decisions")
     args = parser.parse_args()
     costs = recorded_costs(args.card)
     from eagle_export.runtime.verify_policy import GoodputDepth
     classes = {"old": policy_at(args.against), "new": GoodputDepth}
+    if args.decisions:
+        print("sweep cells whose decisions differ: %d of %d" % sweep_decisions(classes))
+        print("random rounds whose decisions differ: %d of %d" % random_decisions(classes, args.random))
+        return
     print(f"{args.card}, old = {args.against}; median us per round over {args.repeat} replays (median of the rounds)")
     print("| batch | acceptance | drafted rounds | drafted round: old / new | k = 0 rounds | k = 0 round: old / new "
           "| decisions |")

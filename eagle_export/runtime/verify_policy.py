@@ -165,7 +165,7 @@ class GoodputDepth:
         self._sums = [[0.0] * self.depth for _ in range(3)]
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
-        self._drafts = None
+        self._drafts = self._promised_from = None
 
     def _longest_interval(self) -> int:
         """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
@@ -244,6 +244,7 @@ class GoodputDepth:
         self._chain = chain is not None and all(p == chain for p in self._drafts[1])
         self._reach = (reach[:, -1] if self._chain else reach).tolist()
         j, self._promised = self._best(self._calibrated(), alive, at_least)
+        self._promised_from = None if at_least else (self._trust_path, alive)  # what _promised was read with
         self._verified = j  # (what it claimed is read from _reach when the outcome is)
         return j
 
@@ -296,7 +297,9 @@ class GoodputDepth:
         if not self._sampling and self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
             # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
             # arrives in the plain rounds after it, and waiting for the next probe would waste it.
-            _, self._promised = self._best(self._calibrated(), alive)
+            if self._promised_from != (self._trust_path, alive):  # (a trust pinned at 1 changes nothing)
+                _, self._promised = self._best(self._calibrated(), alive)
+                self._promised_from = (self._trust_path, alive)
             if not drafted:
                 self.expected = [p if a else e for p, e, a in zip(self._promised, self.expected, alive)]
         if not drafted:
