@@ -254,7 +254,7 @@ class GoodputDepth:
         entry j's reach (zero beyond j) adds them, so the same numbers to the bit."""
         path, one = self._trust_path, itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
         if self._chain:
-            return [[1.0, *(1 + s for s in itertools.accumulate(map(min, one, map(operator.mul, path, row))))]
+            return [[1 + s for s in itertools.accumulate(map(min, one, map(operator.mul, path, row)), initial=0.0)]
                     for row in self._reach]
         return [[1 + sum(map(min, one, map(operator.mul, path, entry))) for entry in menu] for menu in self._reach]
 
