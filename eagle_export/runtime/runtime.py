@@ -457,9 +457,7 @@ class SpeculativeRuntime:
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
                 draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
-        # A greedy plain step is the root alone: no tree to mask, nothing to accept, its next token the
-        # call's one greedy id (each torch call the tree's path makes is host time in every k = 0 round).
-        plain = nodes.shape[1] == 0 and not state.sampling
+        plain = self._plain_step(state, nodes)
         if plain:
             verify_ids, rows = state.last_token[:, None], None
             out = self._target(state, verify_ids, state.lens[:, None], state.lens, state.plain_mask, need_logits=False)
@@ -506,6 +504,13 @@ class SpeculativeRuntime:
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
+
+    @staticmethod
+    def _plain_step(state, nodes) -> bool:
+        """Whether `_round` verifies the root alone, greedy: no tree to mask, nothing to accept, its next
+        token the call's one greedy id (each torch call the tree's path makes is host time in every k = 0
+        round of a goodput stream)."""
+        return nodes.shape[1] == 0 and not state.sampling
 
     def _device_round(self, state, live, policy=None, drafted=False):
         """`_round` for a greedy chain under the fixed policy, or a plain step, on the device: one drafter
