@@ -1,5 +1,7 @@
 """The runtime's draft-verify loop: lossless greedy, exact rejection sampling, and its edge cases."""
 
+import statistics
+
 import pytest
 import torch
 from random_policy import RandomDepth
@@ -641,3 +643,58 @@ def test_goodput_reads_the_device_no_more_often_per_round_than_fixed_or_a_plain_
     plain = [n for _, n in rounds(None)]
     k0 = [n for drafted, n in rounds("goodput", 0.0) if not drafted]
     assert k0 and max(k0) <= min(plain), (k0, plain)
+
+
+class _CountingCalls(SpeculativeRuntime):
+    """Records (drafted, torch calls) for every round (the graph calls' own included)."""
+
+    def _round(self, state, live, policy=None, drafted=False):
+        from torch.overrides import TorchFunctionMode
+
+        class Counting(TorchFunctionMode):
+            calls = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                Counting.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        with Counting():
+            events = list(super()._round(state, live, policy, drafted))
+        self.rounds.append((drafted, Counting.calls))
+        yield from events
+
+
+class _TreePathPlainSteps(_CountingCalls):  # planted: a k = 0 round through the tree's mask, acceptance, gathers
+    @staticmethod
+    def _plain_step(state, nodes):
+        return False
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
+def test_a_goodput_round_without_drafts_makes_the_torch_calls_of_a_plain_step(target, drafter, planted):
+    """issue 44: a k = 0 round costs what a plain step costs. Counted in torch calls (each one host time,
+    a GPU's included; the target call's own are the same in both): a goodput round that calls no drafter
+    makes at most those of a plain decoding step plus keeping the drafter's next row (the token and the
+    aux state: a handful of calls). Greedy output stays the target's. Planted: the k = 0 round through
+    the tree's path (its mask, acceptance over no drafts, the path's gathers), as it was."""
+    from eagle_export.runtime.replay import recorded_costs
+    from eagle_export.speculation.synthetic import SyntheticDrafts
+
+    config, prompt = GenerationConfig(max_new_tokens=24), PROMPTS[0]
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
+    runtime = (_TreePathPlainSteps if planted else _CountingCalls).for_models(
+        backend, target, drafter, max_context=256, costs=recorded_costs("H200 bf16"))
+    runtime.rounds = []
+    synthetic = SyntheticDrafts.for_prompts(runtime, [prompt], config, (0.0,) * 3)
+    counts = {}
+    for speculative in (False, True):
+        runtime.rounds = []
+        result = runtime.generate([prompt], config, speculative=speculative, verify_policy="goodput",
+                                  synthetic=synthetic if speculative else None)[0]
+        assert result.tokens == target.generate_greedy(prompt, 24)
+        counts[speculative] = [n for drafted, n in runtime.rounds if not drafted]
+    # (medians: a round that grows the caches makes more, in either stream; on the tiny pair a plain step
+    # makes ~1100, the kept row ~9 more, the tree's path ~50 more)
+    plain, k0 = statistics.median(counts[False]), statistics.median(counts[True])
+    assert len(counts[True]) > 16  # at acceptance 0 goodput settles on k = 0 rounds
+    assert (k0 > plain + 16) if planted else (k0 <= plain + 16), (k0, plain)

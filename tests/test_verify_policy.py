@@ -227,7 +227,8 @@ def test_calibration_below_full_trust_matches_the_formula_worked_by_hand(case):
 
 class _TimesE(GoodputDepth):  # planted: the menu's E scaled by the path's trust, not each depth's reach
     def _calibrated(self):
-        return [[self._trust_path[-1] * (1 + sum(entry)) for entry in menu] for menu in self._reach]
+        entries = [self._entry(j) for j in range(len(self.widths))]
+        return [[self._trust_path[-1] * (1 + sum(entry[b])) for entry in entries] for b in range(self.batch)]
 
 
 class _DepthAlone(GoodputDepth):  # planted: t_d alone, not t_1 ... t_d
@@ -555,8 +556,8 @@ def test_goodput_never_loses_to_fixed_or_plain_decoding_on_recorded_gpu_costs(ca
 
 
 class _WidthBlind(GoodputDepth):  # planted: every menu entry priced as if its verify call were a plain step's
-    def _round_cost(self, j):
-        return self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)
+    def _round_costs(self):
+        return [self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)] * len(self.widths)
 
 
 @pytest.mark.parametrize("planted", [None, _WidthBlind, _VerifiedOnly], ids=["goodput", "width blind", "verified only"])
@@ -643,3 +644,50 @@ def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask
     result = replay(Counted(K, costs), costs, 1, (0.0,) * K, prompts=2, new_tokens=128)
     assert result["drafted"] < result["rounds"] / 8 and len(plain_rounds) > result["rounds"] / 2
     assert (max(plain_rounds) > 1) if planted else (max(plain_rounds) <= 1), sorted(set(plain_rounds))
+
+
+@pytest.mark.parametrize(("card", "batch"), [(c, b) for c in RECORDED for b in RECORDED[c]])
+def test_at_acceptance_0_goodput_keeps_plain_decodings_speed_with_catching_up_priced(card, batch):
+    """issue 44, done when: acceptance 0, goodput >= 0.97x of plain decoding at batch 1, 4 and 16. The
+    recorded curves hold the drafter at K+1 rows only; a probe first catches up on every row the plain
+    rounds added (the first over the prompt), priced here at the drafter's cost per row bounded from
+    its batch sizes (`replay.row_ms`): a 64-row catch-up 2.1-23 ms beside 1.8-3.7 ms calls."""
+    costs = recorded_costs(card, catch_up=True)
+    assert costs.draft(batch, 64) > costs.draft(batch)
+    assert replay("goodput", costs, batch, (0.0,) * K)["speedup"] >= 0.97
+
+
+class _Recording(GoodputDepth):
+    def start(self, batch):
+        super().start(batch)
+        self.rounds = getattr(self, "rounds", [])
+
+    def observe(self, j, accepted, live, drafted, emitted=None):
+        super().observe(j, accepted, live, drafted, emitted)
+        self.rounds.append(j if drafted else None)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["replay", "catch-up forgotten"])
+def test_the_replay_prices_a_probe_by_the_rows_it_catches_up_on(planted, monkeypatch):
+    """A drafter call runs over every row added since the last one (the prompt's, before the first): the
+    replay's time must be the rounds' costs summed so, worked here from the policy's own decisions at
+    acceptance 0 (a 64-row catch-up costing 3.3 plain steps). Planted: every drafter call priced at
+    K+1 rows, as the recorded curves alone would."""
+    from eagle_export.runtime import replay as module
+
+    if planted:
+        monkeypatch.setattr(module, "round_cost", lambda c, b, rows, width: (c.draft(b) if rows else 0.0)
+                            + c.verify(b, width))
+    costs = curves(draft=0.3)
+    costs.catch_up_s[1] = {64: 0.3 + 0.05 * (64 - (K + 1))}
+    policy = _Recording(K, costs)
+    result = replay(policy, costs, 1, (0.0,) * K, prompts=2, new_tokens=96, prompt_rows=40)
+    spent = 0.0
+    for request in (policy.rounds[:96], policy.rounds[96:]):  # acceptance 0: one token a round
+        rows = 40
+        for j in request:
+            spent += costs.verify(1, 1 if j is None else j + 1)
+            spent, rows = (spent, rows + 1) if j is None else (spent + costs.draft(1, rows), 1)
+    assert len(policy.rounds) == 192 and sum(j is not None for j in policy.rounds) >= 4
+    assert (result["speedup"] != pytest.approx(2 * 96 / spent, rel=1e-9)) if planted else \
+        (result["speedup"] == pytest.approx(2 * 96 / spent, rel=1e-9))

@@ -20,13 +20,22 @@ graphs, batch 1/4 on an H200, batch 16 on an H100): where the kit's report gives
 only, the verify cost in between is the straight line between them (the curve is flat on a GPU to
 within that). "H200 exact bf16" is `gpu-kit --exact --steps costs` (the width-invariant kernels), every
 width measured, the drafter the middle of its measured 1.78-1.80 / 1.84-1.86 ms at batch 1 / 4.
+
+The kit recorded the drafter at K+1 rows only, not catching up (a drafter call after plain rounds runs
+over every row they added: the first probe of a request over the whole prompt). A catch-up call of R
+rows per sequence is priced at the drafter's K+1-row call plus (R - K - 1) x batch rows at the
+drafter's cost per row: the steepest rise per row between the card's batch sizes (a batch of b runs
+b (K+1) rows through the first step), which bounds it from above (a batch's rows pass every draft
+step and the LM head too, a catch-up's extra rows the first step only); a card recorded at one batch
+size takes the steepest of all cards'. A catch-up call is longer than any captured graph, so it runs
+eagerly: `eager_ms` adds a fixed cost for that, which graph-time curves cannot show.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .costs import CostCurves
+from .costs import CATCH_UP_ROWS, CostCurves
 from .verify_policy import make_policy
 
 DEPTH = 4
@@ -48,10 +57,31 @@ RECORDED = {
 }
 
 
-def recorded_costs(name: str) -> CostCurves:
-    """One card's recorded curves as the policy reads them (seconds; the drafter the same at any width)."""
+def row_ms(name: str) -> float:
+    """The drafter's cost per input row on a card (ms): the steepest rise between its recorded batch
+    sizes per row added, b (K+1) rows at batch b (see the module); at one batch size, every card's steepest."""
+    batches = sorted(RECORDED[name])
+    if len(batches) == 1:
+        return max(row_ms(other) for other in RECORDED if len(RECORDED[other]) > 1)
+    draft = {b: RECORDED[name][b][1] for b in batches}
+    return max((draft[b] - draft[a]) / ((b - a) * (DEPTH + 1)) for a, b in zip(batches, batches[1:]))
+
+
+def recorded_costs(name: str, catch_up: bool = False, eager_ms: float = 0.0) -> CostCurves:
+    """One card's recorded curves as the policy reads them (seconds; the drafter the same at 1..K+1 rows);
+    `catch_up`: the drafter catching up on CATCH_UP_ROWS rows priced as the module says (else as its
+    K+1-row call, as recorded), `eager_ms` added to it."""
+    slope = row_ms(name)
     return CostCurves({b: {t: ms / 1e3 for t, ms in verify.items()} for b, (verify, _) in RECORDED[name].items()},
-                      {b: {w: draft / 1e3 for w in range(1, DEPTH + 2)} for b, (_, draft) in RECORDED[name].items()})
+                      {b: {w: draft / 1e3 for w in range(1, DEPTH + 2)} for b, (_, draft) in RECORDED[name].items()},
+                      {b: {CATCH_UP_ROWS: (draft + eager_ms + slope * b * (CATCH_UP_ROWS - DEPTH - 1)) / 1e3}
+                       for b, (_, draft) in RECORDED[name].items()} if catch_up else {})
+
+
+def round_cost(costs: CostCurves, batch: int, drafter_rows: int, width: int) -> float:
+    """A round's graph time: the drafter over `drafter_rows` rows per sequence (0: not called; more than
+    K+1 after plain rounds: catching up), then the target over `width` tokens."""
+    return (costs.draft(batch, drafter_rows) if drafter_rows else 0.0) + costs.verify(batch, width)
 
 
 def _right_in_a_row(true: tuple[float, ...], sequences: int, positions: int, seed: int) -> list[list[int]]:
@@ -85,15 +115,15 @@ def replay(policy, costs: CostCurves, batch: int, true, claimed=None, prompts: i
             alive = [m < new_tokens for m in n]
             live = torch.tensor(alive)
             drafted = policy is not None and policy.should_draft(live)
-            j, accepted = 0, [0] * b
+            j, accepted, caught_up = 0, [0] * b, 0
             if drafted:
-                spent += costs.draft(b, max(p for p, a in zip(pending, alive) if a))
+                caught_up = max(p for p, a in zip(pending, alive) if a)
                 nodes = torch.tensor([[m + d + 1 if d < r[m] else -1 for d in range(DEPTH)] for m, r in zip(n, rows)])
                 j = (DEPTH if policy.verifies_whole_tree else
                      policy.choose(menu.expand(b, -1, -1), live, widths, (nodes, parents[:b])))
                 accepted = [min(r[m], j) if a else 0 for m, r, a in zip(n, rows, alive)]
                 drafted_rounds += 1
-            spent += costs.verify(b, j + 1)
+            spent += round_cost(costs, b, caught_up, j + 1)
             rounds += 1
             sequence_rounds += sum(alive)
             emitted = [list(range(m + 1, m + c + 2)) if a else [] for m, c, a in zip(n, accepted, alive)]

@@ -376,6 +376,7 @@ class SpeculativeRuntime:
         state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
         b = len(prompts)
         state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
+        state.none_accepted, state.plain_mask = torch.zeros(b, dtype=torch.int64), causal_mask(b, 1)  # a plain step's
         state.device_rounds = self._device_rounds(state)
         return state
 
@@ -445,8 +446,8 @@ class SpeculativeRuntime:
             yield from self._device_round(state, live, policy, drafted)
             return
         start = time.perf_counter()
-        b = len(state.prompts)
-        state.reserve(int(state.lens[live].max()) + self.depth + 1)
+        b, alive = len(state.prompts), live.tolist()
+        state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         nodes, parents = state.no_nodes
         j, draft_probs, valid = 0, None, None  # valid None: every node kept is a real one
         verified_depth = [0] * b  # the deepest node verified, per sequence
@@ -468,42 +469,60 @@ class SpeculativeRuntime:
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
                 draft_probs = None if draft_probs is None else draft_probs[torch.arange(b)[:, None], order]
-        verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
-        mask = tree.verify_mask(parents)
-        positions = state.lens[:, None] + mask.sum(-1) - 1                     # the root's, plus each node's depth
-        out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
-        if state.sampling:
-            accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs, live)
-        else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
-            accepted, path = greedy_accepted_path(nodes if valid is None else torch.where(valid, nodes, -1), parents,
-                                                  out[C.GREEDY_IDS])
-        rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
-        if not state.sampling:
-            next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
-        # A plain step's path is the call's one row: nothing to gather (host time in every plain round).
-        plain = verify_ids.shape[1] == 1
-        path_ids = verify_ids if plain else verify_ids.gather(1, rows)          # [root, accepted nodes..]
-        state.write_target(out if plain else _gather_rows(out, rows), accepted + 1, live)
+        plain = self._plain_step(state, nodes)
+        if plain:
+            verify_ids, rows = state.last_token[:, None], None
+            out = self._target(state, verify_ids, state.lens[:, None], state.lens, state.plain_mask, need_logits=False)
+            accepted, next_token = state.none_accepted, out[C.GREEDY_IDS][:, 0]
+            taken = live.long()                                                # rows each sequence keeps
+        else:
+            verify_ids = torch.cat([state.last_token[:, None], nodes], dim=1)
+            mask = tree.verify_mask(parents)
+            positions = state.lens[:, None] + mask.sum(-1) - 1                 # the root's, plus each node's depth
+            out = self._target(state, verify_ids, positions, state.lens, mask, need_logits=state.sampling)
+            if state.sampling:
+                accepted, path, next_token = self._rejection_sample(state, out, nodes, parents, valid, draft_probs,
+                                                                    live)
+            else:  # a padding node (a sequence keeping fewer nodes than the batch's widest) is never accepted
+                accepted, path = greedy_accepted_path(nodes if valid is None else torch.where(valid, nodes, -1),
+                                                      parents, out[C.GREEDY_IDS])
+            rows = torch.cat([torch.zeros(b, 1, dtype=torch.int64), path + 1], dim=1)  # the accepted path's rows
+            if not state.sampling:
+                next_token = out[C.GREEDY_IDS].gather(1, rows.gather(1, accepted[:, None]))[:, 0]
+            taken = torch.where(live, accepted + 1, 0)
+        state.write_target(out if rows is None else _gather_rows(out, rows), taken, live)
         # Per-sequence bookkeeping on Python lists: one conversion each, not an indexing call per sequence
         # (each torch call is host time in every round, a GPU's included).
-        counts, ids, nexts, alive = accepted.tolist(), path_ids.tolist(), next_token.tolist(), live.tolist()
-        emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
+        nexts = next_token.tolist()
+        if plain:
+            counts, emitted = [0] * b, [[t] for t in nexts]
+        else:
+            path_ids = verify_ids.gather(1, rows)                                # [root, accepted nodes..]
+            counts, ids = accepted.tolist(), path_ids.tolist()
+            emitted = [ids[i][1:counts[i] + 1] + [nexts[i]] for i in range(b)]
         if policy is not None:
             state.record(alive, counts, verified_depth, verify_ids.shape[1], drafted)
         events = state.emit(emitted, alive)
         if state.pending is not None:  # the drafter's next rows: the accepted path's tokens, then the new one
-            tokens = torch.cat([path_ids[:, 1:], next_token[:, None]], dim=1).scatter(1, accepted[:, None],
-                                                                                   next_token[:, None])
-            state.pending.append(tokens, out[C.AUX_HIDDEN], None if plain else rows, torch.where(live, accepted + 1, 0))
+            tokens = next_token[:, None] if plain else torch.cat([path_ids[:, 1:], next_token[:, None]], dim=1).scatter(
+                1, accepted[:, None], next_token[:, None])
+            state.pending.append(tokens, out[C.AUX_HIDDEN], rows, taken)
             state.pending.added([c + 1 if a else 0 for c, a in zip(counts, alive)])
         if policy is not None:
             policy.observe(j, accepted, live, drafted, emitted)
-        state.lens = torch.where(live, state.lens + accepted + 1, state.lens)
-        state.host_lens = state.lens.tolist()
+        state.lens = state.lens + taken
+        state.host_lens = [n + c + 1 if a else n for n, c, a in zip(state.host_lens, counts, alive)]
         state.last_token = torch.where(live, next_token, state.last_token)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
+
+    @staticmethod
+    def _plain_step(state, nodes) -> bool:
+        """Whether `_round` verifies the root alone, greedy: no tree to mask, nothing to accept, its next
+        token the call's one greedy id (each torch call the tree's path makes is host time in every k = 0
+        round of a goodput stream)."""
+        return nodes.shape[1] == 0 and not state.sampling
 
     def _device_round(self, state, live, policy=None, drafted=False):
         """`_round` for a greedy chain under the fixed policy, or a plain step, on the device: one drafter

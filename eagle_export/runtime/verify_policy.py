@@ -152,9 +152,9 @@ class GoodputDepth:
         self.expected = [1.0] * batch                            # tokens a drafted round promises, per sequence
         self.acceptance = torch.full((batch, self.depth), self.PRIOR)
         self.widths = list(range(1, self.depth + 2))             # verify width per menu entry (a chain's until a round says)
-        self._menu_costs = None                                  # (widths, each entry's round cost): see _round_cost
+        self._menu_costs = None                                  # (widths, each entry's round cost): see _round_costs
         self._draft_memo = None                                  # should_draft's last inputs and answer
-        self.round_cost = self._round_cost(self.depth)
+        self.round_cost = self._round_costs()[self.depth]
         self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
         self.longest = self._longest_interval()
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
@@ -165,7 +165,7 @@ class GoodputDepth:
         self._sums = [[0.0] * self.depth for _ in range(3)]
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
-        self._drafts = None
+        self._drafts = self._promised_from = None
 
     def _longest_interval(self) -> int:
         """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
@@ -178,13 +178,13 @@ class GoodputDepth:
             interval *= 2
         return min(interval, self.PROBE_CEILING)
 
-    def _round_cost(self, j: int) -> float:
-        """c_draft + c_verify(widths[j]), from a table kept while the menu's widths stay the same (a
-        chain's always do): a drafted round reads it for every entry."""
+    def _round_costs(self) -> list[float]:
+        """c_draft + c_verify(widths[j]) for every menu entry j, from a table kept while the menu's widths
+        stay the same (a chain's always do): a drafted round reads it for every entry."""
         if self._menu_costs is None or self._menu_costs[0] != self.widths:
             draft = self.costs.draft(self.batch)
             self._menu_costs = (self.widths, [draft + self.costs.verify(self.batch, w) for w in self.widths])
-        return self._menu_costs[1][j]
+        return self._menu_costs[1]
 
     @staticmethod
     def _batch_tokens(expected: list, alive: list[bool]):
@@ -203,8 +203,8 @@ class GoodputDepth:
     def _best(self, expected: list[list[float]], alive: list[bool], at_least: int = 0):
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
         expected tokens at j) from expected[b][j]."""
-        totals = self._batch_tokens(expected, alive)
-        j = max(range(at_least, len(self.widths)), key=lambda j: totals[j] / self._round_cost(j))
+        totals, costs = self._batch_tokens(expected, alive), self._round_costs()
+        j = max(range(at_least, len(costs)), key=lambda j: totals[j] / costs[j])
         return j, [e[j] for e in expected]
 
     def _probing(self) -> bool:
@@ -237,16 +237,32 @@ class GoodputDepth:
         if self._sampling:
             j, self._promised = self._best(self._expected().tolist(), alive, at_least)
             return j
-        self._reach = reach.tolist()  # [B][J+1][D]: one read, then Python numbers
+        self._drafts = None if drafts is None else [t.tolist() for t in drafts]
+        # A chain's menu entry j is its first j drafts (`tree.chain_reach`): its whole reach [B][D] says
+        # every entry's, a read of B x D numbers where the menu's is B x (K+1) x D.
+        chain = list(range(-1, len(self._drafts[1][0]) - 1)) if self._drafts is not None else None
+        self._chain = chain is not None and all(p == chain for p in self._drafts[1])
+        self._reach = (reach[:, -1] if self._chain else reach).tolist()
         j, self._promised = self._best(self._calibrated(), alive, at_least)
+        self._promised_from = None if at_least else (self._trust_path, alive)  # what _promised was read with
         self._verified = j  # (what it claimed is read from _reach when the outcome is)
-        self._drafts = drafts
         return j
 
     def _calibrated(self) -> list[list[float]]:
-        """[B][J+1]: the last drafted round's menu, its expected tokens read through the trust by depth."""
+        """[B][J+1]: the last drafted round's menu, its expected tokens read through the trust by depth.
+        A chain's entry j sums its first j depths: the running sum, added in the order the whole sum of
+        entry j's reach (zero beyond j) adds them, so the same numbers to the bit."""
         path, one = self._trust_path, itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
+        if self._chain:
+            return [[1 + s for s in itertools.accumulate(map(min, one, map(operator.mul, path, row)), initial=0.0)]
+                    for row in self._reach]
         return [[1 + sum(map(min, one, map(operator.mul, path, entry))) for entry in menu] for menu in self._reach]
+
+    def _entry(self, j: int) -> list[list[float]]:
+        """[B][D]: the reach of the last drafted round's menu entry j (-1: the whole tree)."""
+        if not self._chain:
+            return [menu[j] for menu in self._reach]
+        return [row[:j] + [0.0] * (len(row) - j) for row in self._reach] if j >= 0 else self._reach
 
     @property
     def trust(self) -> list[float]:
@@ -281,7 +297,9 @@ class GoodputDepth:
         if not self._sampling and self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
             # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
             # arrives in the plain rounds after it, and waiting for the next probe would waste it.
-            _, self._promised = self._best(self._calibrated(), alive)
+            if self._promised_from != (self._trust_path, alive):  # (a trust pinned at 1 changes nothing)
+                _, self._promised = self._best(self._calibrated(), alive)
+                self._promised_from = (self._trust_path, alive)
             if not drafted:
                 self.expected = [p if a else e for p, e, a in zip(self._promised, self.expected, alive)]
         if not drafted:
@@ -302,7 +320,7 @@ class GoodputDepth:
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
-        self.round_cost = d * self.round_cost + (1 - d) * self._round_cost(j)
+        self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
         if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
             self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
                              else min(self.longest, 2 * self.interval))
@@ -319,18 +337,17 @@ class GoodputDepth:
         reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = [menu[self._verified] for menu in self._reach], accepted.tolist()
+                claims, counts = self._entry(self._verified), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
             self._drafts = None
         else:
             if drafted and self._drafts is not None:
-                nodes, parents = (t.tolist() for t in self._drafts)
-                chain = all(p == i - 1 for i, p in enumerate(parents[0]))
-                claims = [menu[-1] for menu in self._reach]  # the whole tree's promise: hindsight checks all of it
+                nodes, parents = self._drafts
+                claims = self._entry(-1)  # the whole tree's promise: hindsight checks all of it
                 for b in (b for b in range(self.batch) if alive[b]):
-                    self._waiting[b].append((nodes[b], None if chain else parents[b], claims[b], []))
+                    self._waiting[b].append((nodes[b], None if self._chain else parents[b], claims[b], []))
                 self._drafts = None
             for b, waiting in enumerate(self._waiting):
                 if not alive[b]:  # it left the policy's rounds (finished, or finishing token by token)
