@@ -12,7 +12,9 @@
 #   4. `gpu-kit --exact --steps sweep` on Llama-3.1-8B: the bf16 sweep at acceptance 0 and vLLM CI's
 #      profile, with the host time per drafted round (the fixed policy's: its rounds run on the device,
 #      three graph replays and one read; the line "host per drafted round (fixed, ...)"; target <= 0.3 ms)
-#   5. with time left, the attention kernel beside SDPA (scripts/gpu_probe.py attention)
+#   5. with time left, the linear layers with their fused prologues (RMSNorm, SiLU-mul) beside the
+#      standalone kernel then the layer (scripts/gpu_probe.py linear --default-only), then the
+#      attention kernel beside SDPA (scripts/gpu_probe.py attention)
 # Each kit run stops starting steps when its budget runs out. Results in $OUT (the device machine's
 # return folder) or ./gpu-exact/. Needs torch with CUDA and triton; click, onnx_ir and pytest are
 # installed from ./.gpu-wheels when missing. Usage: bash scripts/gpu_exact.sh [SECONDS [SHAPES]]
@@ -53,6 +55,9 @@ timeout $((left * 3 / 4)) python3 -m eagle_export.cli gpu-kit --exact --plot "" 
     2>&1 | tee "$out/kit-sweep.txt"
 echo "sweep: after $((SECONDS - start)) s" | tee -a "$out/kit-sweep.txt"
 
+left=$((total - (SECONDS - start) - 15))
+[ "$left" -gt 30 ] && timeout "$left" python3 scripts/gpu_probe.py linear --default-only --budget-s $((left - 20)) 2>&1 \
+    | tail -30 | tee "$out/linear.txt"
 left=$((total - (SECONDS - start) - 15))
 [ "$left" -gt 30 ] && timeout "$left" python3 scripts/gpu_probe.py attention --budget-s $((left - 20)) 2>&1 | tail -8 | tee "$out/attention.txt"
 echo "done after $((SECONDS - start)) s"

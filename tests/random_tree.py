@@ -23,6 +23,9 @@ class RandomTrees:
         self.error_rate, self.max_nodes = error_rate, max_nodes
         self.rng = torch.Generator().manual_seed(seed)
         self.verify_width = max_nodes + 1  # what a build of such trees records (the cost model measures up to it)
+        # The graph is a chain's (its sizes stay), but its proposals are trees: declared so, the runtime
+        # never takes a round meant for chains (the device round's; it read these trees as chains).
+        self.speculation = _TreesFromAChain(self.speculation.parents)
         self.widths = []  # nodes proposed per call
 
     def _parents(self, n):
@@ -52,3 +55,9 @@ class RandomTrees:
         out[C.DRAFT_PARENTS] = torch.stack([s.parent_tensor() for s in shapes]).to(out[C.DRAFT_IDS].device)
         out[C.DRAFT_TOKEN_PROBS] = torch.rand(batch, n, generator=self.rng).to(out[C.DRAFT_IDS].device)
         return out
+
+
+class _TreesFromAChain(TreeShape):
+    """A chain graph's shape whose calls propose trees (RandomTrees): not a chain to the runtime."""
+
+    is_chain = False
