@@ -345,9 +345,9 @@ class _RightOnDevice(RightDrafts):
 
 
 class _ReadsTheProbabilities(_CountingReads):  # planted: the probabilities read apart from the drafts
-    def _chosen(self, state, out, policy, alive):
+    def _chosen(self, state, out, policy, alive, replayed):
         out[C.DRAFT_TOKEN_PROBS].tolist()
-        return super()._chosen(state, out, policy, alive)
+        return super()._chosen(state, out, policy, alive, replayed)
 
 
 @pytest.mark.parametrize(("cls", "batch"), [(_CountingReads, 1), (_CountingReads, 3), (_ReadsTheProbabilities, 1)],
@@ -539,9 +539,9 @@ class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly
 # Measured: 9 copies, 3 replays, the read, the live mask's, 11 attribute reads; a round that finishes a
 # sequence 2 more (the live mask cloned and written, `_State.emit`).
 CALLS_PER_DRAFTED_ROUND = 25
-# What a goodput round adds to a fixed one: the read of its drafts for the choice (`_chosen`) and the
-# accepted counts the policy is told.
-GOODPUT_EXTRA_CALLS = 12
+# Measured: what a drafted goodput round adds to a fixed one: the replay and the read of its drafts for
+# the choice (`_chosen`), the accepted counts and the live mask as the policy is told them.
+GOODPUT_EXTRA_CALLS = 4
 
 
 @pytest.mark.parametrize(("cls", "batch"), [(_CountingCalls, 1), (_CountingCalls, 3), (_EagerBookkeeping, 1)],
@@ -604,12 +604,16 @@ def test_the_captured_bookkeeping_on_a_gpu_gives_the_eager_tokens(pair):
 
 
 class _UncountedDrafts(RightDrafts):
-    """`RightDrafts` whose replacing of the drafts (the test's work, not the runtime's) is not counted;
-    the drafter call itself is."""
+    """`RightDrafts` whose replacing of the drafts (the test's work, not the runtime's) is not counted,
+    and writes into the graph's own outputs (a captured drafter returns the same tensors every call);
+    the drafter call itself is counted."""
 
     def _replace(self, out, feeds):
-        with torch._C.DisableTorchFunction():
-            return super()._replace(out, feeds)
+        with torch._C.DisableTorchFunction(), torch.inference_mode():  # (the backend's outputs are inference tensors)
+            replaced = super()._replace(out, feeds)
+            for name in (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS):
+                out[name].copy_(replaced[name])
+        return out
 
 
 class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general round
@@ -621,9 +625,9 @@ class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general 
 def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
     """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
     (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
-    read of its drafts for the choice, the accepted counts the policy is told); a k = 0 round (the
-    confidence profile) a plain decoding step's. Medians over the rounds that captured nothing. Planted:
-    goodput on the general round."""
+    read of its drafts for the choice, the accepted counts the policy is told; 28 against 24 at batch 1,
+    219 on the general round); a k = 0 round (the confidence profile) a plain decoding step's (16).
+    Medians over the rounds that captured nothing. Planted: goodput on the general round."""
     target, drafter = pair
     prompts = [PROMPTS[1]]
     continuations = [p + greedy(target, p, 64) for p in prompts]
@@ -653,4 +657,4 @@ def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls
     assert goodput <= fixed + GOODPUT_EXTRA_CALLS, (goodput, fixed)
     plain = median(rounds(None, always, speculative=False), False)
     k0 = median(rounds(Goodput(DEPTH, costs(1)), confident), False)
-    assert k0 <= plain + 1, (k0, plain)
+    assert k0 <= plain, (k0, plain)

@@ -561,7 +561,7 @@ class SpeculativeRuntime:
         drafter_rows, j = None, 0
         if drafted:
             out, drafter_rows = self._device_draft(state, alive)
-            j = self._chosen(state, out, policy, alive)
+            j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
         elif pending is not None:
             if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
                 # (K+1 rows at most) finds it not live, for that append's padding past its count
@@ -625,12 +625,15 @@ class SpeculativeRuntime:
             return out, None
         return out, buffers.new_rows(out, width)
 
-    def _chosen(self, state, out, policy, alive: list[bool]) -> int:
+    def _chosen(self, state, out, policy, alive: list[bool], replayed: bool) -> int:
         """A drafted device round's drafts into the verify call's ids -> j, how many it verifies: all K
         under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K] numbers read in
         one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on the device) and
         the drafts, as float64 (float32 values and ids below 2^53: both exact). The read waits for the
-        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is)."""
+        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is).
+        Its few ops are replayed from a graph of their own over the outputs of a drafter call of at most
+        K+1 rows (`replayed`: the same static tensors every round), eagerly after a wider call (the
+        first, a catch-up: fresh tensors a graph would copy in) and over synthetic drafts (the host's)."""
         nodes = out[C.DRAFT_IDS]
         if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
             depths = torch.arange(1, nodes.shape[1] + 1).expand(len(nodes), -1)
@@ -642,7 +645,7 @@ class SpeculativeRuntime:
         if state.whole_tree:
             return self.depth
         start = time.perf_counter()
-        if state.synthetic is None:  # (a graph's outputs: the read's few ops replayed from a graph of their own)
+        if replayed and state.synthetic is None:
             read = self._replayed(self._read_graphs, _drafts_read, {"nodes": nodes, "token_probs": probs}).tolist()
         else:
             read = _drafts_read(nodes, probs).tolist()
@@ -1005,6 +1008,7 @@ class _RoundBuffers:
         self.draft_lens, self.num_valid, self.count = zeros(batch), zeros(batch), zeros(batch)
         self.ids = zeros(batch, 2 * w)
         self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
+        self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
         # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
@@ -1046,12 +1050,12 @@ class _RoundBuffers:
         next drafter call catches up on them all): the rows' buffers grow by doubling, their rows kept.
         The settle graphs captured over the old buffers keep them (a geometric series: at most as much
         again), and new ones are captured over these (a graph per set of shapes)."""
-        have = self.ids.shape[1]
-        if rows <= have:
+        if rows <= self.room:  # (a Python int: a tensor's shape is a torch call, in every k = 0 round)
             return
-        grow = max(rows, 2 * have) - have
+        grow = max(rows, 2 * self.room) - self.room
         self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
         self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+        self.room += grow
         self._rows.clear()
         if self.adopted:
             pending.ids, pending.aux = self.ids, self.aux
