@@ -22,7 +22,10 @@ class RandomTrees:
         self.vocab, self.continuations, self.kind = vocab, continuations, kind
         self.error_rate, self.max_nodes = error_rate, max_nodes
         self.rng = torch.Generator().manual_seed(seed)
-        self.verify_width = max_nodes + 1  # what a build of such trees records (the cost model measures up to it)
+        # What a build of such trees records: a tree of max_nodes nodes at the graph's depth (the cost model
+        # measures verify calls up to its width), not a chain (a chain's greedy rounds run on the device).
+        self.speculation = TreeShape(tuple(range(-1, self.depth - 1)) + (-1,) * (max_nodes - self.depth))
+        self.verify_width = self.speculation.verify_width
         self.widths = []  # nodes proposed per call
 
     def _parents(self, n):

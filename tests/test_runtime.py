@@ -666,10 +666,10 @@ class _CountingCalls(SpeculativeRuntime):
 
 
 class _GeneralCountingCalls(_CountingCalls):
-    """The general round for every stream (a chain's goodput and plain decoding would otherwise run on the device)."""
+    """Goodput on the general round (a chain's would otherwise run on the device), plain decoding on the device."""
 
     def _device_rounds(self, state):
-        return False
+        return state.policy is None
 
 
 class _TreePathPlainSteps(_GeneralCountingCalls):  # planted: a k = 0 round through the tree's mask, acceptance, gathers
