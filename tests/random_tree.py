@@ -22,10 +22,10 @@ class RandomTrees:
         self.vocab, self.continuations, self.kind = vocab, continuations, kind
         self.error_rate, self.max_nodes = error_rate, max_nodes
         self.rng = torch.Generator().manual_seed(seed)
-        self.verify_width = max_nodes + 1  # what a build of such trees records (the cost model measures up to it)
-        # The graph is a chain's (its sizes stay), but its proposals are trees: declared so, the runtime
-        # never takes a round meant for chains (the device round's; it read these trees as chains).
-        self.speculation = _TreesFromAChain(self.speculation.parents)
+        # What a build of such trees records: a tree of max_nodes nodes at the graph's depth (the cost model
+        # measures verify calls up to its width), not a chain (a chain's greedy rounds run on the device).
+        self.speculation = TreeShape(tuple(range(-1, self.depth - 1)) + (-1,) * (max_nodes - self.depth))
+        self.verify_width = self.speculation.verify_width
         self.widths = []  # nodes proposed per call
 
     def _parents(self, n):
@@ -55,9 +55,3 @@ class RandomTrees:
         out[C.DRAFT_PARENTS] = torch.stack([s.parent_tensor() for s in shapes]).to(out[C.DRAFT_IDS].device)
         out[C.DRAFT_TOKEN_PROBS] = torch.rand(batch, n, generator=self.rng).to(out[C.DRAFT_IDS].device)
         return out
-
-
-class _TreesFromAChain(TreeShape):
-    """A chain graph's shape whose calls propose trees (RandomTrees): not a chain to the runtime."""
-
-    is_chain = False

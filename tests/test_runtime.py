@@ -599,7 +599,7 @@ class _GeneralCountingSyncs(_CountingSyncs):
         return False
 
 
-class _PolicyReadsTheDevice(_CountingSyncs):  # planted: the drafts' probabilities reach the policy un-copied
+class _PolicyReadsTheDevice(_GeneralCountingSyncs):  # planted: the drafts' probabilities reach the policy un-copied
     def _draft(self, state, live):
         nodes, parents, token_probs, draft_probs = super()._draft(state, live)
         return nodes, parents, token_probs.as_subclass(_OnDevice), draft_probs
@@ -608,12 +608,13 @@ class _PolicyReadsTheDevice(_CountingSyncs):  # planted: the drafts' probabiliti
 @pytest.mark.slow
 @pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
 def test_goodput_reads_the_device_no_more_often_per_round_than_fixed_or_a_plain_step(target, drafter, planted):
-    """Host reads of the graphs' outputs are the syncs that stall a GPU between graph calls: a goodput
-    round may read the device no more often than a fixed-depth general round (the accepted counts, the
-    drafts and their probabilities: its menu and bookkeeping work on the host copies; the fixed policy's
-    device round reads once, tests/test_runtime_device_round.py), and its k = 0 round no more often than
-    a plain decoding step. Greedy output stays the target's. Planted: a runtime whose
-    policy reads the drafts' probabilities where the drafter left them."""
+    """Host reads of the graphs' outputs are the syncs that stall a GPU between graph calls: on the general
+    round (trees, sampling and other policy objects take it; a greedy chain's goodput and fixed rounds run
+    on the device, tests/test_runtime_device_round.py), a goodput round may read the device no more often
+    than a fixed-depth round (the accepted counts, the drafts and their probabilities: its menu and
+    bookkeeping work on the host copies), and its k = 0 round no more often than a plain decoding step.
+    Greedy output stays the target's. Planted: a runtime whose policy reads the drafts' probabilities
+    where the drafter left them."""
     from eagle_export.runtime.replay import recorded_costs
     from eagle_export.speculation.synthetic import SyntheticDrafts
 
@@ -633,7 +634,7 @@ def test_goodput_reads_the_device_no_more_often_per_round_than_fixed_or_a_plain_
         return runtime.rounds
 
     fixed = [n for drafted, n in rounds("fixed", 0.9, _GeneralCountingSyncs) if drafted]
-    goodput = [n for drafted, n in rounds("goodput", 0.9, _PolicyReadsTheDevice if planted else _CountingSyncs)
+    goodput = [n for drafted, n in rounds("goodput", 0.9, _PolicyReadsTheDevice if planted else _GeneralCountingSyncs)
                if drafted]
     assert fixed and len(goodput) > 3  # at 0.9 goodput drafts every round
     if planted:
@@ -641,7 +642,7 @@ def test_goodput_reads_the_device_no_more_often_per_round_than_fixed_or_a_plain_
         return
     assert max(goodput) <= min(fixed), (goodput, fixed)
     plain = [n for _, n in rounds(None)]
-    k0 = [n for drafted, n in rounds("goodput", 0.0) if not drafted]
+    k0 = [n for drafted, n in rounds("goodput", 0.0, _GeneralCountingSyncs) if not drafted]
     assert k0 and max(k0) <= min(plain), (k0, plain)
 
 
@@ -664,7 +665,14 @@ class _CountingCalls(SpeculativeRuntime):
         yield from events
 
 
-class _TreePathPlainSteps(_CountingCalls):  # planted: a k = 0 round through the tree's mask, acceptance, gathers
+class _GeneralCountingCalls(_CountingCalls):
+    """Goodput on the general round (a chain's would otherwise run on the device), plain decoding on the device."""
+
+    def _device_rounds(self, state):
+        return state.policy is None
+
+
+class _TreePathPlainSteps(_GeneralCountingCalls):  # planted: a k = 0 round through the tree's mask, acceptance, gathers
     @staticmethod
     def _plain_step(state, nodes):
         return False
@@ -673,16 +681,18 @@ class _TreePathPlainSteps(_CountingCalls):  # planted: a k = 0 round through the
 @pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
 def test_a_goodput_round_without_drafts_makes_the_torch_calls_of_a_plain_step(target, drafter, planted):
     """issue 44: a k = 0 round costs what a plain step costs. Counted in torch calls (each one host time,
-    a GPU's included; the target call's own are the same in both): a goodput round that calls no drafter
-    makes at most those of a plain decoding step plus keeping the drafter's next row (the token and the
-    aux state: a handful of calls). Greedy output stays the target's. Planted: the k = 0 round through
-    the tree's path (its mask, acceptance over no drafts, the path's gathers), as it was."""
+    a GPU's included; the target call's own are the same in both) on the general round (trees and
+    sampling take it; the device round's are counted in tests/test_runtime_device_round.py): a goodput
+    round that calls no drafter makes at most those of a plain decoding step plus keeping the drafter's
+    next row (the token and the aux state: a handful of calls). Greedy output stays the target's.
+    Planted: the k = 0 round through the tree's path (its mask, acceptance over no drafts, the path's
+    gathers), as it was."""
     from eagle_export.runtime.replay import recorded_costs
     from eagle_export.speculation.synthetic import SyntheticDrafts
 
     config, prompt = GenerationConfig(max_new_tokens=24), PROMPTS[0]
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, 3, False))
-    runtime = (_TreePathPlainSteps if planted else _CountingCalls).for_models(
+    runtime = (_TreePathPlainSteps if planted else _GeneralCountingCalls).for_models(
         backend, target, drafter, max_context=256, costs=recorded_costs("H200 bf16"))
     runtime.rounds = []
     synthetic = SyntheticDrafts.for_prompts(runtime, [prompt], config, (0.0,) * 3)

@@ -1,8 +1,10 @@
 """The device round (`SpeculativeRuntime._device_round`): a greedy chain under the fixed policy runs its
-round on the device with one host read, and gives the general round's tokens, statistics, drafts and
-caches, bit for bit, and plain greedy decoding's tokens, with its bookkeeping run eagerly or replayed
-from a captured graph (on CPU, a capture that replays eagerly into the same buffers); the bookkeeping is
-capturable (no host read, no data-dependent shape), and a captured round's host work is a few calls."""
+round on the device with one host read, under the goodput policy with two a drafted round (the drafts
+read for its choice, then the outcome) and one a k = 0 round, and gives the general round's tokens,
+statistics, policy decisions, drafts and caches, bit for bit, and plain greedy decoding's tokens, with its
+bookkeeping run eagerly or replayed from a captured graph (on CPU, a capture that replays eagerly into
+the same buffers); the bookkeeping is capturable (no host read, no data-dependent shape), and a captured
+round's host work is a few calls."""
 
 from collections import Counter
 
@@ -19,11 +21,19 @@ from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target
 from eagle_export.runtime.backends import TorchBackend
+from eagle_export.runtime.costs import CostCurves
 from eagle_export.runtime.cuda_graphs import check_capturable
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
+from eagle_export.runtime.verify_policy import GoodputDepth
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH, NEW = 3, 24
+GOODPUT_NEW = 40  # (goodput's runs: long enough to stop drafting for PROBE_EVERY rounds and catch up)
+
+
+def prompts_for(policy, batch):
+    """Ragged prompts; goodput's first is the one whose greedy run has a new token latest (the 20th)."""
+    return ([PROMPTS[1], PROMPTS[0], PROMPTS[3]] if policy == "fixed" else [PROMPTS[3], PROMPTS[0], PROMPTS[1]])[:batch]
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +45,31 @@ def pair(tmp_path_factory):
 class RightDrafts(TorchBackend):
     """The drafter graph runs; its drafts are replaced by the target's true greedy continuation
     (`continuations`), wrong at every seventh position, so rounds accept 0..K drafts; each call's
-    drafts (as verified) are recorded."""
+    drafts (as verified) and input width are recorded. `confident`: the drafter's probability of each
+    draft replaced too, 0.9 where confident(position) holds, else 0.02 (a synthetic profile that makes
+    the goodput policy verify fewer drafts, stop drafting and probe again)."""
 
-    def __init__(self, *graphs, continuations, **kw):
+    def __init__(self, *graphs, continuations, confident=None, **kw):
         super().__init__(*graphs, **kw)
-        self.continuations, self.calls = continuations, []
+        self.continuations, self.confident, self.calls, self.widths = continuations, confident, [], []
 
     def drafter(self, feeds, sampling=False):
-        out = super().drafter(feeds, sampling)
+        return self._replace(super().drafter(feeds, sampling), feeds)
+
+    def _replace(self, out, feeds):
+        out = dict(out)
         first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # the position of draft 1
-        drafts = out[C.DRAFT_IDS].clone()
+        drafts, probs = out[C.DRAFT_IDS].clone(), out[C.DRAFT_TOKEN_PROBS].clone()
         for b, full in enumerate(self.continuations):
             for i in range(drafts.shape[1]):
                 pos = int(first[b]) + i
                 if pos < len(full) and pos % 7 != 0:
                     drafts[b, i] = full[pos]
-        out[C.DRAFT_IDS] = drafts
+                if self.confident is not None:
+                    probs[b, i] = 0.9 if self.confident(pos) else 0.02
+        out[C.DRAFT_IDS], out[C.DRAFT_TOKEN_PROBS] = drafts, probs
         self.calls.append(drafts.clone())
+        self.widths.append(feeds[C.INPUT_IDS].shape[1])
         return out
 
 
@@ -81,20 +99,59 @@ def greedy(target, prompt, n):
     return _GREEDY[key][:n]
 
 
-def run(pair, prompts, config, general=False, max_context=96, graphs=False):
-    """(results, drafts per drafter call, the caches at the end) of a fixed-policy stream, on the device
-    round or (general) on the general one; continuations make drafts right at 4 positions of 5.
-    graphs: every graph call and the device round's bookkeeping replayed from captures (static caches)."""
+class Goodput(GoodputDepth):
+    """The goodput policy probing after 8 plain rounds (not 16: a short stream sees several probes; more
+    than 2(K+1), so a catch-up outgrows the first pending buffers), recording every decision:
+    (should_draft, choose) in order."""
+
+    PROBE_EVERY = 8
+
+    def start(self, batch):
+        super().start(batch)
+        self.decisions = []
+
+    def should_draft(self, live):
+        answer = super().should_draft(live)
+        self.decisions.append(("draft", answer))
+        return answer
+
+    def _choose_greedy(self, *args):
+        j = super()._choose_greedy(*args)
+        self.decisions.append(("verify", j))
+        return j
+
+
+def costs(batch):
+    """Costs where drafting pays when the drafter is confident: a plain step 1, a verify call of T tokens
+    1 + (T - 1) / 10, the drafter 0.4 at up to K+1 rows and 0.01 more per row beyond."""
+    return CostCurves({batch: {t: 1 + (t - 1) / 10 for t in range(1, DEPTH + 2)}},
+                      {batch: {w: 0.4 for w in range(1, DEPTH + 2)}}, {batch: {64: 0.4 + 0.01 * (64 - DEPTH - 1)}})
+
+
+def confident(position):
+    """The synthetic confidence profile of goodput streams: unsure at positions 8-39."""
+    return not 8 <= position < 40
+
+
+def run(pair, prompts, config, general=False, max_context=96, graphs=False, policy="fixed"):
+    """(results, drafts per drafter call, the caches at the end, drafter input widths, policy decisions)
+    of a stream under `policy` (fixed, or goodput: `Goodput` over `costs` and the profile `confident`),
+    on the device round or (general) on the general one; continuations make drafts right at 4 positions
+    of 5. graphs: every graph call and the device round's bookkeeping replayed from captures (static
+    caches)."""
     target, drafter = pair
-    continuations = [p + greedy(target, p, NEW + DEPTH + 2) for p in prompts]
+    continuations = [p + greedy(target, p, config.max_new_tokens + DEPTH + 2) for p in prompts]
     kw = {"cuda_graphs": True, "capture": replay_eagerly} if graphs else {}
+    goodput = policy == "goodput"
     backend = RightDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
-                          continuations=continuations, **kw)
+                          continuations=continuations, confident=confident if goodput else None, **kw)
+    chosen = Goodput(DEPTH, costs(len(prompts))) if goodput else policy
     runtime = (GeneralRounds if general else KeepsCaches).for_models(backend, target, drafter, max_context=max_context,
-                                                                     verify_policy="fixed")
+                                                                     verify_policy=chosen)
     results = runtime.generate(prompts, config)
     state = runtime.state
-    return results, backend.calls, [state.target_k, state.target_v, state.draft_k, state.draft_v]
+    return (results, backend.calls, [state.target_k, state.target_v, state.draft_k, state.draft_v], backend.widths,
+            getattr(chosen, "decisions", None))
 
 
 def expected(target, prompt, config):
@@ -106,47 +163,76 @@ def expected(target, prompt, config):
     return tokens, "length"
 
 
-def eos_config(pair, prompts):
-    """An EOS that the first sequence reaches mid-run (the first new token of its from the 9th on that
-    it has not emitted before), and the others need not."""
-    tokens = greedy(pair[0], prompts[0], NEW)
-    eos = next(t for i, t in enumerate(tokens) if i >= 8 and t not in tokens[:i])
-    return GenerationConfig(max_new_tokens=NEW, eos_ids=(eos,))
+def eos_config(pair, prompts, policy="fixed"):
+    """An EOS that the first sequence reaches mid-run (the first new token of its from the 9th on, the
+    20th on for goodput's longer runs, that it has not emitted before), and the others need not."""
+    after, new = (8, NEW) if policy == "fixed" else (19, GOODPUT_NEW)
+    tokens = greedy(pair[0], prompts[0], new)
+    eos = next(t for i, t in enumerate(tokens) if i >= after and t not in tokens[:i])
+    return GenerationConfig(max_new_tokens=new, eos_ids=(eos,))
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_device_round_equals_the_general_round_and_plain_greedy(pair, batch, graphs):
-    """Ragged prompts, an EOS inside the run: tokens, finish reasons, accepted counts per round, every
-    drafter call's drafts and the whole target and drafter caches (rows past a sequence's length
-    included: rejected rows are never written) equal the general round's, and the tokens plain
-    greedy decoding's; with the graphs captured, the general round's through the same graphs."""
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
-    config = eos_config(pair, prompts)
-    device = run(pair, prompts, config, graphs=graphs)
-    general = run(pair, prompts, config, general=True, graphs=graphs)
-    for prompt, result, reference in zip(prompts, device[0], general[0]):
-        tokens, reason = expected(pair[0], prompt, config)
-        assert (result.tokens, result.finish_reason) == (tokens, reason)
-        assert (reference.tokens, reference.finish_reason) == (tokens, reason)
+def assert_same_stream(device, general):
+    """Two runs' (`run`) statistics, policy decisions, drafts per drafter call, drafter widths and whole
+    target and drafter caches (rows past a sequence's length included: rejected rows are never written)
+    are the same."""
+    for result, reference in zip(device[0], general[0]):
         assert result.stats.accepted == reference.stats.accepted
         assert result.stats.depths == reference.stats.depths and result.stats.widths == reference.stats.widths
-    assert "eos" in {r.finish_reason for r in device[0]}
-    assert len({a for r in device[0] for a in r.stats.accepted}) >= 2  # accepts of several lengths: not vacuous
+        assert result.stats.draft_calls == reference.stats.draft_calls
+    assert device[4] == general[4] and device[3] == general[3]
     assert len(device[1]) == len(general[1]) and all(torch.equal(a, b) for a, b in zip(device[1], general[1]))
     for mine, theirs in zip(device[2], general[2]):
         assert torch.equal(mine, theirs)
 
 
+def assert_goodput_skips_and_resumes(device):
+    """A goodput run (`run`) that is not vacuous: it verified fewer than K drafts in some drafted round,
+    ran k = 0 rounds and drafted again after them, catching up on more than 2(K+1) rows (the pending
+    buffers' first size)."""
+    decisions, widths = device[4], device[3]
+    drafts = [answer for kind, answer in decisions if kind == "draft"]
+    assert False in drafts and any(not a and b for a, b in zip(drafts, drafts[1:])), decisions
+    assert min(j for kind, j in decisions if kind == "verify") < DEPTH, decisions
+    assert max(widths[1:]) > 2 * (DEPTH + 1), widths  # (the first call reads the prompt)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
-def test_device_round_near_the_context_limit(pair, graphs):
-    """The last rounds near the context limit are plain steps on the device: the general round's tokens."""
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_device_round_equals_the_general_round_and_plain_greedy(pair, batch, graphs, policy):
+    """Ragged prompts, an EOS inside the run: tokens, finish reasons, accepted counts per round, the
+    policy's decisions, every drafter call's drafts and the whole target and drafter caches equal the
+    general round's (`assert_same_stream`), and the tokens plain greedy decoding's; with the graphs
+    captured, the general round's through the same graphs. Goodput over a confidence profile that makes
+    it verify fewer drafts, skip drafting and catch up when it drafts again."""
+    prompts = prompts_for(policy, batch)
+    config = eos_config(pair, prompts, policy)
+    device = run(pair, prompts, config, graphs=graphs, policy=policy)
+    general = run(pair, prompts, config, general=True, graphs=graphs, policy=policy)
+    for prompt, result, reference in zip(prompts, device[0], general[0]):
+        tokens, reason = expected(pair[0], prompt, config)
+        assert (result.tokens, result.finish_reason) == (tokens, reason)
+        assert (reference.tokens, reference.finish_reason) == (tokens, reason)
+    assert_same_stream(device, general)
+    assert "eos" in {r.finish_reason for r in device[0]}
+    assert len({a for r in device[0] for a in r.stats.accepted}) >= 2  # accepts of several lengths: not vacuous
+    if policy == "goodput":
+        assert_goodput_skips_and_resumes(device)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_device_round_near_the_context_limit(pair, graphs, policy):
+    """The last rounds near the context limit are plain steps on the device: the general round's tokens,
+    statistics, decisions, drafts and caches."""
     prompts = [PROMPTS[1], PROMPTS[0]]
     config = GenerationConfig(max_new_tokens=40)
-    device, general = (run(pair, prompts, config, general, max_context=32, graphs=graphs)[0]
+    device, general = (run(pair, prompts, config, general, max_context=32, graphs=graphs, policy=policy)
                        for general in (False, True))
-    assert [(r.tokens, r.finish_reason) for r in device] == [(r.tokens, r.finish_reason) for r in general]
-    assert {r.finish_reason for r in device} == {"context"}
+    assert [(r.tokens, r.finish_reason) for r in device[0]] == [(r.tokens, r.finish_reason) for r in general[0]]
+    assert {r.finish_reason for r in device[0]} == {"context"}
+    assert_same_stream(device, general)
 
 
 def _off_by_one_accept(monkeypatch):
@@ -173,19 +259,42 @@ def _drafter_row_short(monkeypatch):
         ids, aux_rows, count, tokens, aux, rows, (added - 1).clamp(min=0)))
 
 
-@pytest.mark.parametrize("plant", [_off_by_one_accept, _one_row_too_many, _drafter_row_short],
-                         ids=["accepted off by one", "one cache row too many", "drafter row missing"])
-def test_planted_device_round_bugs_fail_the_comparison(pair, monkeypatch, plant):
-    """Each planted bug changes what the comparison above checks: the tokens, the caches or the drafts."""
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]]
-    config = eos_config(pair, prompts)
-    general = run(pair, prompts, config, general=True)
+def _no_room(monkeypatch):
+    """Planted: the pending rows never grow, so a catch-up's rows past 2(K+1) are lost."""
+    monkeypatch.setattr(runtime_module._RoundBuffers, "fit", lambda self, rows, pending: None)
+
+
+def _reversed(monkeypatch):
+    """Planted: the joint probabilities read deepest first."""
+    original = runtime_module.tree.chain_joint
+    monkeypatch.setattr(runtime_module.tree, "chain_joint", lambda token_probs: original(token_probs).flip(-1))
+
+
+def _not_told(monkeypatch):
+    """Planted: the policy not told the tokens a round emitted (its hindsight then learns nothing)."""
+    original = GoodputDepth.observe
+    monkeypatch.setattr(GoodputDepth, "observe", lambda self, j, accepted, live, drafted, emitted=None: original(
+        self, j, accepted, live, drafted, None))
+
+
+@pytest.mark.parametrize(("plant", "policy"), [(_off_by_one_accept, "fixed"), (_one_row_too_many, "fixed"),
+                                               (_drafter_row_short, "fixed"), (_off_by_one_accept, "goodput"),
+                                               (_no_room, "goodput"), (_reversed, "goodput"),
+                                               (_not_told, "goodput")],
+                         ids=["accepted off by one", "one cache row too many", "drafter row missing",
+                              "goodput: accepted off by one", "goodput: no room to catch up",
+                              "goodput: joint probabilities reversed", "goodput: emitted tokens not told"])
+def test_planted_device_round_bugs_fail_the_comparison(pair, monkeypatch, plant, policy):
+    """Each planted bug changes what the comparison above checks: the tokens, statistics, decisions,
+    drafts or caches."""
+    prompts = prompts_for(policy, 3)
+    config = eos_config(pair, prompts, policy)
+    general = run(pair, prompts, config, general=True, policy=policy)
     plant(monkeypatch)
-    device = run(pair, prompts, config)
-    same_tokens = [r.tokens for r in device[0]] == [r.tokens for r in general[0]]
-    same_drafts = len(device[1]) == len(general[1]) and all(torch.equal(a, b) for a, b in zip(device[1], general[1]))
-    same_caches = all(torch.equal(a, b) for a, b in zip(device[2], general[2]))
-    assert not (same_tokens and same_drafts and same_caches)
+    device = run(pair, prompts, config, policy=policy)
+    with pytest.raises(AssertionError):
+        assert [r.tokens for r in device[0]] == [r.tokens for r in general[0]]
+        assert_same_stream(device, general)
 
 
 class _CountingReads(SpeculativeRuntime):
@@ -223,6 +332,47 @@ def test_a_device_round_reads_the_device_once(pair, cls, batch):
         assert max(drafted) > 1
     else:
         assert max(n for _, n in runtime.rounds) == 1, runtime.rounds
+
+
+class _RightOnDevice(RightDrafts):
+    """`RightDrafts` whose outputs stand for a GPU's (`_OnDevice`: their reads are counted)."""
+
+    def target(self, feeds, need_logits=False):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits).items()}
+
+    def drafter(self, feeds, sampling=False):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling).items()}
+
+
+class _ReadsTheProbabilities(_CountingReads):  # planted: the probabilities read apart from the drafts
+    def _chosen(self, state, out, policy, alive, replayed):
+        out[C.DRAFT_TOKEN_PROBS].tolist()
+        return super()._chosen(state, out, policy, alive, replayed)
+
+
+@pytest.mark.parametrize(("cls", "batch"), [(_CountingReads, 1), (_CountingReads, 3), (_ReadsTheProbabilities, 1)],
+                         ids=["batch 1", "batch 3", "planted"])
+def test_a_goodput_device_round_reads_the_device_twice_at_most(pair, cls, batch):
+    """A goodput stream over the confidence profile (drafted rounds, k = 0 rounds, catch-ups, plain steps
+    near the limit): a drafted round reads the device twice (its drafts with their probabilities for the
+    policy's choice, then the outcome), a round without a drafter call once; greedy output stays the
+    target's. Planted: a round that also reads the probabilities on their own."""
+    target, drafter = pair
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
+    continuations = [p + greedy(target, p, 64) for p in prompts]
+    backend = _RightOnDevice(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                             continuations=continuations, confident=confident)
+    runtime = cls.for_models(backend, target, drafter, max_context=48, verify_policy=Goodput(DEPTH, costs(batch)))
+    runtime.rounds = []
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=48))
+    assert [r.tokens for r in results] == [greedy(target, p, len(r.tokens)) for p, r in zip(prompts, results)]
+    assert {r.finish_reason for r in results} == {"context"}
+    drafted, plain = [n for d, n in runtime.rounds if d], [n for d, n in runtime.rounds if not d]
+    assert len(drafted) > 3 and len(plain) > 3 and max(backend.widths[1:]) > DEPTH + 1  # (catch-ups: not vacuous)
+    if cls is _ReadsTheProbabilities:
+        assert max(drafted) > 2
+    else:
+        assert max(drafted) == 2 and max(plain) == 1, runtime.rounds
 
 
 # ------------------------------------------------------------ the bookkeeping, captured
@@ -315,6 +465,29 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
                 capturable(plant, feeds)
 
 
+def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host
+    out = runtime_module._drafts_read(nodes, token_probs)
+    return out, int(nodes[0, 0])
+
+
+@pytest.mark.parametrize("plant", [None, _reads_the_first_id], ids=["drafts read", "planted"])
+def test_the_read_of_the_drafts_is_capturable_and_exact(plant):
+    """`_drafts_read` (what goodput's choice reads) issues only ops a CUDA graph holds, and carries the
+    joint probabilities (`tree.chain_reach`'s whole chain, to the bit) and the drafts' ids exactly, ids
+    past 2^24 included (float32 would round them). Planted: a host read inside fails the check."""
+    g = torch.Generator().manual_seed(0)
+    nodes = torch.randint(0, 1 << 40, (3, DEPTH), generator=g)
+    probs = torch.rand(3, DEPTH, generator=g)
+    if plant is not None:
+        with pytest.raises(EagleExportError, match="cannot be captured in a CUDA graph"):
+            check_capturable(plant, [nodes, probs])
+        return
+    check_capturable(runtime_module._drafts_read, [nodes, probs], [[nodes.flip(0), probs.flip(1)]])
+    read = runtime_module._drafts_read(nodes, probs).tolist()
+    assert [row[:DEPTH] for row in read] == runtime_module.tree.chain_reach(probs)[:, -1].tolist()
+    assert [[int(t) for t in row[DEPTH:]] for row in read] == nodes.tolist()
+
+
 class _Counting(TorchFunctionMode):
     """Counts torch calls (every one is host time: an op's launch, a tensor's shape or address alike);
     a graph's replay counts as one, the work it replays eagerly on CPU as none: a GPU's host spends
@@ -366,6 +539,9 @@ class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly
 # Measured: 9 copies, 3 replays, the read, the live mask's, 11 attribute reads; a round that finishes a
 # sequence 2 more (the live mask cloned and written, `_State.emit`).
 CALLS_PER_DRAFTED_ROUND = 25
+# Measured: what a drafted goodput round adds to a fixed one: the replay and the read of its drafts for
+# the choice (`_chosen`), the accepted counts and the live mask as the policy is told them.
+GOODPUT_EXTRA_CALLS = 4
 
 
 @pytest.mark.parametrize(("cls", "batch"), [(_CountingCalls, 1), (_CountingCalls, 3), (_EagerBookkeeping, 1)],
@@ -401,20 +577,22 @@ def test_the_captured_bookkeeping_on_a_gpu_gives_the_eager_tokens(pair):
     """On a GPU, the bookkeeping captured in a real CUDA graph beside the target's and the drafter's: the
     tokens of the eager device round on the same kernels (torch's: exact mode would bind the shared
     models to its kernels for the rest of the module), ragged batches of 1 and 3, two streams each (the
-    second replays the first's graphs over the same buffers); no captured input copied in (every one is
-    a buffer the graph was captured with)."""
+    second replays the first's graphs over the same buffers), under the fixed and the goodput policy (the
+    tiny drafter's own low probabilities: k = 0 rounds, probes and catch-ups); no captured bookkeeping
+    input copied in (every one is a buffer the graph was captured with)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA GPU")
     target, drafter = (m.to("cuda") for m in pair)
     try:
-        for batch in (1, 3):
+        for batch, policy in ((1, "fixed"), (3, "fixed"), (1, "goodput"), (3, "goodput")):
             prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
             tokens = {}
             for graphs in (False, True):
                 backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
                                        device="cuda", cuda_graphs=graphs, exact=False)
+                chosen = Goodput(DEPTH, costs(batch)) if policy == "goodput" else policy
                 runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=128,
-                                                        verify_policy="fixed", static_cache=True)
+                                                        verify_policy=chosen, static_cache=True)
                 tokens[graphs] = [[r.tokens for r in runtime.generate(prompts, GenerationConfig(max_new_tokens=24))]
                                   for _ in range(2)]
             assert tokens[True] == tokens[False] and tokens[True][0] == tokens[True][1]
@@ -423,3 +601,60 @@ def test_the_captured_bookkeeping_on_a_gpu_gives_the_eager_tokens(pair):
     finally:
         for m in pair:
             m.to("cpu")
+
+
+class _UncountedDrafts(RightDrafts):
+    """`RightDrafts` whose replacing of the drafts (the test's work, not the runtime's) is not counted,
+    and writes into the graph's own outputs (a captured drafter returns the same tensors every call);
+    the drafter call itself is counted."""
+
+    def _replace(self, out, feeds):
+        with torch._C.DisableTorchFunction(), torch.inference_mode():  # (the backend's outputs are inference tensors)
+            replaced = super()._replace(out, feeds)
+            for name in (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS):
+                out[name].copy_(replaced[name])
+        return out
+
+
+class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general round
+    def _device_rounds(self, state):
+        return state.policy is None
+
+
+@pytest.mark.parametrize("cls", [_CountingCalls, _GeneralCountingCalls], ids=["goodput", "planted general round"])
+def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
+    """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
+    (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
+    read of its drafts for the choice, the accepted counts the policy is told; 28 against 24 at batch 1,
+    219 on the general round); a k = 0 round (the confidence profile) a plain decoding step's (16).
+    Medians over the rounds that captured nothing. Planted: goodput on the general round."""
+    target, drafter = pair
+    prompts = [PROMPTS[1]]
+    continuations = [p + greedy(target, p, 64) for p in prompts]
+
+    def rounds(policy, profile, speculative=True, runtime_cls=_CountingCalls):
+        counting = _Counting()
+        backend = _UncountedDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                                   continuations=continuations, confident=profile, cuda_graphs=True,
+                                   capture=counting.capture)
+        runtime = runtime_cls.for_models(backend, target, drafter, max_context=256, verify_policy=policy)
+        runtime.rounds = []
+        results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
+        assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
+        return runtime.rounds
+
+    def median(rounds, drafted):
+        totals = sorted(sum(calls.values()) for d, calls in rounds if d is drafted)
+        assert len(totals) > 3
+        return totals[len(totals) // 2]
+
+    always = lambda position: True  # noqa: E731
+    fixed = median(rounds("fixed", always), True)
+    goodput = median(rounds(Goodput(DEPTH, costs(1)), always, runtime_cls=cls), True)
+    if cls is _GeneralCountingCalls:
+        assert goodput > fixed + 5 * GOODPUT_EXTRA_CALLS, (goodput, fixed)
+        return
+    assert goodput <= fixed + GOODPUT_EXTRA_CALLS, (goodput, fixed)
+    plain = median(rounds(None, always, speculative=False), False)
+    k0 = median(rounds(Goodput(DEPTH, costs(1)), confident), False)
+    assert k0 <= plain, (k0, plain)

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import EagleExportError
 
 WARMUP = 3  # eager calls on a side stream before a capture (cuBLAS handles, lazy inits), as torch's docs do
+RECENT = 16  # sets of input tensors a ShapeGraphs knows without looking at their shapes (see __call__)
 
 
 class CudaGraphCapture:
@@ -68,7 +69,7 @@ class ShapeGraphs:
         self.fn, self.input_names, self.bound, self.capture, self.warmup = fn, input_names, bound, capture, warmup
         self.graphs: dict[tuple, tuple] = {}  # input shapes -> (static inputs, replay, static outputs)
         self.copied_bound = 0  # bound inputs that had to be copied in (another tensor than at capture)
-        self._last = None  # (the last call's inputs, its graph)
+        self._recent = {}  # the last calls' inputs by their ids -> (those inputs, their graph)
 
     def keys(self) -> set[tuple[int, int]]:
         """(batch, width) of every captured graph: the first input's shape (input_ids [B, T])."""
@@ -76,18 +77,22 @@ class ShapeGraphs:
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Copy the inputs into the static ones where they are other tensors, and replay. The same
-        tensors as the last call's (a device round's buffers, the caches) are known to have its shapes:
-        every torch call here, a tensor's shape or address included, is host time in every round."""
+        tensors as one of the last RECENT calls' (a device round's buffers and views, the caches: the
+        same few sets of tensors at every width a stream alternates between) are known to have its
+        shapes: every torch call here, a tensor's shape or address included, is host time in every round."""
         given = [feeds[name] for name in self.input_names]
-        last = self._last
-        if last is not None and all(a is b for a, b in zip(given, last[0])):
-            inputs, replay, outputs = last[1]
+        ids = tuple(map(id, given))
+        recent = self._recent.get(ids)
+        if recent is not None:
+            inputs, replay, outputs = recent[1]
         else:
             key = tuple(tuple(t.shape) for t in given)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key, given)
             inputs, replay, outputs = self.graphs[key]
-            self._last = (given, self.graphs[key])  # (holding the tensors keeps their ids unique)
+            if len(self._recent) >= RECENT:  # (the oldest goes: an eager call's fresh outputs are seen once)
+                del self._recent[next(iter(self._recent))]
+            self._recent[ids] = (given, self.graphs[key])  # (holding the tensors keeps their ids unique)
         for name, static, tensor in zip(self.input_names, inputs, given):
             if static is tensor:
                 continue

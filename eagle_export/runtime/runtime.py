@@ -36,9 +36,9 @@ whatever k is: the accepted drafts are exactly those equal to the target's argma
 Every round's state lives on the backend's device (lengths, last tokens, pending drafter rows, cache
 writes: whole-batch tensor operations, no per-sequence loop), and the common case runs the whole round
 there (`_device_round`): greedy decoding of a chain under the fixed policy (every round drafts and
-verifies all K drafts) and plain decoding. There the host makes one drafter call, one target call and
-ONE device -> host read a round, [accepted count, the target's greedy ids] per sequence, which it needs
-to emit tokens and test EOS, stop strings and the limits; acceptance (the longest prefix of drafts equal
+verifies all K drafts) or the goodput policy, and plain decoding. There the host makes one drafter call,
+one target call and ONE device -> host read a round, [accepted count, the target's greedy ids] per
+sequence, which it needs to emit tokens and test EOS, stop strings and the limits; acceptance (the longest prefix of drafts equal
 to the target's argmax), the cache commits, the next root token, the lengths and the drafter's next
 rows (for a chain: the target's greedy ids and aux states as they are, `accepted + 1` of them valid)
 are computed on the device, queued behind the graphs. That bookkeeping is one function of fixed-shape
@@ -47,8 +47,10 @@ place, no host read: `cuda_graphs.check_capturable` proves it on CPU), so where 
 graphs it is one more graph, captured per set of shapes beside the target's and the drafter's: a drafted
 round costs the host three replays, the copies of the small inputs into the graphs' static ones, and the
 read (25 torch calls, 171 when the bookkeeping ran eagerly; each is host time on a GPU, 5-10 us a launch).
-The other cases (sampling, trees, a policy that chooses k from the drafts' probabilities) read the drafts
-and the target's ids on the host as before.
+Goodput chooses how many drafts to verify from this round's drafts, so its drafted round reads the device
+once more, right after the drafter call: the drafts and their joint probabilities, [B, 2K] numbers; its
+k = 0 rounds are plain steps on the device whose rows wait for the catch-up drafter call. The other cases
+(sampling, trees, other policy objects) read the drafts and the target's ids on the host as before.
 """
 
 from __future__ import annotations
@@ -126,10 +128,11 @@ class Timings:
     `plain_round_s` holds the seconds of each round that called no drafter (plain decoding's steps, a
     speculative stream's k = 0 rounds and its last steps near the limit), host work included: what one
     token costs without speculation, measured the same way in both kinds of stream. A device round's
-    one host read waits for the work queued before it (on a GPU: the drafter's graph, the target's,
-    acceptance and commits) and that wait is counted as verify: there a drafter call's seconds are its
-    launch, and host is the host's own work. `synthetic`: the part of host spent making synthetic drafts
-    (a measurement tool's work, not the runtime's; the benchmarks report it beside host)."""
+    host read of its outcome waits for the work queued before it (on a GPU: the drafter's graph, the
+    target's, acceptance and commits) and that wait is counted as verify: there a drafter call's seconds
+    are its launch (and goodput's read of the drafts, which waits for it), and host is the host's own
+    work. `synthetic`: the part of host spent making synthetic drafts (a measurement tool's work, not the
+    runtime's; the benchmarks report it beside host)."""
 
     prefill: float = 0.0
     draft: float = 0.0
@@ -219,6 +222,7 @@ class SpeculativeRuntime:
         self._chain_masks = {}  # (batch, width) -> a chain verify call's mask (_chain_mask)
         self._round_buffers: dict[int, _RoundBuffers] = {}  # static mode: batch -> its device rounds' buffers
         self._settle_graphs: dict[tuple[str, ...], ShapeGraphs] = {}  # _settle_round's inputs -> its graphs
+        self._read_graphs: dict[tuple[str, ...], ShapeGraphs] = {}  # _drafts_read's (see _replayed)
 
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
@@ -382,10 +386,14 @@ class SpeculativeRuntime:
 
     def _device_rounds(self, state) -> bool:
         """Whether every round of this stream runs on the device (`_device_round`): greedy, and plain
-        decoding (no policy) or the fixed policy over a chain (every round drafts and verifies all K
-        drafts, so nothing about the drafts is decided on the host)."""
-        return not state.sampling and (state.policy is None or (
-            type(state.policy) is FixedDepth and self.backend.speculation.is_chain))
+        decoding (no policy), or a chain under the fixed policy (every round drafts and verifies all K
+        drafts: nothing about the drafts is decided on the host) or under a policy that decides a chain's
+        round from numbers read once after the drafter call (`choose_chain`: goodput). The general round
+        keeps sampling (rejection sampling walks the drafts' distributions on the host), trees (the menu of
+        subtrees and the walk down a tree are the host's) and other policy objects (a `choose` on tensors)."""
+        policy = state.policy
+        return not state.sampling and (policy is None or (self.backend.speculation.is_chain and (
+            type(policy) is FixedDepth or hasattr(policy, "choose_chain"))))
 
     def _policy(self, name, batch: int, costs):
         """The verify policy of a stream: a policy object as it is; a named one kept per batch size (its
@@ -525,8 +533,8 @@ class SpeculativeRuntime:
         return nodes.shape[1] == 0 and not state.sampling
 
     def _device_round(self, state, live, policy=None, drafted=False):
-        """`_round` for a greedy chain under the fixed policy, or a plain step, on the device: one drafter
-        call, one target call over [last token, the K drafts], the round's bookkeeping (`_settle_round`:
+        """`_round` for a greedy chain under the fixed or the goodput policy, or a plain step, on the device:
+        one drafter call, one target call over [last token, the K drafts], the round's bookkeeping (`_settle_round`:
         one graph replay where the backend captures CUDA graphs) and one host read of [accepted, greedy
         ids] per sequence. With the drafts d_1..d_K and the target's argmax g_0..g_K at the call's rows, a
         is the number of leading i with d_i == g_{i-1}; the sequence emits g_0..g_a (the accepted drafts
@@ -536,23 +544,31 @@ class SpeculativeRuntime:
         fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
         host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
         graph calls (each copies its small inputs into its static ones), and the read. Near the context
-        limit the stream's plain steps come here too (those sequences never draft again)."""
+        limit the stream's plain steps come here too (those sequences never draft again).
+        The goodput policy decides on this round's drafts, so its drafted round reads the device twice:
+        right after the drafter call, the drafts and their joint probabilities p_1 ... p_d (`_chosen`), from
+        which `choose_chain` picks j in 0..K; the target call is then over [last token, d_1..d_j] (width
+        j + 1: graphs per width) and the same bookkeeping accepts among those j (a = the leading i <= j with
+        d_i == g_{i-1}). Its k = 0 rounds (no drafter call) are plain steps whose rows wait in the pending
+        rows (`_RoundBuffers.fit` makes room) for the next drafter call, which catches up on all of them
+        (`_device_draft`). The policy is told what the general round tells it: j, the accepted counts and
+        the tokens emitted, from the read."""
         start = time.perf_counter()
         b, alive = len(state.prompts), live.tolist()
-        buffers = state.buffers
+        buffers, pending = state.buffers, state.pending
         buffers.set_live(alive, state)
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
-        drafter_rows = None
+        drafter_rows, j = None, 0
         if drafted:
             out, drafter_rows = self._device_draft(state, alive)
-            nodes = out[C.DRAFT_IDS]
-            if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
-                depths = torch.arange(1, nodes.shape[1] + 1).expand(b, -1)
-                nodes = self._synthetic(state, depths - 2, depths)[0].to(self.device, non_blocking=True)
-            buffers.drafts.copy_(nodes)
-        elif state.pending is not None and not buffers.adopted:  # (near the limit from the start: no drafter call)
-            buffers.adopt(state.pending)
-        ids, positions = buffers.views[self.depth + 1 if drafted else 1]
+            j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
+        elif pending is not None:
+            if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
+                # (K+1 rows at most) finds it not live, for that append's padding past its count
+                buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
+            if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
+                buffers.adopt(pending)
+        ids, positions = buffers.views[j + 1]
         out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False)
         settled = self._settle(state, out, drafter_rows)
         read = time.perf_counter()  # the one host read: it waits for everything queued above
@@ -562,12 +578,14 @@ class SpeculativeRuntime:
         for i, a in enumerate(alive):
             if a:
                 state.host_lens[i] += rows[i][0] + 1
-        if state.pending is not None:
-            state.pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
-        if policy is not None:  # (the fixed policy learns nothing: it is not told)
-            width = ids.shape[1]
-            state.record(alive, [row[0] for row in rows], [width - 1] * b, width, drafted)
+        if pending is not None:
+            pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
+        if policy is not None:
+            counts = [row[0] for row in rows]
+            state.record(alive, counts, [j] * b, j + 1, drafted)
         events = state.emit(emitted, alive)
+        if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
+            policy.observe(j, torch.tensor(counts) if drafted else state.none_accepted, live, drafted, emitted)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
@@ -576,8 +594,11 @@ class SpeculativeRuntime:
         """A device round's drafter call -> (its outputs, its new K/V rows for `_settle_round` to commit;
         None when committed here). The stream's first call reads every prompt row (a call wider than
         K+1 rows, run eagerly) and commits at once; then the pending rows move into the round's buffers,
-        and every later call reads at most K+1 rows from them (a sequence that drafted has at most K+1
-        rows pending: the last round's accepted path and the target's token)."""
+        and every later call reads its rows from them: at most K+1 after a drafted round (its accepted
+        path and the target's token), more after a goodput stream's k = 0 rounds (a catch-up: one row
+        each). A call wider than K+1 rows runs eagerly (the backend captures calls of at most K+1) and
+        is committed here, as `_settle_round` commits a K+1-row call's (`_commit_drafter`): a settle graph
+        per catch-up width would be captured for one use."""
         buffers, pending = state.buffers, state.pending
         if not buffers.adopted:
             out, _ = self._call_drafter(state, alive, buffers.live)
@@ -586,9 +607,8 @@ class SpeculativeRuntime:
             buffers.adopt(pending)
             return out, None
         width = self.drafter_width(max(h for h, a in zip(pending.host, alive) if a))
-        assert width <= self.depth + 1, "a sequence that drafts has at most K+1 rows pending"
         ids, aux = buffers.drafter_rows(width)
-        if width != self.depth + 1:  # (growing caches only: the drafter's rows are not padded to K+1)
+        if width != self.depth + 1:  # (a catch-up; or growing caches, whose rows are not padded to K+1)
             torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
         dtype = self.backend.drafter_dtype
         feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype),
@@ -598,7 +618,41 @@ class SpeculativeRuntime:
         out = self.backend.drafter(feeds)
         self.timings.draft += time.perf_counter() - start
         pending.taken(alive)
+        if width > self.depth + 1:
+            new_rows = {name: out[name][:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
+            _commit_drafter(state.draft_k, state.draft_v, new_rows, buffers.draft_lens, buffers.num_valid,
+                            buffers.live, buffers.count)
+            return out, None
         return out, buffers.new_rows(out, width)
+
+    def _chosen(self, state, out, policy, alive: list[bool], replayed: bool) -> int:
+        """A drafted device round's drafts into the verify call's ids -> j, how many it verifies: all K
+        under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K] numbers read in
+        one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on the device) and
+        the drafts, as float64 (float32 values and ids below 2^53: both exact). The read waits for the
+        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is).
+        Its few ops are replayed from a graph of their own over the outputs of a drafter call of at most
+        K+1 rows (`replayed`: the same static tensors every round), eagerly after a wider call (the
+        first, a catch-up: fresh tensors a graph would copy in) and over synthetic drafts (the host's)."""
+        nodes = out[C.DRAFT_IDS]
+        if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
+            depths = torch.arange(1, nodes.shape[1] + 1).expand(len(nodes), -1)
+            nodes, probs = self._synthetic(state, depths - 2, depths)
+            state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
+        else:
+            probs = out[C.DRAFT_TOKEN_PROBS]
+            state.buffers.drafts.copy_(nodes)
+        if state.whole_tree:
+            return self.depth
+        start = time.perf_counter()
+        if replayed and state.synthetic is None:
+            read = self._replayed(self._read_graphs, _drafts_read, {"nodes": nodes, "token_probs": probs}).tolist()
+        else:
+            read = _drafts_read(nodes, probs).tolist()
+        self.timings.draft += time.perf_counter() - start
+        k = self.depth
+        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths,
+                                   [[int(t) for t in row[k:]] for row in read])
 
     def _settle(self, state, out, drafter_rows) -> torch.Tensor:
         """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]:
@@ -616,14 +670,21 @@ class SpeculativeRuntime:
         if drafter_rows is not None:
             feeds.update(draft_lens=buffers.draft_lens, draft_k=state.draft_k, draft_v=state.draft_v,
                          draft_new_key=drafter_rows[C.NEW_KEY], draft_new_value=drafter_rows[C.NEW_VALUE])
+        return self._replayed(self._settle_graphs, _settle_round, feeds, warmup=_dry)
+
+    def _replayed(self, graphs: dict, fn, feeds: dict[str, torch.Tensor], warmup=None) -> torch.Tensor:
+        """fn(**feeds), a function of the runtime's own with one output: through a graph captured per set of
+        input shapes (`ShapeGraphs` kept in `graphs` by input names, every input bound by reference: they
+        are the runtime's buffers and the graphs' static outputs; `warmup(names, inputs)` the warm-up's
+        inputs) where the backend captures CUDA graphs, eagerly otherwise."""
         if self.backend.capture is None:
-            return _settle_round(**feeds)
+            return fn(**feeds)
         names = tuple(feeds)
-        if names not in self._settle_graphs:
-            self._settle_graphs[names] = ShapeGraphs(lambda *inputs: (_settle_round(**dict(zip(names, inputs))),),
-                                                     list(names), names, self.backend.capture,
-                                                     warmup=functools.partial(_dry, names))
-        return self._settle_graphs[names](feeds)[0]
+        if names not in graphs:
+            graphs[names] = ShapeGraphs(lambda *inputs: (fn(**dict(zip(names, inputs))),), list(names), names,
+                                        self.backend.capture,
+                                        warmup=None if warmup is None else functools.partial(warmup, names))
+        return graphs[names](feeds)[0]
 
     def round_buffers(self, batch: int) -> _RoundBuffers:
         """A device round's buffers for `batch` sequences: new ones, or in static mode this batch size's,
@@ -917,8 +978,8 @@ def _append_rows(ids, aux_rows, count, tokens, aux, rows, added) -> None:
     rows tokens[b, i] [B,R] beside the aux state of the verify call's row rows[b, i] (None: row i), all
     R of them at the slots after its count (past added[b] they are padding), then count += added. Two
     scatters for the whole batch, no host read. A slot past P is clamped into the last one: `_PendingRows`
-    grows first so that none is, and a device round's buffers never read a slot that high (its drafter
-    calls read at most K+1 rows, and P = 2(K+1): see _RoundBuffers)."""
+    grows first so that none is, and a device round's buffers never read a slot that high (see
+    _RoundBuffers: only the rows of a sequence that no longer drafts land there)."""
     device, (b, width), a = aux_rows.device, tokens.shape, aux.shape[2]
     slots = (count.view(b, 1) + _arange(width, device)).clamp_(max=ids.shape[1] - 1)
     ids.scatter_(1, slots, _to(tokens, device))
@@ -934,9 +995,11 @@ class _RoundBuffers:
     verify call's ids (column 0 its root, the last emitted token; then the drafts, `drafts`) and positions
     [B,K+1] (lens + 0..K); live [B] (the round's live mask, copied in when it changes); with a drafter:
     draft_lens [B], num_valid [B] (the next drafter call's valid rows) and the pending rows (ids [B,P],
-    aux [B,P,A], count [B], `_PendingRows`'s), P = 2(K+1): a drafter call reads the first K+1 rows, a
-    sequence that drafts has at most K+1 pending, and a row appended past them (a sequence that no
-    longer drafts: finished, or near the context limit) lands at or past slot K+1, read by no call."""
+    aux [B,P,A], count [B], `_PendingRows`'s), P = 2(K+1) to begin with: after a drafted round a
+    sequence that drafts has at most K+1 pending, which a drafter call reads, and a row appended past
+    them (a sequence that no longer drafts: finished, or near the context limit) lands at or past slot
+    K+1, read by no call. A goodput stream's k = 0 rounds add a row each until its next drafter call
+    catches up: `fit` grows P for them."""
 
     def __init__(self, batch: int, depth: int, aux_width: int, aux_dtype: torch.dtype, device):
         w, zeros = depth + 1, functools.partial(torch.zeros, dtype=torch.int64, device=device)
@@ -945,10 +1008,12 @@ class _RoundBuffers:
         self.draft_lens, self.num_valid, self.count = zeros(batch), zeros(batch), zeros(batch)
         self.ids = zeros(batch, 2 * w)
         self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
+        self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
-        # (ids, positions) by its width (a plain step: 1, a drafted round: K+1), the drafter's rows by theirs.
-        self.views = {1: (self.verify_ids[:, :1], self.positions[:, :1]), w: (self.verify_ids, self.positions)}
+        # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
+        # the drafter's rows by theirs.
+        self.views = {t: (self.verify_ids[:, :t], self.positions[:, :t]) for t in range(1, w + 1)}
         self._rows = {}
         self.alive, self.adopted = None, False
 
@@ -980,11 +1045,30 @@ class _RoundBuffers:
         pending.ids, pending.aux, pending.count = self.ids, self.aux, self.count
         self.adopted = True
 
+    def fit(self, rows: int, pending: _PendingRows) -> None:
+        """Room for `rows` pending rows a sequence (a goodput stream's k = 0 rounds add one each, and its
+        next drafter call catches up on them all): the rows' buffers grow by doubling, their rows kept.
+        The settle graphs captured over the old buffers keep them (a geometric series: at most as much
+        again), and new ones are captured over these (a graph per set of shapes)."""
+        if rows <= self.room:  # (a Python int: a tensor's shape is a torch call, in every k = 0 round)
+            return
+        grow = max(rows, 2 * self.room) - self.room
+        self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
+        self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+        self.room += grow
+        self._rows.clear()
+        if self.adopted:
+            pending.ids, pending.aux = self.ids, self.aux
+
     def drafter_rows(self, width: int):
-        """The drafter's input rows (ids [B,W], aux [B,W,A]): views of the pending rows."""
-        if width not in self._rows:
-            self._rows[width] = self.ids[:, :width], self.aux[:, :width]
-        return self._rows[width]
+        """The drafter's input rows (ids [B,W], aux [B,W,A]): views of the pending rows, kept for the
+        widths of calls after a drafted round (a catch-up's width is rarely seen twice)."""
+        if width in self._rows:
+            return self._rows[width]
+        rows = self.ids[:, :width], self.aux[:, :width]
+        if width <= self.verify_ids.shape[1]:
+            self._rows[width] = rows
+        return rows
 
     def new_rows(self, out, width: int) -> dict[str, torch.Tensor]:
         """The new K/V of a drafter call's `width` input rows (its later steps' rows follow), as views
@@ -1013,10 +1097,8 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
     (`_dry`)."""
     b, width = greedy.shape
     if draft_new_key is not None:
-        _write_rows(draft_k, draft_v, {C.NEW_KEY: draft_new_key, C.NEW_VALUE: draft_new_value}, draft_lens,
-                    num_valid, live)
-        draft_lens.add_(torch.where(live, num_valid, 0))
-        pending_count.masked_fill_(live, 0)
+        _commit_drafter(draft_k, draft_v, {C.NEW_KEY: draft_new_key, C.NEW_VALUE: draft_new_value}, draft_lens,
+                        num_valid, live, pending_count)
     accepted = greedy_accepted_path(verify_ids[:, 1:width], None, greedy)[0].view(b, 1)
     taken = torch.where(live.view(b, 1), accepted + 1, 0).view(b)
     _write_rows(target_k, target_v, {C.NEW_KEY: new_key, C.NEW_VALUE: new_value}, lens, taken, live)
@@ -1028,6 +1110,22 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
     root.copy_(torch.where(live, greedy.gather(1, accepted).view(b), root))
     positions.copy_(lens.view(b, 1) + _arange(positions.shape[1], lens.device))
     return torch.cat([accepted, greedy], dim=1)
+
+
+def _drafts_read(nodes, token_probs) -> torch.Tensor:
+    """What the goodput policy's choice reads of a chain's drafts, [B, 2K] float64 for one transfer: the
+    joint probabilities p_1 ... p_d (`tree.chain_joint`, float32 values) beside the drafts' ids (below
+    2^53): both exact in float64."""
+    return torch.cat([tree.chain_joint(token_probs).double(), nodes.double()], dim=1)
+
+
+def _commit_drafter(draft_k, draft_v, new_rows, draft_lens, num_valid, live, pending_count) -> None:
+    """A drafter call's input rows consumed, live sequences only, in place and without a host read: the
+    first num_valid of its new K/V rows committed at draft_lens, draft_lens += num_valid, the pending
+    rows' count = 0 (`_settle_round` for a K+1-row call, `_device_draft` for a catch-up)."""
+    _write_rows(draft_k, draft_v, new_rows, draft_lens, num_valid, live)
+    draft_lens.add_(torch.where(live, num_valid, 0))
+    pending_count.masked_fill_(live, 0)
 
 
 def _dry(names, inputs):

@@ -229,20 +229,32 @@ class GoodputDepth:
         entry, of the probability that the accepted path reaches each depth (`tree.nested_subtrees`;
         None: sampling, a menu by depth), widths[j] the verify call's tokens for it, `drafts` the
         drafted (nodes [B,N], parents [B,N]) that hindsight checks against the tokens emitted later."""
-        self.widths = widths
-        self._sampling = reach is None
         alive = live.tolist()
-        # A probe checks one draft at least, or an estimate that fell could never rise again.
-        at_least = int(self._probing())
-        if self._sampling:
-            j, self._promised = self._best(self._expected().tolist(), alive, at_least)
+        if reach is None:
+            self.widths, self._sampling = widths, True
+            # A probe checks one draft at least, or an estimate that fell could never rise again.
+            j, self._promised = self._best(self._expected().tolist(), alive, int(self._probing()))
             return j
-        self._drafts = None if drafts is None else [t.tolist() for t in drafts]
+        drafts = None if drafts is None else [t.tolist() for t in drafts]
         # A chain's menu entry j is its first j drafts (`tree.chain_reach`): its whole reach [B][D] says
         # every entry's, a read of B x D numbers where the menu's is B x (K+1) x D.
-        chain = list(range(-1, len(self._drafts[1][0]) - 1)) if self._drafts is not None else None
-        self._chain = chain is not None and all(p == chain for p in self._drafts[1])
-        self._reach = (reach[:, -1] if self._chain else reach).tolist()
+        chain = list(range(-1, len(drafts[1][0]) - 1)) if drafts is not None else None
+        is_chain = chain is not None and all(p == chain for p in drafts[1])
+        return self._choose_greedy((reach[:, -1] if is_chain else reach).tolist(), alive, widths, drafts, is_chain)
+
+    def choose_chain(self, joint: list[list[float]], alive: list[bool], widths: list[int],
+                     nodes: list[list[int]]) -> int:
+        """`choose` for a greedy chain, from Python lists: joint[b][d-1] = p_1 ... p_d (`tree.chain_joint`:
+        the chain's reach, which says every menu entry's) and nodes[b] its drafts. The device round reads
+        both in one transfer right after the drafter call (the policy decides on this round's drafts) and
+        asks here: the same decision as `choose` on the tensors, without a torch call."""
+        return self._choose_greedy(joint, alive, widths, (nodes, None), True)
+
+    def _choose_greedy(self, reach: list, alive: list[bool], widths: list[int], drafts, chain: bool) -> int:
+        """`choose`, greedy: reach [B][J+1][D] (a chain's: [B][D]), drafts (nodes, parents) as lists or None."""
+        self.widths, self._sampling = widths, False
+        at_least = int(self._probing())  # (see choose)
+        self._drafts, self._chain, self._reach = drafts, chain, reach
         j, self._promised = self._best(self._calibrated(), alive, at_least)
         self._promised_from = None if at_least else (self._trust_path, alive)  # what _promised was read with
         self._verified = j  # (what it claimed is read from _reach when the outcome is)
@@ -469,7 +481,8 @@ def check_policy(name) -> None:
 
 def make_policy(name, depth: int, costs: CostCurves | None):
     """A policy by name; an object with the same methods (start, should_draft, choose, observe) is
-    used as it is (tests drive the loop with random ones)."""
+    used as it is (tests drive the loop with random ones). One that also has `choose_chain` (goodput)
+    has a greedy chain's rounds run on the device (`runtime._device_round`)."""
     check_policy(name)
     if not isinstance(name, str):
         return name

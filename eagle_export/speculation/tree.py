@@ -393,11 +393,20 @@ def chain_reach(token_probs: torch.Tensor) -> torch.Tensor:
     takes a sort and a dozen more: host time in every drafted round. The running product is taken
     draft by draft in float32, as `joint_probs` takes it (torch.cumprod accumulates in double on a
     CPU and can differ in the last bit, and the policy's choice follows these numbers)."""
+    joint = chain_joint(token_probs)
+    return joint[:, None, :] * _first_drafts(joint.shape[-1])
+
+
+def chain_joint(token_probs: torch.Tensor) -> torch.Tensor:
+    """[B, K]: p_1 ... p_d for each depth d of a chain, the whole chain's reach (`chain_reach`'s last
+    entry, to the bit: times 1). Elementwise float32 products, one a depth, on the tensors' own device:
+    each is correctly rounded on a CPU and a GPU alike, so the device round's and the general round's
+    policy read the same numbers."""
     columns = token_probs.float().unbind(-1)
     joint = [columns[0]]
     for p in columns[1:]:
         joint.append(joint[-1] * p)
-    return torch.stack(joint, -1)[:, None, :] * _first_drafts(len(columns))
+    return torch.stack(joint, -1)
 
 
 @functools.lru_cache(maxsize=16)
