@@ -940,10 +940,8 @@ class _PendingRows:
         self.count, self.host = count.to(aux.device).clone(), count.tolist()
 
     def _fit(self, width):
-        if width > self.aux.shape[1]:  # grow by doubling: plain steps add one row at a time
-            grow = max(width, 2 * self.aux.shape[1]) - self.aux.shape[1]
-            self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
-            self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
+        if width > self.aux.shape[1]:
+            self.ids, self.aux = _grown(self.ids, self.aux, width)
 
     def append(self, tokens, aux, rows, added):
         """Sequence b's next added[b] rows: tokens[b, i] [B,R], the i-th beside the aux state of the
@@ -971,6 +969,14 @@ class _PendingRows:
     def taken(self, alive: list[bool]) -> None:
         """The host's counts after a drafter call took every row of the live sequences."""
         self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
+
+
+def _grown(ids, aux, rows: int):
+    """Pending rows ids [B,P], aux [B,P,A] with room for `rows` > P a sequence, their rows kept: grown by
+    doubling (plain steps and k = 0 rounds add one row at a time)."""
+    grow = max(rows, 2 * ids.shape[1]) - ids.shape[1]
+    return (torch.cat([ids, ids.new_zeros(len(ids), grow)], dim=1),
+            torch.cat([aux, aux.new_zeros(len(aux), grow, aux.shape[2])], dim=1))
 
 
 def _append_rows(ids, aux_rows, count, tokens, aux, rows, added) -> None:
@@ -1052,10 +1058,8 @@ class _RoundBuffers:
         again), and new ones are captured over these (a graph per set of shapes)."""
         if rows <= self.room:  # (a Python int: a tensor's shape is a torch call, in every k = 0 round)
             return
-        grow = max(rows, 2 * self.room) - self.room
-        self.ids = torch.cat([self.ids, self.ids.new_zeros(len(self.ids), grow)], dim=1)
-        self.aux = torch.cat([self.aux, self.aux.new_zeros(len(self.aux), grow, self.aux.shape[2])], dim=1)
-        self.room += grow
+        self.ids, self.aux = _grown(self.ids, self.aux, rows)
+        self.room = self.ids.shape[1]
         self._rows.clear()
         if self.adopted:
             pending.ids, pending.aux = self.ids, self.aux
