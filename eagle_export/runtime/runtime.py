@@ -700,7 +700,7 @@ class SpeculativeRuntime:
         """A chain's verify call of `width` tokens: its tree_mask (causal), on the device, made once per
         (batch, width)."""
         if (batch, width) not in self._chain_masks:
-            self._chain_masks[batch, width] = tree.verify_mask(_chain(width - 1).expand(batch, -1)).to(self.device)
+            self._chain_masks[batch, width] = causal_mask(batch, width, self.device)
         return self._chain_masks[batch, width]
 
     # ------------------------------------------------------------ graph calls
