@@ -125,7 +125,8 @@ def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
     assert policy.trust[0] < 0.5
 
     class FaceValue(GoodputDepth):
-        trust = [1.0] * K
+        def _learn(self, reached, promised, seen):  # the trust held at 1
+            pass
 
     assert replay(FaceValue(K, costs), costs, 1, (0.28,) * K, (0.9,) * K, prompts=2, new_tokens=512)["speedup"] < 0.85
     honest = GoodputDepth(K, costs)
@@ -238,16 +239,14 @@ class _DepthAlone(GoodputDepth):  # planted: t_d alone, not t_1 ... t_d
         return found
 
 
-class _SqrtA(GoodputDepth):  # planted: the optimistic bound's sqrt(A + 1) written sqrt(A) (the rest as `trust`)
-    @property
-    def trust(self):
-        trust = []
-        for reached, promised, seen in zip(*self._sums):
-            prior = self.TRUST_PRIOR * promised / max(seen, 1e-9)
-            top, bottom = reached + prior, max(promised + prior, 1e-9)
-            optimistic = (top + self.TRUST_Z * math.sqrt(reached)) / bottom
-            trust.append(max(top / bottom, min(optimistic, 1.0)) if seen > 0 else 1.0)
-        return trust
+class _SqrtA(GoodputDepth):  # planted: the optimistic bound's sqrt(A + 1) written sqrt(A) (the rest as `_learn`)
+    def _learn(self, reached, promised, seen):
+        sqrt = math.sqrt
+        math.sqrt = lambda x: sqrt(x - 1)  # `_learn` reads it as it runs: its sqrt(A + 1) is sqrt(A)
+        try:
+            super()._learn(reached, promised, seen)
+        finally:
+            math.sqrt = sqrt
 
 
 class _VerifiedOnly(GoodputDepth):  # planted: no hindsight, only the depths verified say anything
