@@ -349,7 +349,7 @@ class GoodputDepth:
         if not drafted:
             self.since_draft += 1
             return
-        probe = self._probing()
+        probe = self.since_draft >= self.interval  # (_probing, inlined)
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
@@ -378,13 +378,13 @@ class GoodputDepth:
         if not (drafted and self._drafts is not None) and not any(self._waiting):  # nothing to learn
             self._drafts = None
             return False
-        reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
+        outcomes = []  # (a tree's reach per depth, how deep the target's path followed it, depths checked)
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
                 claims, counts = self._entry(self._verified), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
-                    _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
+                    outcomes.append((claims[b], counts[b], min(counts[b] + 1, verified)))
             self._drafts = None
         else:
             if drafted and self._drafts is not None:
@@ -410,27 +410,34 @@ class GoodputDepth:
                         entry[3], entry[4] = deepest, node
                         keep.append(entry)  # the target's path still follows the tree: not known yet
                     else:
-                        _count(reached, promised, seen, claim, deepest, min(deepest + 1, depth))
+                        outcomes.append((claim, deepest, deepest + 1 if deepest < depth else depth))
                 waiting[:] = keep
+        if not outcomes:
+            return False
+        reached, promised, seen = _count(outcomes, self.depth)
         if not any(seen):
             return False
         self._learn(reached, promised, seen)
         return True
 
 
-def _count(reached: list, promised: list, seen: list, reach: list[float], deepest: int, checked: int) -> None:
-    """Add one tree's outcome to the per-depth sums: depth d + 1 was checked where the target's path
-    reached depth d (d < checked), reached where d < deepest; the drafter promised it with probability
-    reach[d] / reach[d - 1], the conditional its reach per depth implies (for a chain, draft d's own)."""
-    before = 1.0
-    for d in range(checked):
-        now = reach[d]
-        if before > 0:
-            if d < deepest:
-                reached[d] += 1
-            promised[d] += now / before
-            seen[d] += 1
-        before = now
+def _count(outcomes: list[tuple[list[float], int, int]], depth: int) -> tuple[list, list, list]:
+    """Per depth d + 1 (of `depth`), over the trees' outcomes (reach, deepest, checked) in order: how many
+    the target's path reached (d < deepest), what the drafter promised (reach[d] / reach[d - 1], the
+    conditional its reach per depth implies; for a chain, draft d's own) and how many checked it (d <
+    checked: the path reached depth d)."""
+    reached, promised, seen = [0.0] * depth, [0.0] * depth, [0.0] * depth
+    for reach, deepest, checked in outcomes:
+        before = 1.0
+        for d in range(checked):
+            now = reach[d]
+            if before > 0:
+                if d < deepest:
+                    reached[d] += 1
+                promised[d] += now / before
+                seen[d] += 1
+            before = now
+    return reached, promised, seen
 
 
 def _followed(tokens: list[int], parents: list[int] | None, seen: list[int], depth: int = 0,
