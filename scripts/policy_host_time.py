@@ -112,14 +112,16 @@ def sweep_decisions(classes) -> tuple[int, int]:
 
 
 def random_decisions(classes, rounds: int, seed: int = 0) -> tuple[int, int]:
-    """(rounds whose decisions differ, rounds): random streams of random trees (a chain in half of them),
-    each round's claims, outcome, emitted tokens and finished sequences drawn at random."""
+    """(rounds whose decisions differ, rounds): random streams of random trees (a chain in half of them,
+    asked through `choose_chain` in half of those), each round's claims, outcome, emitted tokens and
+    finished sequences drawn at random."""
     rng = torch.Generator().manual_seed(seed)
     costs = recorded_costs("H200 exact bf16", True)
     differ = done = 0
     while done < rounds:
         batch = [1, 4, 16][int(torch.randint(3, (1,), generator=rng))]
         chain = bool(torch.randint(2, (1,), generator=rng))
+        lists = chain and bool(torch.randint(2, (1,), generator=rng))  # a chain asked as the device round asks
         policies = [cls(DEPTH, costs) for cls in classes.values()]
         for policy in policies:
             policy.start(batch)
@@ -140,7 +142,10 @@ def random_decisions(classes, rounds: int, seed: int = 0) -> tuple[int, int]:
             seen = []
             for policy in policies:
                 drafted = policy.should_draft(live)
-                j = policy.choose(reach, live, widths, (nodes, parents)) if drafted else 0
+                if drafted and lists:
+                    j = policy.choose_chain(reach[:, -1].tolist(), live.tolist(), widths, nodes.tolist())
+                else:
+                    j = policy.choose(reach, live, widths, (nodes, parents)) if drafted else 0
                 policy.observe(j, accepted.clamp(max=j), live, drafted, [e if a else [] for e, a in zip(emitted, live)])
                 seen.append((drafted, j, policy.trust, policy.expected, policy.interval))
             differ += seen[0] != seen[1]
