@@ -17,21 +17,27 @@ So a wide tree on a machine where verify cost grows with width keeps its few lik
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
 decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
 probes: a drafter call after `interval` plain rounds, which first catches up on every row those
-rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. A failed
-probe doubles the interval, a probe that finds drafting paying again halves it (down to PROBE_EVERY);
-the interval stops doubling at the shortest I (from PROBE_EVERY, doubling, at most PROBE_CEILING)
-whose failed probe costs at most PROBE_BUDGET of the plain steps it follows:
+rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. The
+interval is the shortest I (at least PROBE_EVERY; PROBE_CEILING where none up to it is) whose failed
+probe costs at most PROBE_BUDGET of the plain steps before it,
 
-    c_draft(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1)
+    c_draft(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1),
 
-so a drafter that never helps costs about PROBE_BUDGET of plain decoding. Catching up is the larger
-part where the batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms
-step, so probes 128-256 rounds apart; at batch 1, 64). Halving on success, not starting over at the
-shortest interval, is what keeps a batch whose drafter pays only now and then (the sample drafter at
-batch 4, below break-even) from drafting in runs that lose: a static batch finishes with its slowest
-sequence, so one sequence's accepted drafts in a sporadic round rarely shorten it (replayed at batch 4
-over recorded drafter claims, with catch-up priced: 0.957x -> 0.985x humaneval, 0.967x -> 0.979x
-MT-bench; batch 1 and calibrated drafters from 0.4 up unchanged or better).
+every probe held to it but the stream's first round's (it is how a request finds out whether drafting
+pays at all, and its catch-up over the prompt is what any drafting pays first), so a drafter that never
+helps costs at most about PROBE_BUDGET of plain decoding. Catching up is the larger part where the
+batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms step, 79 rounds
+and more); where a row alone costs more than PROBE_BUDGET of a step (the recorded GPU curves' bound at
+batch 16), probes are PROBE_CEILING apart. The interval used to start at PROBE_EVERY and double after
+each failed probe up to this one: its early probes, 16, 32 and 64 rounds apart, cost what they cost
+(replayed on the recorded GPU curves with catch-up priced, `replay.py`: the H100's batch 16 at
+acceptance 0.2 0.961x of plain decoding, the H200 exact kernels' batch 16 at 0.5 0.971x; priced from
+the first, 0.972x and 0.984x, and no cell of the sweep below 0.972x of the better of fixed K and plain
+decoding). Nor does a probe that finds drafting paying shorten the next interval (it used to halve it):
+a batch whose drafter pays only now and then (the sample drafter at batch 4, below break-even) would
+draft in runs that lose after lucky probes, a static batch finishing with its slowest sequence, so one
+sequence's accepted drafts in a sporadic round rarely shorten it; the priced interval is at least what
+halving from the doubled one gave.
 
 A batch of B sequences: one verify call serves them all, so a round is worth what it advances the
 batch, and a static batch finishes with its slowest sequence. Where the slowest stays slowest (its text
@@ -156,8 +162,7 @@ class GoodputDepth:
         self._draft_memo = None                                  # should_draft's last inputs and answer
         self.round_cost = self._round_costs()[self.depth]
         self._plain_step = self.costs.verify(batch, 1)
-        self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
-        self.longest = self._longest_interval()
+        self.interval = self.since_draft = self._probe_interval()  # (so the first round probes)
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
         # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
         # Python floats, D of each, as everything the policy works from them is (the trust, the menu
@@ -169,16 +174,27 @@ class GoodputDepth:
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = self._promised_from = None
 
-    def _longest_interval(self) -> int:
-        """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
-        before it (see the module), or PROBE_CEILING."""
+    def _probe_interval(self) -> int:
+        """The shortest interval I (at least PROBE_EVERY) whose failed probe costs at most PROBE_BUDGET of
+        the I plain steps before it (see the module), or PROBE_CEILING where none up to it does: found
+        by doubling from PROBE_EVERY, then bisecting between the last interval that costs more and the
+        first that does not (beyond K+1 rows a drafter call's cost is affine in its rows, `costs.draft`,
+        so a failed probe's cost less the budget is affine in I there: one crossing)."""
         step = self.costs.verify(self.batch, 1)
         probe_extra = self.costs.verify(self.batch, 2) - step  # a probe verifies one draft at least
-        interval = self.PROBE_EVERY
-        while (interval < self.PROBE_CEILING and
-               self.costs.draft(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step):
-            interval *= 2
-        return min(interval, self.PROBE_CEILING)
+
+        def over(interval: int) -> bool:
+            return self.costs.draft(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step
+
+        low = high = self.PROBE_EVERY
+        while over(high):
+            if high >= self.PROBE_CEILING:
+                return self.PROBE_CEILING
+            low, high = high, min(2 * high, self.PROBE_CEILING)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if over(middle) else (low, middle)
+        return high
 
     def _round_costs(self) -> list[float]:
         """c_draft + c_verify(widths[j]) for every menu entry j, from a table kept while the menu's widths
@@ -365,9 +381,6 @@ class GoodputDepth:
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
-        if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
-            self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
-                             else min(self.longest, 2 * self.interval))
 
     def _calibrate(self, j, accepted, alive, drafted, emitted) -> bool:
         """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
