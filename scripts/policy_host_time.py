@@ -12,7 +12,8 @@ only, over a sweep (every recorded card and batch size, catch-up unpriced and pr
 calibrated acceptances, one over- and one under-confident) and --random rounds of random trees and
 chains (random batch, claims, outcomes and finished sequences), driven as the runtime drives them.
 
-Run: PYTHONPATH=. python scripts/policy_host_time.py [--against REV] [--repeat 5] [--general] [--decisions [--random 4000]]
+Run: PYTHONPATH=. python scripts/policy_host_time.py [--against REV] [--new REV] [--repeat 5] [--general]
+     [--decisions [--random 4000]]
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def random_decisions(classes, rounds: int, seed: int = 0) -> tuple[int, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="d0726d3", help="the commit whose policy is the old one")
+    parser.add_argument("--new", help="the commit whose policy is the new one (default: the working tree's)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--card", default="H200 exact bf16")
     parser.add_argument("--general", action="store_true", help="a chain's round through choose on tensors")
@@ -167,13 +169,14 @@ def main():
     args = parser.parse_args()
     costs = recorded_costs(args.card)
     from eagle_export.runtime.verify_policy import GoodputDepth
-    classes = {"old": policy_at(args.against), "new": GoodputDepth}
+    classes = {"old": policy_at(args.against), "new": policy_at(args.new) if args.new else GoodputDepth}
     if args.decisions:
         print("sweep cells whose decisions differ: %d of %d" % sweep_decisions(classes))
         print("random rounds whose decisions differ: %d of %d" % random_decisions(classes, args.random))
         return
     path = "choose (tensors, the general round)" if args.general else "choose_chain (lists, the device round)"
-    print(f"{args.card}, old = {args.against}, a chain's round through {path}; median us per round over "
+    print(f"{args.card}, old = {args.against}, new = {args.new or 'the working tree'}, a chain's round through {path}; "
+          f"median us per round over "
           f"{args.repeat} replays (median of the rounds); drafted round = should_draft + choose + observe")
     print("| batch | acceptance | drafted rounds | drafted round: old / new | should_draft | choose | observe "
           "| k = 0 rounds | k = 0 round: old / new | decisions |")
