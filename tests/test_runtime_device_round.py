@@ -28,7 +28,7 @@ from eagle_export.runtime.verify_policy import GoodputDepth
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH, NEW = 3, 24
-GOODPUT_NEW = 40  # (goodput's runs: long enough to stop drafting for PROBE_EVERY rounds and catch up)
+GOODPUT_NEW = 40  # (goodput's runs: long enough to stop drafting for 8 rounds and catch up: `Goodput`)
 
 
 def prompts_for(policy, batch):
@@ -100,11 +100,12 @@ def greedy(target, prompt, n):
 
 
 class Goodput(GoodputDepth):
-    """The goodput policy probing after 8 plain rounds (not 16: a short stream sees several probes; more
-    than 2(K+1), so a catch-up outgrows the first pending buffers), recording every decision:
-    (should_draft, choose) in order."""
+    """The goodput policy probing after 8 plain rounds (not the priced interval, which these costs put at
+    PROBE_CEILING: a short stream sees several probes; more than 2(K+1), so a catch-up outgrows the
+    first pending buffers), recording every decision: (should_draft, choose) in order."""
 
-    PROBE_EVERY = 8
+    def _probe_interval(self):
+        return 8
 
     def start(self, batch):
         super().start(batch)

@@ -1,6 +1,7 @@
 """The verify policies replayed against recorded cost curves and a synthetic drafter, on any CPU.
 
-The real policy objects (`verify_policy.py`) are driven round by round as the runtime drives them, a
+The real policy objects (`verify_policy.py`) are driven round by round as the runtime drives them (a
+chain's drafted round asks `choose_chain` on lists where the policy has it, as the device round does), a
 batch of B sequences in lock step, with nothing measured: each round is priced from cost curves
 (`costs.CostCurves`: the drafter over its pending rows, the verify call over the tokens kept) and the
 drafts come from a synthetic drafter of known quality:
@@ -102,6 +103,7 @@ def replay(policy, costs: CostCurves, batch: int, true, claimed=None, prompts: i
     if isinstance(policy, str):
         policy = make_policy(policy, DEPTH, costs)
     reach_full = torch.cumprod(claimed, 0)                                   # [D] P(path reaches depth d)
+    joint = reach_full.tolist()                                              # the chain's, as `choose_chain` reads it
     menu = reach_full * (torch.arange(DEPTH)[None] < torch.arange(DEPTH + 1)[:, None])  # [J+1, D]: S_j keeps d <= j
     widths, parents = list(range(1, DEPTH + 2)), torch.arange(-1, DEPTH - 1).expand(batch, -1)
     spent = rounds = drafted_rounds = tokens = sequence_rounds = 0
@@ -118,9 +120,13 @@ def replay(policy, costs: CostCurves, batch: int, true, claimed=None, prompts: i
             j, accepted, caught_up = 0, [0] * b, 0
             if drafted:
                 caught_up = max(p for p, a in zip(pending, alive) if a)
-                nodes = torch.tensor([[m + d + 1 if d < r[m] else -1 for d in range(DEPTH)] for m, r in zip(n, rows)])
-                j = (DEPTH if policy.verifies_whole_tree else
-                     policy.choose(menu.expand(b, -1, -1), live, widths, (nodes, parents[:b])))
+                nodes = [[m + d + 1 if d < r[m] else -1 for d in range(DEPTH)] for m, r in zip(n, rows)]
+                if policy.verifies_whole_tree:
+                    j = DEPTH
+                elif hasattr(policy, "choose_chain"):  # as the device round asks it (`runtime._chosen`)
+                    j = policy.choose_chain([joint] * b, alive, widths, nodes)
+                else:
+                    j = policy.choose(menu.expand(b, -1, -1), live, widths, (torch.tensor(nodes), parents[:b]))
                 accepted = [min(r[m], j) if a else 0 for m, r, a in zip(n, rows, alive)]
                 drafted_rounds += 1
             spent += round_cost(costs, b, caught_up, j + 1)

@@ -17,21 +17,27 @@ So a wide tree on a machine where verify cost grows with width keeps its few lik
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
 decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
 probes: a drafter call after `interval` plain rounds, which first catches up on every row those
-rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. A failed
-probe doubles the interval, a probe that finds drafting paying again halves it (down to PROBE_EVERY);
-the interval stops doubling at the shortest I (from PROBE_EVERY, doubling, at most PROBE_CEILING)
-whose failed probe costs at most PROBE_BUDGET of the plain steps it follows:
+rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. The
+interval is the shortest I (at least PROBE_EVERY; PROBE_CEILING where none up to it is) whose failed
+probe costs at most PROBE_BUDGET of the plain steps before it,
 
-    c_draft(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1)
+    c_draft(I + 1) + c_verify(2) - c_verify(1)  <=  PROBE_BUDGET * I * c_verify(1),
 
-so a drafter that never helps costs about PROBE_BUDGET of plain decoding. Catching up is the larger
-part where the batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms
-step, so probes 128-256 rounds apart; at batch 1, 64). Halving on success, not starting over at the
-shortest interval, is what keeps a batch whose drafter pays only now and then (the sample drafter at
-batch 4, below break-even) from drafting in runs that lose: a static batch finishes with its slowest
-sequence, so one sequence's accepted drafts in a sporadic round rarely shorten it (replayed at batch 4
-over recorded drafter claims, with catch-up priced: 0.957x -> 0.985x humaneval, 0.967x -> 0.979x
-MT-bench; batch 1 and calibrated drafters from 0.4 up unchanged or better).
+every probe held to it but the stream's first round's (it is how a request finds out whether drafting
+pays at all, and its catch-up over the prompt is what any drafting pays first), so a drafter that never
+helps costs at most about PROBE_BUDGET of plain decoding. Catching up is the larger part where the
+batch is wide (the sample build at batch 4: 6.8 ms + 0.28 ms per row beside a 37 ms step, 79 rounds
+and more); where a row alone costs more than PROBE_BUDGET of a step (the recorded GPU curves' bound at
+batch 16), probes are PROBE_CEILING apart. The interval used to start at PROBE_EVERY and double after
+each failed probe up to this one: its early probes, 16, 32 and 64 rounds apart, cost what they cost
+(replayed on the recorded GPU curves with catch-up priced, `replay.py`: the H100's batch 16 at
+acceptance 0.2 0.961x of plain decoding, the H200 exact kernels' batch 16 at 0.5 0.971x; priced from
+the first, 0.972x and 0.984x, and no cell of the sweep below 0.972x of the better of fixed K and plain
+decoding). Nor does a probe that finds drafting paying shorten the next interval (it used to halve it):
+a batch whose drafter pays only now and then (the sample drafter at batch 4, below break-even) would
+draft in runs that lose after lucky probes, a static batch finishing with its slowest sequence, so one
+sequence's accepted drafts in a sporadic round rarely shorten it; the priced interval is at least what
+halving from the doubled one gave.
 
 A batch of B sequences: one verify call serves them all, so a round is worth what it advances the
 batch, and a static batch finishes with its slowest sequence. Where the slowest stays slowest (its text
@@ -155,33 +161,46 @@ class GoodputDepth:
         self._menu_costs = None                                  # (widths, each entry's round cost): see _round_costs
         self._draft_memo = None                                  # should_draft's last inputs and answer
         self.round_cost = self._round_costs()[self.depth]
-        self.interval = self.since_draft = self.PROBE_EVERY      # so the first round probes
-        self.longest = self._longest_interval()
+        self._plain_step = self.costs.verify(batch, 1)
+        self.interval = self.since_draft = self._probe_interval()  # (so the first round probes)
         # Decayed sums, per depth, of how often the accepted (or, in hindsight, the target's own) path
         # reached it, of how often the drafter promised it would, and of the trees seen (see the module):
         # Python floats, D of each, as everything the policy works from them is (the trust, the menu
         # read through it, the round's value: a torch call per step of that arithmetic on a few numbers
         # was host time in every drafted round).
         self._sums = [[0.0] * self.depth for _ in range(3)]
+        self._trust = [1.0] * self.depth
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = self._promised_from = None
 
-    def _longest_interval(self) -> int:
-        """The shortest interval whose failed probe costs at most PROBE_BUDGET of the plain steps
-        before it (see the module), or PROBE_CEILING."""
+    def _probe_interval(self) -> int:
+        """The shortest interval I (at least PROBE_EVERY) whose failed probe costs at most PROBE_BUDGET of
+        the I plain steps before it (see the module), or PROBE_CEILING where none up to it does: found
+        by doubling from PROBE_EVERY, then bisecting between the last interval that costs more and the
+        first that does not (beyond K+1 rows a drafter call's cost is affine in its rows, `costs.draft`,
+        so a failed probe's cost less the budget is affine in I there: one crossing)."""
         step = self.costs.verify(self.batch, 1)
         probe_extra = self.costs.verify(self.batch, 2) - step  # a probe verifies one draft at least
-        interval = self.PROBE_EVERY
-        while (interval < self.PROBE_CEILING and
-               self.costs.draft(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step):
-            interval *= 2
-        return min(interval, self.PROBE_CEILING)
+
+        def over(interval: int) -> bool:
+            return self.costs.draft(self.batch, interval + 1) + probe_extra > self.PROBE_BUDGET * interval * step
+
+        low = high = self.PROBE_EVERY
+        while over(high):
+            if high >= self.PROBE_CEILING:
+                return self.PROBE_CEILING
+            low, high = high, min(2 * high, self.PROBE_CEILING)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if over(middle) else (low, middle)
+        return high
 
     def _round_costs(self) -> list[float]:
         """c_draft + c_verify(widths[j]) for every menu entry j, from a table kept while the menu's widths
         stay the same (a chain's always do): a drafted round reads it for every entry."""
-        if self._menu_costs is None or self._menu_costs[0] != self.widths:
+        memo = self._menu_costs
+        if memo is None or (memo[0] is not self.widths and memo[0] != self.widths):
             draft = self.costs.draft(self.batch)
             self._menu_costs = (self.widths, [draft + self.costs.verify(self.batch, w) for w in self.widths])
         return self._menu_costs[1]
@@ -191,6 +210,8 @@ class GoodputDepth:
         """What a drafted round is worth to the batch, in tokens, from each sequence's expected tokens
         (expected[b]: a number, or one per menu entry): halfway between the live sequences' sum and
         their count times the least of them (see the module; at batch 1, the sequence's own)."""
+        if len(alive) == 1 and alive[0]:  # (batch 1, every drafted round: the sequence's own, as below)
+            return expected[0]
         mine = [e for e, a in zip(expected, alive) if a]
         if not mine:
             return 0.0 if not expected or not isinstance(expected[0], list) else [0.0] * len(expected[0])
@@ -204,7 +225,8 @@ class GoodputDepth:
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
         expected tokens at j) from expected[b][j]."""
         totals, costs = self._batch_tokens(expected, alive), self._round_costs()
-        j = max(range(at_least, len(costs)), key=lambda j: totals[j] / costs[j])
+        rates = [t / c for t, c in zip(totals, costs)]
+        j = rates.index(max(rates[at_least:]), at_least)  # the first of the best, as a max over j takes it
         return j, [e[j] for e in expected]
 
     def _probing(self) -> bool:
@@ -214,13 +236,13 @@ class GoodputDepth:
         """Whether the round calls the drafter (see the module). Remembered while its inputs stay (the
         rounds between probes, where nothing the policy knows changes: a k = 0 round costs what a plain
         step does)."""
-        if self._probing():
+        if self.since_draft >= self.interval:  # (_probing, inlined: every round asks)
             return True
         alive = live.tolist()
         memo = self._draft_memo
         if memo is None or memo[0] is not self.expected or memo[1] != self.round_cost or memo[2] != alive:
             drafted_rate = self._batch_tokens(self.expected, alive) / self.round_cost
-            plain_rate = sum(alive) / self.costs.verify(self.batch, 1)
+            plain_rate = sum(alive) / self._plain_step
             memo = self._draft_memo = (self.expected, self.round_cost, alive, drafted_rate > self.MARGIN * plain_rate)
         return memo[3]
 
@@ -253,7 +275,7 @@ class GoodputDepth:
     def _choose_greedy(self, reach: list, alive: list[bool], widths: list[int], drafts, chain: bool) -> int:
         """`choose`, greedy: reach [B][J+1][D] (a chain's: [B][D]), drafts (nodes, parents) as lists or None."""
         self.widths, self._sampling = widths, False
-        at_least = int(self._probing())  # (see choose)
+        at_least = 1 if self.since_draft >= self.interval else 0  # (see choose; _probing, inlined)
         self._drafts, self._chain, self._reach = drafts, chain, reach
         j, self._promised = self._best(self._calibrated(), alive, at_least)
         self._promised_from = None if at_least else (self._trust_path, alive)  # what _promised was read with
@@ -264,10 +286,18 @@ class GoodputDepth:
         """[B][J+1]: the last drafted round's menu, its expected tokens read through the trust by depth.
         A chain's entry j sums its first j depths: the running sum, added in the order the whole sum of
         entry j's reach (zero beyond j) adds them, so the same numbers to the bit."""
-        path, one = self._trust_path, itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
-        if self._chain:
-            return [[1 + s for s in itertools.accumulate(map(min, one, map(operator.mul, path, row)), initial=0.0)]
-                    for row in self._reach]
+        path = self._trust_path
+        if self._chain:  # (a loop on floats: min(1, t r) as `x if x < 1.0 else 1.0`, the same value, NaN too)
+            menu = []
+            for row in self._reach:
+                total, entry = 0.0, [1.0]
+                for t, r in zip(path, row):
+                    x = t * r
+                    total += x if x < 1.0 else 1.0
+                    entry.append(1 + total)
+                menu.append(entry)
+            return menu
+        one = itertools.repeat(1.0)  # (min(1, t r) over the D depths, mapped: host time)
         return [[1 + sum(map(min, one, map(operator.mul, path, entry))) for entry in menu] for menu in self._reach]
 
     def _entry(self, j: int) -> list[list[float]]:
@@ -281,17 +311,35 @@ class GoodputDepth:
         """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
         would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
         where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
-        as Poisson) of at most 1."""
-        trust = []
-        for reached, promised, seen in zip(*self._sums):
-            if seen <= 0:
-                trust.append(1.0)
-                continue
-            prior = self.TRUST_PRIOR * promised / max(seen, 1e-9)  # prior observations' claims
-            top, bottom = reached + prior, max(promised + prior, 1e-9)
-            optimistic = (top + self.TRUST_Z * math.sqrt(reached + 1)) / bottom
-            trust.append(max(top / bottom, min(optimistic, 1.0)))
-        return trust
+        as Poisson) of at most 1 (`_learn`)."""
+        return self._trust
+
+    def _learn(self, reached: list[float], promised: list[float], seen: list[float]) -> None:
+        """The decayed sums A, P, N (see the module) take one round's outcomes, and the trust per depth
+        and its running product t_1 ... t_d are worked from them, in one pass over the depths (each
+        step of it is host time in every drafted round)."""
+        # (max(a, b) written `b if b > a else a` and min(a, b) `b if b < a else a`, the same values, NaN
+        # too: a call to either cost more than the rest of the arithmetic)
+        decay, weight, z, sqrt = self.TRUST_DECAY, self.TRUST_PRIOR, self.TRUST_Z, math.sqrt
+        sum_a, sum_p, sum_n, trust, path, running = [], [], [], [], [], None
+        for a, p, n, da, dp, dn in zip(*self._sums, reached, promised, seen):
+            a, p, n = decay * a + da, decay * p + dp, decay * n + dn
+            sum_a.append(a)
+            sum_p.append(p)
+            sum_n.append(n)
+            if n <= 0:
+                t = 1.0
+            else:
+                prior = weight * p / (1e-9 if 1e-9 > n else n)  # prior observations' claims
+                top, bottom = a + prior, p + prior
+                bottom = 1e-9 if 1e-9 > bottom else bottom
+                ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
+                optimistic = 1.0 if 1.0 < optimistic else optimistic
+                t = optimistic if optimistic > ratio else ratio
+            trust.append(t)
+            running = t if running is None else running * t
+            path.append(running)
+        self._sums, self._trust, self._trust_path = [sum_a, sum_p, sum_n], trust, path
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -317,7 +365,7 @@ class GoodputDepth:
         if not drafted:
             self.since_draft += 1
             return
-        probe = self._probing()
+        probe = self.since_draft >= self.interval  # (_probing, inlined)
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
@@ -333,9 +381,6 @@ class GoodputDepth:
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
-        if probe:  # see the module: halved when drafting pays again, doubled up to the priced longest when not
-            self.interval = (max(self.PROBE_EVERY, self.interval // 2) if self.should_draft(live)
-                             else min(self.longest, 2 * self.interval))
 
     def _calibrate(self, j, accepted, alive, drafted, emitted) -> bool:
         """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
@@ -346,70 +391,85 @@ class GoodputDepth:
         if not (drafted and self._drafts is not None) and not any(self._waiting):  # nothing to learn
             self._drafts = None
             return False
-        reached, promised, seen = [0.0] * self.depth, [0.0] * self.depth, [0.0] * self.depth
+        outcomes = []  # (a tree's reach per depth, how deep the target's path followed it, depths checked)
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
                 claims, counts = self._entry(self._verified), accepted.tolist()
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
-                    _count(reached, promised, seen, claims[b], counts[b], min(counts[b] + 1, verified))
+                    outcomes.append((claims[b], counts[b], min(counts[b] + 1, verified)))
             self._drafts = None
         else:
             if drafted and self._drafts is not None:
-                nodes, parents = self._drafts
-                claims = self._entry(-1)  # the whole tree's promise: hindsight checks all of it
-                for b in (b for b in range(self.batch) if alive[b]):
-                    self._waiting[b].append((nodes[b], None if self._chain else parents[b], claims[b], []))
+                (nodes, parents), chain, claims = self._drafts, self._chain, self._entry(-1)  # the whole tree's promise
+                for b, waiting in enumerate(self._waiting):
+                    if alive[b]:  # [nodes, parents, claim, how deep the target's tokens since follow it, the node]
+                        waiting.append([nodes[b], None if chain else parents[b], claims[b], 0, -1])
                 self._drafts = None
-            for b, waiting in enumerate(self._waiting):
-                if not alive[b]:  # it left the policy's rounds (finished, or finishing token by token)
+            depth = self.depth
+            for waiting, a, new in zip(self._waiting, alive, emitted):
+                if not waiting:
+                    continue
+                if not a:  # it left the policy's rounds (finished, or finishing token by token)
                     waiting.clear()
                     continue
                 keep = []
                 for entry in waiting:
-                    tokens, parents, claim, after = entry  # after: the target's tokens since the tree was drafted
-                    after += emitted[b]
-                    deepest = _followed(tokens, parents, after)
-                    if deepest == len(after) and len(after) < self.depth:
+                    # A tree still waiting was followed by every token emitted since it was drafted: only
+                    # the new ones can say how deep (`_followed`, resumed where it stopped).
+                    tokens, parents, claim, before, node = entry
+                    deepest, node = _followed(tokens, parents, new, before, node)
+                    if deepest == before + len(new) and deepest < depth:
+                        entry[3], entry[4] = deepest, node
                         keep.append(entry)  # the target's path still follows the tree: not known yet
-                        continue
-                    _count(reached, promised, seen, claim, deepest, min(deepest + 1, self.depth))
+                    else:
+                        outcomes.append((claim, deepest, deepest + 1 if deepest < depth else depth))
                 waiting[:] = keep
+        if not outcomes:
+            return False
+        reached, promised, seen = _count(outcomes, self.depth)
         if not any(seen):
             return False
-        self._sums = [[self.TRUST_DECAY * old + new for old, new in zip(*pair)]
-                      for pair in zip(self._sums, (reached, promised, seen))]
-        self._trust_path = list(itertools.accumulate(self.trust, operator.mul))
+        self._learn(reached, promised, seen)
         return True
 
 
-def _count(reached: list, promised: list, seen: list, reach: list[float], deepest: int, checked: int) -> None:
-    """Add one tree's outcome to the per-depth sums: depth d + 1 was checked where the target's path
-    reached depth d (d < checked), reached where d < deepest; the drafter promised it with probability
-    reach[d] / reach[d - 1], the conditional its reach per depth implies (for a chain, draft d's own)."""
-    for d in range(checked):
-        before = reach[d - 1] if d else 1.0
-        if before > 0:
-            reached[d] += d < deepest
-            promised[d] += reach[d] / before
-            seen[d] += 1
+def _count(outcomes: list[tuple[list[float], int, int]], depth: int) -> tuple[list, list, list]:
+    """Per depth d + 1 (of `depth`), over the trees' outcomes (reach, deepest, checked) in order: how many
+    the target's path reached (d < deepest), what the drafter promised (reach[d] / reach[d - 1], the
+    conditional its reach per depth implies; for a chain, draft d's own) and how many checked it (d <
+    checked: the path reached depth d)."""
+    reached, promised, seen = [0.0] * depth, [0.0] * depth, [0.0] * depth
+    for reach, deepest, checked in outcomes:
+        before = 1.0
+        for d in range(checked):
+            now = reach[d]
+            if before > 0:
+                if d < deepest:
+                    reached[d] += 1
+                promised[d] += now / before
+                seen[d] += 1
+            before = now
+    return reached, promised, seen
 
 
-def _followed(tokens: list[int], parents: list[int] | None, seen: list[int]) -> int:
-    """How deep the tokens `seen` follow a root path of the drafted tree (nodes `tokens`, `parents`;
-    None: a chain): 0 when the first differs from every child of the root."""
+def _followed(tokens: list[int], parents: list[int] | None, seen: list[int], depth: int = 0,
+              node: int = -1) -> tuple[int, int]:
+    """(how deep the target's tokens follow a root path of the drafted tree (nodes `tokens`, `parents`;
+    None: a chain), the node reached) where the tokens before `seen` followed it to `node` at `depth`
+    (0, -1: the root): 0 when the first differs from every child of the root."""
     if parents is None:
-        depth = 0
-        while depth < min(len(tokens), len(seen)) and tokens[depth] == seen[depth]:
+        for token in seen:
+            if depth >= len(tokens) or tokens[depth] != token:
+                break
             depth += 1
-        return depth
-    node, depth = -1, 0
+        return depth, node
     for token in seen:
-        node = next((i for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), None)
-        if node is None:
+        child = next((i for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), None)
+        if child is None:
             break
-        depth += 1
-    return depth
+        node, depth = child, depth + 1
+    return depth, node
 
 
 def drafted_acceptance(accepted: list[int], verified: list[int]) -> tuple[int, int]:
