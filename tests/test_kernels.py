@@ -605,3 +605,27 @@ def test_a_counter_left_unreset_fails_the_bit_for_bit_check(monkeypatch):
     found = reduction_mismatches(torch.float32, {"_last_arrival": arrive_without_reset})
     names = list(reduction_cases(torch.float32, None))
     assert (names[0], 0) not in found and all((name, 1) in found for name in names), found
+
+
+@pytest.mark.cuda
+def test_a_reduction_by_the_last_program_replays_from_a_cuda_graph():
+    """Captured after a warm-up (the counters exist by then: no allocation, no memset in the graph),
+    replayed 5 times: each replay the two-kernel path's bits, so each found its counters at 0."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU (the interpreter runs no graph)")
+    cases = reduction_cases(torch.bfloat16, torch.Generator().manual_seed(13))
+    with mock.patch.object(K, "_FUSED", False):
+        want = {name: call() for name, call in cases.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        [call() for call in cases.values()]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = {name: call() for name, call in cases.items()}
+    for _ in range(5):
+        for out in got.values():
+            out.fill_(0)
+        graph.replay()
+        assert [name for name in cases if not torch.equal(got[name], want[name])] == []

@@ -38,15 +38,16 @@ output tile's counter (an atomic add, acq_rel), and the program that finds all t
 (whichever it is) reads every partial back and adds them in split order, exactly as a second kernel
 would: the same bits whatever order the programs finish in. What a GPU needs for that: a barrier
 before the count (a scalar atomic runs on one thread; the barrier puts every thread's partial stores
-before its release, as Triton's own lock test does), the count's acquire before the reads (and the
+before its release, as Triton's own lock test and CUTLASS's split-K semaphore do), the count's acquire before the reads (and the
 reads through L2, `.cg`, never a stale L1 line), and the last program setting the counter back to 0,
 so the next launch, or a CUDA graph's replay, finds zeros. The counters are one zeroed int32 buffer
 per device (_counters), allocated once outside any graph capture and reused; launches sharing it must
 not run at the same time on two streams (the runtime runs one). Under the interpreter programs run
 one after another, so there the protocol is checked only for its bookkeeping (the tests also run the
 programs in shuffled orders); its memory ordering is proven only natively, by scripts/gpu_exact.sh
-(tests/test_kernels.py, fused against the two-kernel path bit for bit). `_FUSED = False` runs the two
-kernels: the tests' reference and the GPU probe's A/B.
+(tests/test_kernels.py, fused against the two-kernel path bit for bit, and replayed from a CUDA graph).
+`_FUSED = False` (EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1) runs the two kernels: the tests' reference, the
+GPU probe's A/B, and what that script measures on if the fused path fails there.
 
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
@@ -78,7 +79,9 @@ COMBINE_BLOCK = 16  # attention splits the combine reduces at a time (a power of
 ARGMAX_BLOCK = 1024
 NORM_BLOCK = 256  # columns a step of an RMSNorm's sum of squares (_rstd): a power of 2, one for every kernel
 ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
-_FUSED = True  # reductions over programs by the last to finish (False: a second kernel, the tests' reference)
+# Reductions over programs by the last to finish; False: a second kernel (the tests' reference, the probe's A/B,
+# and scripts/gpu_exact.sh's fallback when the fused path fails its native tests).
+_FUSED = os.environ.get("EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS") != "1"
 
 
 def _device(fn):
