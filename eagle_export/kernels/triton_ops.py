@@ -75,7 +75,8 @@ ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mu
 ATTN_BLOCK = 16 if not INTERPRETED else 128  # keys per attention block (the interpreter: fewer, wider steps)
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
 ATTN_WARPS = 2  # warps of an attention split's program: 2 beat 4 in 5 of 6 cells at the 8B shape (H200, gpu_probe attention)
-COMBINE_BLOCK = 16  # attention splits the combine reduces at a time (a power of 2: _halves' tree)
+COMBINE_BLOCK = 16  # attention splits the combine reduces at a time (a power of 2: _halves' tree); 64 // GP past 4
+# query heads a KV head, so its [GP, DP, SB] block holds no more than a split's [GP, 16 keys, DP] (G = 8 spilled)
 ARGMAX_BLOCK = 1024
 NORM_BLOCK = 256  # columns a step of an RMSNorm's sum of squares (_rstd): a power of 2, one for every kernel
 ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
@@ -576,7 +577,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     acc = torch.empty(b, hq, t, num_splits, dp, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, hq, t, num_splits, 2, dtype=torch.float32, device=q.device)
     y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
-    shape = dict(G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, SB=COMBINE_BLOCK, enable_fp_fusion=False)
+    gp = triton.next_power_of_2(group)
+    shape = dict(G=group, GP=gp, D=d, DP=dp, SB=min(COMBINE_BLOCK, 64 // gp), enable_fp_fusion=False)
     _attention_split_kernel[(b * hkv, t, num_splits)](
         q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, _counters(q.device, b * hkv * t) if _FUSED else count,
         y, t, s, n, hkv, num_splits, split_size,
