@@ -5,8 +5,8 @@ tokens), so a row's bits are the same at every call width, batch size and place 
     linear     one tile configuration (linear_config: from the layer's shape and the card) for every
                M, fp32 accumulation along K in one fixed order; no split-K chosen by M (a layer with few
                output tiles splits K into a fixed number of parts, added in split order by the
-               tile's last program to finish: _last_arrival). Rows of one
-               tile never mix: an output element is a dot product of its own row. Its prologue, on each
+               tile's last program to finish: _last_arrival). Rows of one tile never mix: an
+               output element is a dot product of its own row. Its prologue, on each
                x tile as it is read (the weight still read once), can be an RMSNorm (`norm`: each row's
                rstd over all of K first, in every program and K split, then x * rstd rounded, times
                the gain, rounded) or the MLP's activation (`up`: silu(x) rounded, times up, rounded):
@@ -34,20 +34,22 @@ tokens), so a row's bits are the same at every call width, batch size and place 
 A reduction over programs (linear's K splits, attention's key splits) runs in the launch that made
 its partials, not in a second kernel (a launch and a round trip of the partials saved, 96 launches a
 plain step on the Llama-3.1-8B shape): each program writes its partial, then counts itself in on its
-output tile's counter (an atomic add, acq_rel), and the program that finds all the others counted
-(whichever it is) reads every partial back and adds them in split order, exactly as a second kernel
-would: the same bits whatever order the programs finish in. What a GPU needs for that: a barrier
+output tile's counter (an atomic add), and the program that finds all the others counted (whichever
+it is) reads every partial back and adds them in split order, exactly as the second kernel did: the
+same bits whatever order the programs finish in. What a GPU needs for that (_last_arrival): a barrier
 before the count (a scalar atomic runs on one thread; the barrier puts every thread's partial stores
-before its release, as Triton's own lock test and CUTLASS's split-K semaphore do), the count's acquire before the reads (and the
-reads through L2, `.cg`, never a stale L1 line), and the last program setting the counter back to 0,
-so the next launch, or a CUDA graph's replay, finds zeros. The counters are one zeroed int32 buffer
-per device (_counters), allocated once outside any graph capture and reused; launches sharing it must
-not run at the same time on two streams (the runtime runs one). Under the interpreter programs run
-one after another, so there the protocol is checked only for its bookkeeping (the tests also run the
-programs in shuffled orders); its memory ordering is proven only natively, by scripts/gpu_exact.sh
-(tests/test_kernels.py, fused against the two-kernel path bit for bit, and replayed from a CUDA graph).
-`_FUSED = False` (EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1) runs the two kernels: the tests' reference, the
-GPU probe's A/B, and what that script measures on if the fused path fails there.
+before its release, as Triton's own lock test and CUTLASS's split-K semaphore do), the count acq_rel
+(the others' stores released by their adds, acquired by the last one's before its reads; the reads
+also go through L2, `.cg`, though PTX makes that a hint only), and the last program setting the
+counter back to 0, so the next launch, or a CUDA graph's replay, finds zeros. The counters are one
+zeroed int32 buffer a device (_counters), made once outside any graph capture and reused; launches
+sharing it must not run at the same time on two streams (the runtime runs one). Under the
+interpreter programs run one after another, so there only the protocol's bookkeeping is checked (the
+tests also run the programs in shuffled orders); its memory ordering is proven only natively, by
+scripts/gpu_exact.sh (tests/test_kernels.py: fused against the two-kernel path bit for bit, 20 calls
+a case, and replayed from a CUDA graph). `_FUSED = False` (EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1) runs
+the two kernels: the tests' reference, the GPU probe's A/B, and what that script measures on if the
+fused path fails there.
 
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
@@ -172,8 +174,8 @@ def _last_arrival(counter, n):
 
 @_device
 def _sum_splits(part, rows, cols, M, N, SPLIT: tl.constexpr):
-    """fp32 partials [SPLIT, M, N] at [rows, cols] added in split order. Loaded `.cg` (from L2, where
-    the other programs' stores are, never an L1 line of this SM's)."""
+    """fp32 partials [SPLIT, M, N] at [rows, cols] added in split order (loaded `.cg`: through L2, where
+    the other programs' stores went)."""
     inside = (rows < M)[:, None] & (cols < N)[None, :]
     acc = tl.load(part + rows[:, None] * N + cols[None, :], mask=inside, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
@@ -329,8 +331,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         res.stride(0), norm[1] if norm is not None else 0.0, NORM=norm is not None, HAS_GAIN=gain is not None,
         GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, FUSED=fused, BM=bm,
-        BN=bn, BK=bk,
-        NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
+        BN=bn, BK=bk, NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
     if split > 1 and not fused:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
