@@ -48,7 +48,7 @@ if [ "${PIPESTATUS[0]}" -ne 0 ]; then
     echo "FUSED REDUCTIONS FAILED natively: every step below runs the two-kernel path" | tee -a "$out/reductions.txt"
 fi
 echo "reductions' tests: after $((SECONDS - start)) s" | tee -a "$out/reductions.txt"
-timeout 120 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
+timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
     -k "not reduction_by_the_last_program" 2>&1 | tail -15 | tee "$out/kernels.txt"
 echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
 timeout 90 python3 -m pytest tests/test_cuda_graphs.py tests/test_runtime_device_round.py -m cuda -q -p no:cacheprovider \

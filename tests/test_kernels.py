@@ -528,15 +528,26 @@ def reduction_cases(dtype, gen) -> dict:
     return cases
 
 
+def nan_filled(real=torch.empty):
+    """torch.empty whose floating-point tensors hold NaN: an output or workspace element a kernel
+    never writes then differs from everything, not the leftovers of a freed tensor (which may be the
+    very values it should have written)."""
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    return mock.patch.object(torch, "empty", empty)
+
+
 def reduction_mismatches(dtype, plants=None) -> list:
     """(case, call) where a call of reduction_cases differs in any bit from the two-kernel path
     (K._FUSED off: _sum_splits_kernel, _attention_combine_kernel), each case called REPEATS times in a
-    row; `plants`: helpers of triton_ops replaced (the interpreter only) in those calls."""
+    row, every output and workspace NaN until written; `plants`: helpers of triton_ops replaced (the
+    interpreter only) in those calls."""
     found = []
     for name, call in reduction_cases(dtype, torch.Generator().manual_seed(12)).items():
-        with mock.patch.object(K, "_FUSED", False):
+        with nan_filled(), mock.patch.object(K, "_FUSED", False):
             want = call()
-        with mock.patch.multiple(K, **(plants or {"_FUSED": True})):
+        with nan_filled(), mock.patch.multiple(K, **(plants or {"_FUSED": True})):
             found += [(name, i) for i in range(REPEATS) if not torch.equal(call(), want)]
     return found
 
@@ -605,7 +616,7 @@ def arrive_without_reset(counter, n):
 @pytest.mark.skipif(not kernels.interpreted(), reason="a planted helper replaces a @triton.jit one only in the interpreter")
 def test_a_counter_left_unreset_fails_the_bit_for_bit_check(monkeypatch):
     """Planted: the last program leaves its counter at n: a case's first call is right, its second
-    finds no last program (the output never written) and is flagged, in every case."""
+    finds no last program (its output never written: NaN) and is flagged, in every case."""
     monkeypatch.setattr(K, "_COUNTER_BUFFERS", {})  # the counters it leaves dirty go with the test
     found = reduction_mismatches(torch.float32, {"_last_arrival": arrive_without_reset})
     names = list(reduction_cases(torch.float32, None))
