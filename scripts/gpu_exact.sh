@@ -54,7 +54,7 @@ echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
 timeout 90 python3 -m pytest tests/test_cuda_graphs.py tests/test_runtime_device_round.py -m cuda -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tail -8 | tee "$out/graph-tests.txt"
 echo "graph tests: after $((SECONDS - start)) s" | tee -a "$out/graph-tests.txt"
-timeout 60 python3 scripts/gpu_probe.py reduction --budget-s 45 2>&1 | tail -12 | tee "$out/reduction.txt"
+timeout 60 python3 scripts/gpu_probe.py reduction --budget-s 45 2>&1 | tail -16 | tee "$out/reduction.txt"
 echo "reduction A/B: after $((SECONDS - start)) s" | tee -a "$out/reduction.txt"
 
 left=$((total - (SECONDS - start)))
