@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Exact mode on one GPU (issues 43/44), the one script a GPU sitting runs; ~7 minutes on an H200:
+# Exact mode on one GPU (issues 43/44), the one script a GPU sitting runs; ~7-8 minutes on an H200:
 #   1. torch sees the GPU and Triton imports (versions recorded)
-#   2. the kernels' accuracy and invariance tests natively (tests/test_kernels.py with the
-#      interpreter off): bf16 and fp16 tl.dot on tensor cores, checkable only here; then the CUDA-marked
-#      graph tests (tiny models, <= 90 s): the device round's bookkeeping captured in a real CUDA graph
+#   2. the reductions by the last program to finish (split-K, the attention's splits) against the
+#      two-kernel path bit for bit, natively, first (their memory ordering is provable only here; if
+#      they fail, every later step runs the two-kernel path, EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1, and
+#      says so); the kernels' other accuracy and invariance tests natively (tests/test_kernels.py with
+#      the interpreter off): bf16 and fp16 tl.dot on tensor cores, checkable only here; then the
+#      CUDA-marked graph tests (tiny models, <= 90 s): the device round's bookkeeping captured in a
+#      real CUDA graph; the fused reductions beside the two-kernel path (scripts/gpu_probe.py reduction)
 #   3. `gpu-kit --exact --steps lossless,cost,costs` on SHAPES (default Llama-3.1-8B, then
 #      Llama-3.2-1B): bf16 speculative == plain on every prompt (batch 1/4/16, random drafter and
 #      synthetic 0.7/0.9, chain and dynamic tree, CUDA graphs), the exact plain step beside the
@@ -37,12 +41,21 @@ assert torch.cuda.is_available(), 'no CUDA GPU'
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))
 " 2>&1 | tee "$out/versions.txt" || exit 1
 
-timeout 120 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
-    2>&1 | tail -15 | tee "$out/kernels.txt"
+timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
+    -k reduction_by_the_last_program 2>&1 | tail -15 | tee "$out/reductions.txt"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    export EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1
+    echo "FUSED REDUCTIONS FAILED natively: every step below runs the two-kernel path" | tee -a "$out/reductions.txt"
+fi
+echo "reductions' tests: after $((SECONDS - start)) s" | tee -a "$out/reductions.txt"
+timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
+    -k "not reduction_by_the_last_program" 2>&1 | tail -15 | tee "$out/kernels.txt"
 echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
 timeout 90 python3 -m pytest tests/test_cuda_graphs.py tests/test_runtime_device_round.py -m cuda -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tail -8 | tee "$out/graph-tests.txt"
 echo "graph tests: after $((SECONDS - start)) s" | tee -a "$out/graph-tests.txt"
+timeout 60 python3 scripts/gpu_probe.py reduction --budget-s 45 2>&1 | tail -16 | tee "$out/reduction.txt"
+echo "reduction A/B: after $((SECONDS - start)) s" | tee -a "$out/reduction.txt"
 
 left=$((total - (SECONDS - start)))
 timeout $((left * 11 / 20)) python3 -m eagle_export.cli gpu-kit --exact --plot "" --shapes "$shapes" --steps lossless,cost,costs \

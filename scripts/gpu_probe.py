@@ -14,10 +14,15 @@ wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON
              T = 1 and 5 new rows over 256 and 2048 cached keys: torch's SDPA beside the kernel at each
              (keys a block, keys a split, warps) of a grid, each a CUDA graph of 32 calls (a step's
              layers), in us a call.
+    reduction  the reductions over programs done by the last program to finish (the default) beside
+             the two-kernel path (K._FUSED off: a second kernel adds the partials): the 8B linear
+             layers that split K (o and down, with their residual epilogue) at M = 1, 4, 16, each a
+             CUDA graph streaming weights past L2 as `linear` does, and the attention at the 8B shape
+             (the `attention` cells), 32 calls a graph; us a call each way, and whether the bits agree.
     profile  one plain decoding round of the 8B shape, eager, through the torch backend and through
              exact mode: the GPU time of each kernel, summed, top 25 (where a step's time goes).
 
-Usage: python scripts/gpu_probe.py linear|attention|profile [--budget-s S]
+Usage: python scripts/gpu_probe.py linear|attention|reduction|profile [--budget-s S]
 """
 
 from __future__ import annotations
@@ -154,6 +159,21 @@ def prologue(K, name: str, m: int, k: int, weights, cfg, gen) -> dict:
     return out
 
 
+ATTENTION_CELLS = ((1, 256, 1), (1, 256, 5), (1, 2048, 1), (1, 2048, 5), (16, 256, 1), (16, 256, 5))  # (b, s, t)
+
+
+def attention_inputs(b: int, s: int, t: int, hq: int = 32, hkv: int = 8, d: int = 128):
+    """q [b,32,t,128] and the new k/v as rope leaves them (strided views), a cache of s keys and 8 free
+    slots, the causal mask among the t new keys: the 8B shape's attention call."""
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kc, vc = (torch.randn(b, hkv, s + 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kn, vn = (torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    mask = torch.ones(b, t, s + 8 + t, dtype=torch.bool, device="cuda")
+    mask[:, :, s:s + 8] = False  # 8 free cache slots
+    mask[:, :, s + 8:] = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    return q, kc, vc, kn, vn, mask
+
+
 def attention(budget_s: float) -> dict:
     from eagle_export.kernels import triton_ops as K
 
@@ -161,15 +181,10 @@ def attention(budget_s: float) -> dict:
     result = {"device": torch.cuda.get_device_name(0), "cells": {}}
     hq, hkv, d, layers = 32, 8, 128, 32
     grid = [(block, split, warps) for block in (16, 32, 64) for split in (64, 128, 256) for warps in (2, 4)]
-    for b, s, t in ((1, 256, 1), (1, 256, 5), (1, 2048, 1), (1, 2048, 5), (16, 256, 1), (16, 256, 5)):
+    for b, s, t in ATTENTION_CELLS:
         if time.perf_counter() - start > budget_s:
             break
-        q = torch.randn(b, t, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        kc, vc = (torch.randn(b, hkv, s + 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        kn, vn = (torch.randn(b, t, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-        mask = torch.ones(b, t, s + 8 + t, dtype=torch.bool, device="cuda")
-        mask[:, :, s:s + 8] = False  # 8 free cache slots
-        mask[:, :, s + 8:] = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+        q, kc, vc, kn, vn, mask = attention_inputs(b, s, t, hq, hkv, d)
         keys = K.compact_keys(mask)
         cell = result["cells"][f"b{b}_s{s}_t{t}"] = {}
         full_k = torch.cat([kc[:, :, :s], kn], 2).repeat_interleave(hq // hkv, 1)
@@ -198,6 +213,74 @@ def attention(budget_s: float) -> dict:
         print(f"attention b{b} s{s} t{t}: sdpa {cell['sdpa_us']} us, default {default} us, best {best[0]} {best[1]['us']} us",
               flush=True)
         _save("attention", result)
+    return result
+
+
+def reduction(budget_s: float) -> dict:
+    from eagle_export.kernels import triton_ops as K
+
+    start = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name(0), "linear": {}, "attention": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def both(fn, reps_ms):
+        """(fused, two-kernel) times from reps_ms(fn) and whether fn's outputs agree in every bit."""
+        out, ms, saved = {}, {}, K._FUSED
+        for fused in (True, False):
+            K._FUSED = fused
+            try:
+                out[fused], ms[fused] = fn(), reps_ms(fn)
+            finally:
+                K._FUSED = saved
+        return ms[True], ms[False], torch.equal(out[True], out[False])
+
+    for name in ("o", "down"):
+        n, k, per_step = SHAPES[name]
+        cfg = K.linear_config(n, k, 0)
+        if cfg[3] == 1:  # this card splits no K here: the H200's configuration, so the A/B still means something
+            cfg = (16, 64, 128, 4, 4, 4)
+        copies = max(1, math.ceil(STREAM_BYTES / (n * k * 2)))
+        weights = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        rec = result["linear"][name] = {"n": n, "k": k, "per_step": per_step, "config": list(cfg), "m": {}}
+        for m in (1, 4, 16):
+            if time.perf_counter() - start > budget_s:
+                rec["stopped"] = "budget"
+                break
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            res = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+            fused, apart, same = both(lambda: K.linear(x, weights[0], None, cfg, residual=res),
+                                      lambda fn: graph_ms(lambda: [K.linear(x, w, None, cfg, residual=res)
+                                                                   for w in weights]) / copies)
+            rec["m"][m] = {"fused_us": round(1000 * fused, 2), "two_kernel_us": round(1000 * apart, 2),
+                           "bit_identical": same}
+            print(f"linear {name} [{n}x{k}] M={m} {'x'.join(map(str, cfg))}: fused {1000 * fused:.2f} us, "
+                  f"two kernels {1000 * apart:.2f} us, bit-identical {same}", flush=True)
+        weights = None  # noqa: F841
+        torch.cuda.empty_cache()
+    layers = 32
+    for b, s, t in ATTENTION_CELLS:
+        if time.perf_counter() - start > budget_s:
+            result["attention"]["stopped"] = "budget"
+            break
+        q, kc, vc, kn, vn, mask = attention_inputs(b, s, t)
+        keys = K.compact_keys(mask)
+        fused, apart, same = both(lambda: K.attention(q, kc, vc, kn, vn, mask, keys=keys),
+                                  lambda fn: graph_ms(lambda: [fn() for _ in range(layers)]) / layers)
+        result["attention"][f"b{b}_s{s}_t{t}"] = {"fused_us": round(1000 * fused, 2),
+                                                  "two_kernel_us": round(1000 * apart, 2), "bit_identical": same}
+        print(f"attention b{b} s{s} t{t}: fused {1000 * fused:.2f} us, two kernels {1000 * apart:.2f} us, "
+              f"bit-identical {same}", flush=True)
+    saved = {}
+    for m in (1, 4, 16):  # a step's split-K layers and attention, the two-kernel path's time less the fused one's
+        linear_us = sum(rec["per_step"] * (rec["m"][m]["two_kernel_us"] - rec["m"][m]["fused_us"])
+                        for rec in result["linear"].values() if m in rec["m"])
+        saved[f"m{m}"] = round(linear_us / 1000, 4)
+    cell = result["attention"].get("b1_s256_t1")
+    if cell:
+        saved["attention_b1_s256_t1"] = round(layers * (cell["two_kernel_us"] - cell["fused_us"]) / 1000, 4)
+    result["step_saved_ms"] = saved
+    print(f"a step's saving, ms (split-K layers by M; attention at batch 1, 256 keys): {saved}", flush=True)
+    _save("reduction", result)
     return result
 
 
@@ -241,7 +324,7 @@ def _save(name: str, result: dict) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("linear", "attention", "profile"))
+    parser.add_argument("what", choices=("linear", "attention", "reduction", "profile"))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--default-only", action="store_true", help="linear: cuBLAS and linear_config's choice only")
     args = parser.parse_args()
@@ -251,5 +334,7 @@ if __name__ == "__main__":
         linear(args.budget_s, args.default_only)
     elif args.what == "attention":
         attention(args.budget_s)
+    elif args.what == "reduction":
+        reduction(args.budget_s)
     else:
         profile()

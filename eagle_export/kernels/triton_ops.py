@@ -4,8 +4,9 @@ tokens), so a row's bits are the same at every call width, batch size and place 
 
     linear     one tile configuration (linear_config: from the layer's shape and the card) for every
                M, fp32 accumulation along K in one fixed order; no split-K chosen by M (a layer with few
-               output tiles splits K into a fixed number of parts, added in split order). Rows of one
-               tile never mix: an output element is a dot product of its own row. Its prologue, on each
+               output tiles splits K into a fixed number of parts, added in split order by the
+               tile's last program to finish: _last_arrival). Rows of one tile never mix: an
+               output element is a dot product of its own row. Its prologue, on each
                x tile as it is read (the weight still read once), can be an RMSNorm (`norm`: each row's
                rstd over all of K first, in every program and K split, then x * rstd rounded, times
                the gain, rounded) or the MLP's activation (`up`: silu(x) rounded, times up, rounded):
@@ -24,10 +25,31 @@ tokens), so a row's bits are the same at every call width, batch size and place 
                places, and masked keys are never visited, so they change no sum. The keys are cut
                into splits of a fixed SIZE (SPLIT_SIZE keys, not a fixed number of splits), each
                reduced in ATTN_BLOCK blocks in order with an online softmax; the splits holding the
-               row's keys are combined in order (a split past them is never read).
+               row's keys are combined in split order (a split past them is never read) by the last
+               split program of the (row, KV head) to finish, for its G query heads (_last_arrival).
     rope       q and k in one launch, a program per (rows, head), each element its own x * cos +
                rotated * sin with torch's roundings (each product, then the sum), FMA contraction off.
     argmax     one program per row, blocks in order, ties to the lowest index.
+
+A reduction over programs (linear's K splits, attention's key splits) runs in the launch that made
+its partials, not in a second kernel (a launch and a round trip of the partials saved, 96 launches a
+plain step on the Llama-3.1-8B shape): each program writes its partial, then counts itself in on its
+output tile's counter (an atomic add), and the program that finds all the others counted (whichever
+it is) reads every partial back and adds them in split order, exactly as the second kernel did: the
+same bits whatever order the programs finish in. What a GPU needs for that (_last_arrival): a barrier
+before the count (a scalar atomic runs on one thread; the barrier puts every thread's partial stores
+before its release, as Triton's own lock test and CUTLASS's split-K semaphore do), the count acq_rel
+(the others' stores released by their adds, acquired by the last one's before its reads; the reads
+also go through L2, `.cg`, though PTX makes that a hint only), and the last program setting the
+counter back to 0, so the next launch, or a CUDA graph's replay, finds zeros. The counters are one
+zeroed int32 buffer a device (_counters), made once outside any graph capture and reused; launches
+sharing it must not run at the same time on two streams (the runtime runs one). Under the
+interpreter programs run one after another, so there only the protocol's bookkeeping is checked (the
+tests also run the programs in shuffled orders); its memory ordering is proven only natively, by
+scripts/gpu_exact.sh (tests/test_kernels.py: fused against the two-kernel path bit for bit, 20 calls
+a case, and replayed from a CUDA graph). `_FUSED = False` (EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1) runs
+the two kernels: the tests' reference, the GPU probe's A/B, and what that script measures on if the
+fused path fails there.
 
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
@@ -55,10 +77,14 @@ ROWS = 1 if not INTERPRETED else 64      # rows per program of rms_norm, silu_mu
 ATTN_BLOCK = 16 if not INTERPRETED else 128  # keys per attention block (the interpreter: fewer, wider steps)
 SPLIT_SIZE = 64 if not INTERPRETED else 1024  # keys per attention split (the tests pass small ones)
 ATTN_WARPS = 2  # warps of an attention split's program: 2 beat 4 in 5 of 6 cells at the 8B shape (H200, gpu_probe attention)
-COMBINE_BLOCK = 16                       # attention splits the combine reduces at a time
+COMBINE_BLOCK = 16  # attention splits the combine reduces at a time (a power of 2: _halves' tree); 64 // GP past 4
+# query heads a KV head, so its [GP, DP, SB] block holds no more than a split's [GP, 16 keys, DP] (G = 8 spilled)
 ARGMAX_BLOCK = 1024
 NORM_BLOCK = 256  # columns a step of an RMSNorm's sum of squares (_rstd): a power of 2, one for every kernel
 ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argmax's first pass
+# Reductions over programs by the last to finish; False: a second kernel (the tests' reference, the probe's A/B,
+# and scripts/gpu_exact.sh's fallback when the fused path fails its native tests).
+_FUSED = os.environ.get("EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS") != "1"
 
 
 def _device(fn):
@@ -81,15 +107,18 @@ def _round(x, ty: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, bias, res, y, part, gain, up, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn, srm, eps,
+def _linear_kernel(x, w, bias, res, y, part, count, gain, up, M, N, K, K_SPLIT, sxm, sxk, swn, swk, sym, syn, srm, eps,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_GAIN: tl.constexpr,
                    GATED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                   RNE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr):
+                   RNE: tl.constexpr, FUSED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   NB: tl.constexpr):
     """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
-    steps, in order; one split writes y (_epilogue), several write fp32 partials that _sum_splits adds
-    in order. The prologue, on each x tile before the dot (the weight is still read once): NORM, the
-    rows RMS-normalized (_normed, with each row's rstd over all of K from _rstd first, whatever the
-    split); GATED, x is the MLP's gate and the dot's operand silu(x) * up (_silu_mul)."""
+    steps, in order; one split writes y (_epilogue), several write fp32 partials [SPLIT, M, N], added
+    in split order (_sum_splits) by the tile's last program to finish (FUSED: `count` holds a counter
+    a tile) or by _sum_splits_kernel after it. The prologue, on each x tile before the dot (the weight
+    is still read once): NORM, the rows RMS-normalized (_normed, with each row's rstd over all of K
+    from _rstd first, whatever the split); GATED, x is the MLP's gate and the dot's operand
+    silu(x) * up (_silu_mul)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -123,6 +152,46 @@ def _linear_kernel(x, w, bias, res, y, part, gain, up, M, N, K, K_SPLIT, sxm, sx
         tl.store(y + rm[:, None] * sym + rn[None, :] * syn, out, mask=inside)
     else:
         tl.store(part + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=inside)
+        if FUSED:
+            if _last_arrival(count + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
+                out = _epilogue(_sum_splits(part, rm, rn, M, N, SPLIT), bias, res, rm, rn, M, N, srm,
+                                y.dtype.element_ty, HAS_BIAS, HAS_RES, RNE)
+                tl.store(y + rm[:, None] * sym + rn[None, :] * syn, out, mask=inside)
+
+
+@_device
+def _last_arrival(counter, n):
+    """Whether this program is the last of the n sharing `counter` (an int32, 0 before the first) to
+    arrive here, after writing its partial; the last one sets the counter back to 0 (nobody else of the
+    launch touches it again). The barrier first: a scalar atomic runs on one thread, and every thread's
+    stores must come before its release. acq_rel: the others' partials, released by their own adds,
+    are visible to the last one's reads."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == n - 1
+    tl.store(counter, 0, mask=last)
+    return last
+
+
+@_device
+def _sum_splits(part, rows, cols, M, N, SPLIT: tl.constexpr):
+    """fp32 partials [SPLIT, M, N] at [rows, cols] added in split order (loaded `.cg`: through L2, where
+    the other programs' stores went)."""
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = tl.load(part + rows[:, None] * N + cols[None, :], mask=inside, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + (s * M + rows[:, None]) * N + cols[None, :], mask=inside, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@_device
+def _halves(x, R: tl.constexpr, C: tl.constexpr):
+    """x [R, C] summed along C (a power of 2) in a tree fixed by C: neighbours added pairwise, log2(C)
+    times. Each step adds two numbers (the same bits in either order), so nothing is left to the
+    compiler's layout of a tl.sum, which differs between kernels."""
+    for level in tl.static_range(1, C.bit_length()):
+        left, right = tl.split(tl.reshape(x, [R, C >> level, 2]))
+        x = left + right
+    return tl.reshape(x, [R])
 
 
 @_device
@@ -143,9 +212,7 @@ def _epilogue(acc, bias, res, rows, cols, M, N, srm, ty: tl.constexpr, HAS_BIAS:
 def _rstd(x, rows, sxm, sxk, M, K, eps, R: tl.constexpr, NB: tl.constexpr):
     """1 / sqrt(mean of squares + eps) of each of x's rows [R] over its K columns, fp32, in an order fixed
     by K alone: lane j of NB adds the squares of columns j, j + NB, j + 2NB, ... in turn (one fma each),
-    then the NB lanes are added pairwise, neighbours, log2(NB) times. Each step of that tree adds two
-    numbers (commutative: the same bits in either order), so nothing is left to the compiler's layout
-    of a tl.sum, which differs between kernels: rms_norm and linear's norm prologue share this and get
+    then the NB lanes are added pairwise (_halves): rms_norm and linear's norm prologue share this and get
     the same bits, at every M, row place and K split."""
     cols = tl.arange(0, NB)
     acc = tl.zeros([R, NB], tl.float32)
@@ -153,10 +220,7 @@ def _rstd(x, rows, sxm, sxk, M, K, eps, R: tl.constexpr, NB: tl.constexpr):
         v = tl.load(x + rows[:, None] * sxm + (k0 + cols)[None, :] * sxk,
                     mask=(rows < M)[:, None] & (k0 + cols < K)[None, :], other=0.0).to(tl.float32)
         acc = tl.fma(v, v, acc)
-    for level in tl.static_range(1, NB.bit_length()):
-        left, right = tl.split(tl.reshape(acc, [R, NB >> level, 2]))
-        acc = left + right
-    return tl.math.rsqrt(tl.reshape(acc, [R]) / K + eps)
+    return tl.math.rsqrt(_halves(acc, R, NB) / K + eps)
 
 
 @_device
@@ -181,15 +245,32 @@ def _silu_mul(g, u, ty: tl.constexpr, RNE: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part, bias, res, y, M, N, sym, srm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                        RNE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, N block): the K splits' partial sums added in split order, then _epilogue."""
+    """Program (row, N block): the K splits' partial sums added in split order, then _epilogue (the
+    two-kernel path, _FUSED = False)."""
     row = tl.program_id(0) + tl.zeros([1], tl.int32)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < N
-    acc = tl.load(part + row[:, None] * N + cols[None, :], mask=inside[None, :], other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part + (s * M + row[:, None]) * N + cols[None, :], mask=inside[None, :], other=0.0)
-    out = _epilogue(acc, bias, res, row, cols, M, N, srm, y.dtype.element_ty, HAS_BIAS, HAS_RES, RNE)
-    tl.store(y + row[:, None] * sym + cols[None, :], out, mask=inside[None, :])
+    out = _epilogue(_sum_splits(part, row, cols, M, N, SPLIT), bias, res, row, cols, M, N, srm, y.dtype.element_ty,
+                    HAS_BIAS, HAS_RES, RNE)
+    tl.store(y + row[:, None] * sym + cols[None, :], out, mask=(cols < N)[None, :])
+
+
+_COUNTER_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters on `device` for _last_arrival: one buffer a device, made once
+    and reused by every launch (each leaves its counters at 0), so a CUDA graph captures a pointer to
+    it and no allocation or memset of its own per call or replay. A larger grid than any before gets a
+    larger buffer (doubling; a grid's worth of ints, 256 KB to start, covers a decoding step's
+    grids), made outside capture (a capture's eager warm-up calls meet it first); the smaller one is
+    kept alive, since a graph captured earlier still points into it."""
+    held = _COUNTER_BUFFERS.setdefault(torch.device(device), [])
+    if not held or held[-1].numel() < n:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kernels: {n} reduction counters needed first inside a CUDA graph capture: "
+                               "run the captured function eagerly first (a warm-up)")
+        held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,13 +323,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=res is not None, RNE=INTERPRETED)
     bias, res = (bias if bias is not None else weight), (res if res is not None else y)
-    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        rows, weight, bias, res, y, part, gain if gain is not None else rows, up if up is not None else rows,
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    fused = _FUSED and split > 1
+    _linear_kernel[grid](
+        rows, weight, bias, res, y, part, _counters(x.device, grid[0] * grid[1]) if fused else y,
+        gain if gain is not None else rows, up if up is not None else rows,
         m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         res.stride(0), norm[1] if norm is not None else 0.0, NORM=norm is not None, HAS_GAIN=gain is not None,
-        GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, BM=bm, BN=bn, BK=bk,
-        NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
-    if split > 1:
+        GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, FUSED=fused, BM=bm,
+        BN=bn, BK=bk, NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
+    if split > 1 and not fused:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
                                                          SPLIT=split, BLOCK=block, **flags)
@@ -371,14 +455,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 @triton.jit(do_not_specialize=["T", "S", "N", "num_splits", "split_size"])
-def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out,
+def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out, arrived, y,
                             T, S, N, HKV, num_splits, split_size, scale,
                             sqb, sqh, sqt, skb, skh, sks, snb, snh, sns, svb, svh, svs,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, SB: tl.constexpr, FUSED: tl.constexpr):
     """Program (b*HKV + kv head, query row t, split s): the G query heads of one KV head over keys
     [s*split_size, (s+1)*split_size) of row t's compacted key list -> the split's running max m,
-    sum l and unnormalized output acc (fp32) in the workspace. A split past the row's keys exits."""
+    sum l and unnormalized output acc (fp32) in the workspace; a split past the row's keys has none.
+    FUSED: every split program then counts itself in on the (row, KV head)'s counter in `arrived`,
+    and the last to arrive combines the splits (_combine); else _attention_combine_kernel does."""
     bh, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV  # 64-bit: a batch's cache offset can pass 2^31 elements
     row = b * T + t
@@ -416,35 +502,52 @@ def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out,
         tl.store(acc_out + (out * num_splits + s)[:, None] * DP + d[None, :], acc, mask=gmask[:, None])
         tl.store(ml_out + (out * num_splits + s) * 2, m, mask=gmask)
         tl.store(ml_out + (out * num_splits + s) * 2 + 1, lsum, mask=gmask)
+    if FUSED:
+        if _last_arrival(arrived + bh * T + t, num_splits):
+            _combine(acc_out, ml_out, count, y, b, h, t, T, HKV, num_splits, split_size, G, GP, D, DP, SB)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits", "split_size"])
-def _attention_combine_kernel(acc_in, ml_in, count, y, T, HQ, num_splits, split_size,
-                              D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr):
-    """Program (one query head's row, [B,Hq,T] order): the row's splits that hold keys (the first
+def _attention_combine_kernel(acc_in, ml_in, count, y, T, HKV, num_splits, split_size, G: tl.constexpr,
+                              GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr):
+    """Program (b*HKV + kv head, query row t): _combine (the two-kernel path, _FUSED = False)."""
+    bh = tl.program_id(0)
+    _combine(acc_in, ml_in, count, y, (bh // HKV).to(tl.int64), bh % HKV, tl.program_id(1), T, HKV, num_splits,
+             split_size, G, GP, D, DP, SB)
+
+
+@_device
+def _combine(acc_in, ml_in, count, y, b, h, t, T, HKV, num_splits, split_size, G: tl.constexpr, GP: tl.constexpr,
+             D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr):
+    """Row t of sequence b, the G query heads of KV head h: their splits that hold keys (the first
     cdiv(count, split_size): the same for a position in every call) combined SB at a time in split
-    order, each block one fixed-shape reduction; written to y laid out [B,T,Hq,D]."""
-    row = tl.program_id(0)
-    b, h, t = row // (HQ * T), (row // T) % HQ, row % T
+    order, a block's SB terms added by _halves (a tree fixed by SB), every other step elementwise, so
+    the same bits in whichever kernel and layout it runs (the launches turn FMA contraction off, which
+    a layout could change); written to y laid out [B,T,Hq,D]. Loaded `.cg`, as _sum_splits."""
+    g, d = tl.arange(0, GP), tl.arange(0, DP)
+    rows = ((b * HKV + h) * G + g) * T + t                                        # [B,Hq,T] row of each head
     active = tl.cdiv(tl.load(count + b * T + t), split_size)
-    d = tl.arange(0, DP)
-    top = tl.full([], -1.0e30, tl.float32)
+    top = tl.full([GP], -1.0e30, tl.float32)
     for s0 in range(0, active, SB):
-        s = s0 + tl.arange(0, SB)
-        top = tl.maximum(top, tl.max(tl.load(ml_in + (row * num_splits + s) * 2, mask=s < active, other=-1.0e30)))
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([DP], tl.float32)
+        at = rows[:, None] * num_splits + s0 + tl.arange(0, SB)[None, :]          # [GP, SB]
+        inside = (g < G)[:, None] & (s0 + tl.arange(0, SB) < active)[None, :]
+        m = tl.load(ml_in + at * 2, mask=inside, other=-1.0e30, cache_modifier=".cg")
+        top = tl.maximum(top, tl.max(m, axis=1))
+    total = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP * DP], tl.float32)
     for s0 in range(0, active, SB):
-        s = s0 + tl.arange(0, SB)
-        inside = s < active
-        m = tl.load(ml_in + (row * num_splits + s) * 2, mask=inside, other=-1.0e30)
-        lsum = tl.load(ml_in + (row * num_splits + s) * 2 + 1, mask=inside, other=0.0)
-        weight = tl.where(inside, tl.exp(m - top), 0.0)
-        part = tl.load(acc_in + (row * num_splits + s)[:, None] * DP + d[None, :], mask=inside[:, None], other=0.0)
-        total += tl.sum(lsum * weight)
-        acc += tl.sum(part * weight[:, None], axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(y + ((b * T + t) * HQ + h) * D + d, out.to(y.dtype.element_ty), mask=d < D)
+        at = rows[:, None] * num_splits + s0 + tl.arange(0, SB)[None, :]
+        inside = (g < G)[:, None] & (s0 + tl.arange(0, SB) < active)[None, :]
+        m = tl.load(ml_in + at * 2, mask=inside, other=-1.0e30, cache_modifier=".cg")
+        lsum = tl.load(ml_in + at * 2 + 1, mask=inside, other=0.0, cache_modifier=".cg")
+        weight = tl.where(inside, tl.exp(m - top[:, None]), 0.0)
+        part = tl.load(acc_in + at[:, None, :] * DP + d[None, :, None], mask=inside[:, None, :], other=0.0,
+                       cache_modifier=".cg")                                      # [GP, DP, SB]
+        total += _halves(lsum * weight, GP, SB)
+        acc += _halves(tl.reshape(part * weight[:, None, :], [GP * DP, SB]), GP * DP, SB)
+    out = tl.reshape(acc, [GP, DP]) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(y + ((b * T + t) * HKV * G + h * G + g)[:, None] * D + d[None, :], out.to(y.dtype.element_ty),
+             mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 def compact_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,13 +577,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     dp = triton.next_power_of_2(d)
     acc = torch.empty(b, hq, t, num_splits, dp, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, hq, t, num_splits, 2, dtype=torch.float32, device=q.device)
+    y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    gp = triton.next_power_of_2(group)
+    shape = dict(G=group, GP=gp, D=d, DP=dp, SB=min(COMBINE_BLOCK, 64 // gp), enable_fp_fusion=False)
     _attention_split_kernel[(b * hkv, t, num_splits)](
-        q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, t, s, n, hkv, num_splits, split_size,
+        q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, _counters(q.device, b * hkv * t) if _FUSED else count,
+        y, t, s, n, hkv, num_splits, split_size,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1),
-        v_new.stride(2), G=group, GP=triton.next_power_of_2(group), D=d, DP=dp, BLOCK=ATTN_BLOCK, num_warps=ATTN_WARPS)
-    y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
-    _attention_combine_kernel[(b * hq * t,)](acc, ml, count, y, t, hq, num_splits, split_size, D=d, DP=dp, SB=COMBINE_BLOCK)
+        v_new.stride(2), BLOCK=ATTN_BLOCK, FUSED=_FUSED, num_warps=ATTN_WARPS, **shape)
+    if not _FUSED:
+        _attention_combine_kernel[(b * hkv, t)](acc, ml, count, y, t, hkv, num_splits, split_size, **shape)
     return y.transpose(1, 2)
 
 
