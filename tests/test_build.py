@@ -984,6 +984,33 @@ def test_a_build_made_before_the_tiers_says_which_it_cannot_run(fp8_built, tmp_p
     assert f"SKIP  {T3}:" in result.output and "against its unquantized self (made before it)" in result.output
 
 
+def test_a_quantized_build_whose_target_graph_returns_no_logits_validates_without_t2(fp8_built, tmp_path):
+    """A target graph without its logits output (exported with return_logits false, or made by hand):
+    T1's probe reads the greedy ids and new K/V the graph has, T2 (margins) is skipped and says why.
+    (It ended in `internal error (KeyError: 'logits')`.)"""
+    import onnx
+
+    from eagle_export.builder.manifest import artifact_hashes
+
+    out, _ = fp8_built
+    copy = _copy_build(out, tmp_path)
+    graph = onnx.load(copy / "target.onnx")
+    outputs = [o for o in graph.graph.output if o.name != "logits"]
+    assert len(outputs) == len(graph.graph.output) - 1
+    del graph.graph.output[:]
+    graph.graph.output.extend(outputs)
+    onnx.save(graph, copy / "target.onnx")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["artifacts"] = artifact_hashes(copy)
+    manifest["graphs"]["target"]["return_logits"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest_hash(copy)
+    result = CliRunner().invoke(main, ["validate", str(copy)])
+    assert result.exit_code == 0 and "internal error" not in result.output, result.output
+    assert f"ok    {T1}" in result.output and "probed on their greedy ids and new K/V" in result.output
+    assert f"SKIP  {T2}: not run: the target graph returns no logits" in result.output
+
+
 def scale_first_fp8_weight(path, factor: float) -> None:
     """Multiply the scale of the first FP8 weight's DequantizeLinear (a Constant node) by `factor`."""
     import onnx
