@@ -477,7 +477,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
     if plot_file:
         from .tools.bench import pyplot
 
-        pyplot()  # a missing matplotlib fails now, not after the kit
+        pyplot(plot_file)  # a missing matplotlib or an unknown format fails now, not after the kit
         plot = Path(plot_file)
     run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export, num_prompts=num_prompts,
             new_tokens=new_tokens, repeat=repeats, exact=exact, steps=chosen_steps, values=values)
@@ -542,10 +542,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
-    if plot_file:  # a missing matplotlib fails now, not after the bench (this imports torch: only with --plot)
+    if plot_file:  # a missing matplotlib or an unknown format fails now, not after the bench (this imports torch)
         from .tools.bench import pyplot
 
-        pyplot()
+        pyplot(plot_file)
     for build_dir in build_dirs:
         require_build(build_dir)
     from .builder.build_dir import open_build
@@ -664,7 +664,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
     from .tools.diagnose import diagnose_sources, plot, table
 
     if plot_file:
-        pyplot()  # a missing matplotlib fails now, not after the run
+        pyplot(plot_file)  # a missing matplotlib or an unknown format fails now, not after the run
     report = diagnose_sources(sources, target, datasets, num_prompts, depth, max_new_tokens,
                               quantize, calib_prompts, echo=click.echo, progress=progress.say,
                               allow_changed_sources=allow_changed_sources)

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from .errors import EagleExportError
-from .files import is_dir, reading, resolved
+from .files import is_dir, reading, replacing, resolved
 
 
 def output_place(out_dir) -> Path:
@@ -69,11 +69,16 @@ def made_parents(path) -> Path:
     return path
 
 
-def write_output(path, text: str) -> None:
-    """Write an output file (a report, figures as JSON), making its missing parents."""
+def write_output(path, text: str | None = None, write=None) -> None:
+    """Write an output file (a report, figures as JSON, a plot), making its missing parents: `text`, or
+    what `write(temporary path)` writes. Written beside and renamed (`files.replacing`): a failure
+    leaves the user's earlier file as it was, never half a file."""
     path = made_parents(path)
-    with reading(path, "choose an output place you can write to"):
-        path.write_text(text)
+    with reading(path, "choose an output place you can write to"), replacing(path) as tmp:
+        if write is None:
+            tmp.write_text(text)
+        else:
+            write(tmp)
 
 
 def check_output(out_dir: Path, replaceable, inputs=(), force: bool = False) -> list[str]:
