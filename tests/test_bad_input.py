@@ -485,6 +485,41 @@ def test_a_full_disk_is_named_with_the_space_needed_not_a_bug(tmp_path, tiny_tar
     assert result.exit_code == 2 and "0 MiB free, about" in result.output and not (tmp_path / "out2").exists()
 
 
+def test_an_export_that_fails_mid_write_leaves_the_output_directory_as_it_was(tmp_path, tiny_target_dir, monkeypatch):
+    """`export -o DIR --force` writes beside DIR and renames each file in once all are written: a
+    failure (here the disk fills half way through drafter.onnx) leaves DIR's earlier files whole and
+    no half graph. (Written in place, target.onnx was already replaced and drafter.onnx cut short.)"""
+    import errno
+
+    import eagle_export.export.export as export
+
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "target.onnx").write_text("an earlier export")
+    (out / "notes.txt").write_text("mine")
+    real = export.export_drafter
+
+    def half_then_full(drafter, speculation, sampling, path, **kw):
+        real(drafter, speculation, sampling, path, **kw)
+        path.write_bytes(path.read_bytes()[:100])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(export, "export_drafter", half_then_full)
+    args = ["export", "--target", str(tiny_target_dir), "--draft", str(drafter), "--depth", "2", "-o", str(out),
+            "--force"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"no space left on the device holding {out}/drafter.onnx" in result.output
+    assert sorted(os.listdir(out)) == ["notes.txt", "target.onnx"], result.output
+    assert (out / "target.onnx").read_text() == "an earlier export" and (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["d", "out"]  # nothing left beside it either
+    monkeypatch.setattr(export, "export_drafter", real)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out)) == ["drafter.onnx", "export_summary.json", "notes.txt", "target.onnx"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "target.onnx").stat().st_size > 1000
+
+
 def shutil_usage(free):
     import shutil
 
