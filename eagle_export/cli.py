@@ -140,6 +140,9 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
+    if check and (num_prompts < 1 or new_tokens < 0):  # (0 prompts reported "matches no convention")
+        raise EagleExportError(f"--num-prompts {num_prompts} and --new-tokens {new_tokens}: the check needs 1 prompt "
+                               "or more and 0 answer tokens or more", "pass e.g. --num-prompts 16 --new-tokens 0")
     is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
     if not is_build and not os.path.lexists(Path(path) / "config.json"):
         what = ("does not exist" if not os.path.lexists(path) else "is not a directory" if not os.path.isdir(path)
@@ -540,6 +543,9 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
     if repeat < 1:
         raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
+    if threads is not None and threads < 0:
+        raise EagleExportError(f"--threads {threads} is not a thread count",
+                               "pass 1 or more, or leave it out for ONNX Runtime's default")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
     if plot_file:  # a missing matplotlib or an unknown format fails now, not after the bench (this imports torch)

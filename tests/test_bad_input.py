@@ -334,11 +334,21 @@ def test_bad_recipes_and_overrides_through_the_cli(tmp_path, tiny_target_dir):
 @pytest.mark.parametrize("args, problem", [
     (["--batch", "abc"], "--batch 'abc' is not a list"), (["--batch", "0"], "--batch '0' is not a list"),
     (["--batch", "1,,2"], "is not a list"), (["--num-prompts", "0"], "--num-prompts 0 leaves nothing"),
-    (["--repeat", "0"], "--repeat 0 leaves nothing"),
+    (["--repeat", "0"], "--repeat 0 leaves nothing"), (["--threads", "-2"], "--threads -2 is not a thread count"),
 ])
 def test_bench_arguments(tmp_path, args, problem):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), *args])
     assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args", [["--num-prompts", "0"], ["--new-tokens", "-4"]])
+def test_inspect_check_refuses_an_empty_prompt_set_or_negative_answer_tokens(tmp_path, args):
+    """(`--num-prompts 0` ran the check over 0 positions and reported that the drafter "matches no
+    convention"; `--new-tokens -4` ran as 0.) Refused before any checkpoint is read."""
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "drafter"), "--target", str(tmp_path / "t"),
+                                       "--check", *args])
+    assert result.exit_code == 2 and "the check needs 1 prompt or more and 0 answer tokens or more" in result.output
+    assert "fix: pass e.g. --num-prompts 16" in result.output and "Traceback" not in result.output
 
 
 def test_a_manifest_of_the_wrong_shape(tmp_path):
