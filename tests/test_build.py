@@ -1143,6 +1143,19 @@ def test_bad_acceptance_is_refused_before_anything_is_measured(built, args, prob
     assert "Traceback" not in result.output
 
 
+def test_a_batch_larger_than_the_prompts_is_refused_before_anything_is_measured(built, tmp_path):
+    """(`--batch 4` over 2 prompts measured batches of 2 and reported them, with batch-4 cost curves, as batch 4.)"""
+    out, _ = built
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\nw8 w9\n")
+    result = CliRunner().invoke(main, ["bench", str(out), "--dataset", str(prompts), "--batch", "1,4",
+                                       "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 2 and "internal error" not in result.output, result.output
+    assert f"--batch 4 needs 4 prompts, and --num-prompts 16 of {prompts} gives 2" in result.output
+    assert "fix: pass --num-prompts 4 or more" in result.output and "batch sizes of 2 or less" in result.output
+    assert not (tmp_path / "b.json").exists() and "autoregressive" not in result.output
+
+
 def test_run_has_no_synthetic_acceptance(built):
     """A measurement tool, never a generation mode: run refuses the option as unknown."""
     out, _ = built
