@@ -469,6 +469,9 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
 
     from .tools.gpu_kit import check_acceptances, check_shapes, check_steps, run_kit
 
+    if not report:  # (an empty name reached the first step's write, after the work)
+        raise EagleExportError("--report '' names no file, and the kit's results go nowhere else",
+                               "pass a file name, e.g. --report gpu-kit.json")
     chosen = check_shapes(shapes)
     chosen_steps = check_steps(steps, KIT_STEPS)
     values = check_acceptances(sweep_values) if sweep_values else None
@@ -701,6 +704,9 @@ def selftest(gpu, build_dir, report_path):
     from .environment import cuda_available
     from .tools.doctor import NO_GPU_SELFTEST
 
+    if not report_path:
+        raise EagleExportError("--report '' names no file, and the suite's results go nowhere else",
+                               "pass a file name, e.g. --report selftest-gpu.json")
     if build_dir is not None:  # a build given is checked as every reader checks it, GPU or not
         from .builder.manifest import check_build
 

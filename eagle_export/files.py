@@ -89,9 +89,11 @@ def replacing(path):
         os.close(fd)
         yield Path(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and tmp in (str(e.filename), str(e.filename2)):  # named as the output asked for
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 

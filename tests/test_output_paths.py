@@ -107,8 +107,9 @@ def test_an_output_file_that_fails_mid_write_leaves_the_users_earlier_file_whole
     path = tmp_path / "report.json"
     path.write_text('{"mine": 1}\n')
     monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: half_then_full_disk(self, text.encode()))
-    with pytest.raises(EagleExportError, match="no space left"):
+    with pytest.raises(EagleExportError, match="no space left") as refused:
         write_output(path, '{"new": "a report much longer than the one it replaces"}\n')
+    assert f"holding {path} (" in refused.value.problem  # the file asked for, not the one written beside it
     monkeypatch.undo()
     assert path.read_text() == '{"mine": 1}\n' and os.listdir(tmp_path) == ["report.json"]
 
@@ -143,3 +144,13 @@ def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_any_work(t
     assert "--plot results.txt: matplotlib cannot write a .txt file" in result.output
     assert "fix: name the plot with one of the suffixes" in result.output and "png" in result.output
     assert os.listdir(tmp_path) == []  # no report, no model run
+
+
+@pytest.mark.parametrize("command", [["gpu-kit", "--shapes", "tiny"], ["selftest"]])
+def test_an_empty_report_name_is_refused_before_any_work(tmp_path, monkeypatch, command):
+    """(`gpu-kit --report ''` made the pair, then failed writing the report to the current directory.)"""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, [*command, "--report", ""])
+    assert result.exit_code == 2 and "--report '' names no file" in result.output, result.output
+    assert "fix: pass a file name, e.g. --report " in result.output and os.listdir(tmp_path) == []
+    assert "pair:" not in result.output
