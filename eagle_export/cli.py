@@ -765,12 +765,15 @@ def list_passes():
 @click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]),
               help="What to quantize to (weight_only: weights only, activations stay in the float dtype).")
 @click.option("--keep", default="lm_head,fc", show_default=True, help="Modules kept in high precision (comma-separated names).")
-@click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
-@click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")
-@click.option("--tau-prompts", default=0, show_default=True, type=int, help="MT-bench prompts to measure tau on (needs --draft).")
-@click.option("--continuation-prompts", default=0, show_default=True, type=int,
+@click.option("--calib-prompts", default=16, show_default=True, type=click.IntRange(1),
+              help="ShareGPT conversations to calibrate on.")
+@click.option("--eval-prompts", default=8, show_default=True, type=click.IntRange(1), help="MT-bench prompts for the metrics.")
+@click.option("--tau-prompts", default=0, show_default=True, type=click.IntRange(0),
+              help="MT-bench prompts to measure tau on (needs --draft).")
+@click.option("--continuation-prompts", default=0, show_default=True, type=click.IntRange(0),
               help="MT-bench prompts whose greedy continuations (--max-new-tokens) the quantized target must follow.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Continuation length for tau and agreement.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1),
+              help="Continuation length for tau and agreement.")
 @click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K for tau and the drafter graph.")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(), callback=output_directory,
               help="Export and check the quantized graphs here.")
@@ -815,7 +818,7 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
 @click.option("--embeddings", type=click.Choice(["store", "share"]),
               help="Store the embedding table or leave it to the target (default: store for speculators).")
 @click.option("--verifier", help="The target's name to record for speculators (e.g. a Hub id; default: its path).")
-@click.option("--calib-prompts", type=int,
+@click.option("--calib-prompts", type=click.IntRange(1),
               help="FP8/NVFP4: ShareGPT conversations to calibrate on, each cut to the calibration's token limit "
                    "(the build's, else 512) (default: the build's calibration set).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")

@@ -534,3 +534,21 @@ def shutil_usage(free):
     import shutil
 
     return shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["export-checkpoint", "BUILD", "-o", "OUT", "--calib-prompts", "0"], "--calib-prompts"),
+    (["export-checkpoint", "BUILD", "-o", "OUT", "--calib-prompts", "-3"], "--calib-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--calib-prompts", "0"], "--calib-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--eval-prompts", "0"], "--eval-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--tau-prompts", "-1"], "--tau-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--continuation-prompts", "-1"], "--continuation-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_prompt_counts_a_quantizing_command_cannot_use_are_refused_as_the_line_is_read(tmp_path, args, option):
+    """(`export-checkpoint --calib-prompts 0` and `quantize --eval-prompts 0` ended in internal errors
+    after loading the models: max() of an empty sequence, torch.cat of an empty list.)"""
+    args = [str(tmp_path / a) if a in ("BUILD", "OUT", "T") else a for a in args]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
+    assert "internal error" not in result.output
