@@ -302,8 +302,8 @@ def train_drafter(target, out_dir, minutes, tokens, eagle_version, force):
     """Train a small EAGLE drafter for TARGET on this machine (CPU) in minutes, and say how good it is
     (held-out acc@1 and tau). For pipeline work on your own target; a public drafter trained on a GPU
     for days is far better where one exists."""
-    if minutes <= 0 or (tokens is not None and tokens <= 0):
-        raise click.UsageError("--minutes and --tokens must be positive")
+    if not 0 < minutes < float("inf") or (tokens is not None and tokens <= 0):  # (nan trained without end)
+        raise click.UsageError("--minutes and --tokens must be positive (and --minutes finite)")
     from .models.config import read_config_json
 
     read_config_json(target)  # a directory that is not a checkpoint is refused before the data is read

@@ -552,3 +552,12 @@ def test_prompt_counts_a_quantizing_command_cannot_use_are_refused_as_the_line_i
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
     assert "internal error" not in result.output
+
+
+@pytest.mark.parametrize("minutes", ["nan", "inf", "0", "-1"])
+def test_train_drafter_refuses_a_budget_that_never_ends_or_never_starts(tmp_path, minutes):
+    """(`--minutes nan` passed the `minutes <= 0` check and trained with no end.)"""
+    result = CliRunner().invoke(main, ["train-drafter", "--target", str(tmp_path / "t"), "-o", str(tmp_path / "d"),
+                                       "--minutes", minutes])
+    assert result.exit_code == 2 and "--minutes and --tokens must be positive (and --minutes finite)" in result.output
+    assert os.listdir(tmp_path) == []
