@@ -469,6 +469,8 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
 
     from .tools.gpu_kit import check_acceptances, check_shapes, check_steps, run_kit
 
+    if not budget_s >= 0:  # (nan ignored the budget; below 0 skipped every step)
+        raise EagleExportError(f"--budget-s {budget_s} is not a time budget", "pass seconds, 0 or more (e.g. 480)")
     if not report:  # (an empty name reached the first step's write, after the work)
         raise EagleExportError("--report '' names no file, and the kit's results go nowhere else",
                                "pass a file name, e.g. --report gpu-kit.json")

@@ -164,3 +164,12 @@ def test_a_card_not_in_the_peak_table_is_said_and_the_copy_bandwidth_reported(tm
     assert report["peak_bandwidth_gb_s"] == 4800 and "peak_note" not in report
     assert any(line.endswith("GB/s, datasheet peak 4800 GB/s") for line in lines), lines
     assert not any("table of peak" in line for line in lines)
+
+
+@pytest.mark.parametrize("budget", ["nan", "-5"])
+def test_a_budget_that_is_no_time_is_refused_before_any_step(tmp_path, monkeypatch, budget):
+    """(`--budget-s nan` never stopped a step; `-5` skipped every one and wrote an empty report.)"""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["gpu-kit", "--shapes", "tiny", "--budget-s", budget])
+    assert result.exit_code == 2 and f"--budget-s {float(budget)} is not a time budget" in result.output
+    assert "fix: pass seconds, 0 or more" in result.output and not (tmp_path / "gpu-kit.json").exists()
