@@ -247,7 +247,7 @@ class TorchBackend(Backend):
 
 
 # The names the runtime binds each graph by (contract.py), beyond the optional ones (a target's logits and
-# tree mask, a tree drafter's parents and joint probabilities, a sampling drafter's inputs).
+# tree mask, a tree drafter's parents, a sampling drafter's inputs and probabilities).
 BOUND_NAMES = {"target": ((C.INPUT_IDS, C.POSITIONS, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
                           (C.GREEDY_IDS, C.AUX_HIDDEN, C.NEW_KEY, C.NEW_VALUE)),
                "drafter": ((C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
@@ -286,7 +286,7 @@ class OnnxRuntimeBackend(Backend):
         for path, graph in ((drafter_onnx, self.drafter_session), (drafter_sampling_onnx, self.drafter_sampling_session)):
             if graph is not None:
                 tree = speculation is not None and not as_tree(speculation).is_chain
-                check_bound_names(path, graph, "drafter", (C.DRAFT_PARENTS, C.DRAFT_JOINT_PROBS) if tree else ())
+                check_bound_names(path, graph, "drafter", (C.DRAFT_PARENTS,) if tree else ())  # (else read as a chain)
         for path, graph, sampling in ((drafter_onnx, self.drafter_session, False),
                                       (drafter_sampling_onnx, self.drafter_sampling_session, True)):
             if graph is not None and sampling != any(i.name == C.TEMPERATURE for i in graph.get_inputs()):
