@@ -591,10 +591,10 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
                                "drop --reuse-costs: bench then measures every build's curves in this run")
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
     if max(sizes) > len(prompts):  # the batch would be the prompts' count, yet reported (and costed) as asked
-        raise EagleExportError(f"--batch {max(sizes)} needs {max(sizes)} prompts, and --num-prompts {num_prompts} of "
-                               f"{dataset} gives {len(prompts)}",
+        raise EagleExportError(f"--batch {batch} asks for more prompts a batch than --num-prompts {num_prompts} of "
+                               f"{dataset} gives ({len(prompts)})",
                                f"pass --num-prompts {max(sizes)} or more (of a prompt set or file that holds as many), "
-                               f"or batch sizes of {len(prompts)} or less")
+                               "or a smaller --batch")
     config = replace(config, eos_ids=first.eos_ids)
     results = []
     for size in sizes:

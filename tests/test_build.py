@@ -1151,8 +1151,8 @@ def test_a_batch_larger_than_the_prompts_is_refused_before_anything_is_measured(
     result = CliRunner().invoke(main, ["bench", str(out), "--dataset", str(prompts), "--batch", "1,4",
                                        "--json", str(tmp_path / "b.json")])
     assert result.exit_code == 2 and "internal error" not in result.output, result.output
-    assert f"--batch 4 needs 4 prompts, and --num-prompts 16 of {prompts} gives 2" in result.output
-    assert "fix: pass --num-prompts 4 or more" in result.output and "batch sizes of 2 or less" in result.output
+    assert f"--batch 1,4 asks for more prompts a batch than --num-prompts 16 of {prompts} gives (2)" in result.output
+    assert "fix: pass --num-prompts 4 or more" in result.output and "or a smaller --batch" in result.output
     assert not (tmp_path / "b.json").exists() and "autoregressive" not in result.output
 
 
