@@ -19,7 +19,6 @@ outside it by its place in the file.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
@@ -27,9 +26,10 @@ import os
 import re
 import stat
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import replacing
 
 MAX_CACHE_BYTES = 16 << 20  # no cache this tool writes comes near this; a larger file is not read whole
 TEMPORARY = "{name}.[a-z0-9_]{{8}}.tmp"  # write_cache's temporary file beside `name` (mkstemp's 8 characters)
@@ -213,23 +213,11 @@ def write_cache(path: Path, data, again: str = "measured again") -> bool:
 
 
 def write_bytes_atomic(path: Path, content: bytes) -> None:
-    """`content` into `path` by rename, in the user's umask; on any failure the temporary file is
-    removed and the OSError raised."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise
+    """`content` into `path` by rename (`files.replacing`), its parents made; on any failure the
+    temporary file is removed and the OSError raised."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        tmp.write_bytes(content)
 
 
 def is_temporary(name: str, cache_name: str) -> bool:

@@ -140,6 +140,9 @@ def inspect(path, target, check, strict, prompts, num_prompts, new_tokens, as_js
 
     if check and target is None:
         raise click.UsageError("--check runs the drafter against a target: pass --target TARGET_DIR")
+    if check and (num_prompts < 1 or new_tokens < 0):  # (0 prompts reported "matches no convention")
+        raise EagleExportError(f"--num-prompts {num_prompts} and --new-tokens {new_tokens}: the check needs 1 prompt "
+                               "or more and 0 answer tokens or more", "pass e.g. --num-prompts 16 --new-tokens 0")
     is_build = os.path.lexists(Path(path) / MANIFEST)  # (one that cannot be read is named by inspect_build)
     if not is_build and not os.path.lexists(Path(path) / "config.json"):
         what = ("does not exist" if not os.path.lexists(path) else "is not a directory" if not os.path.isdir(path)
@@ -299,8 +302,8 @@ def train_drafter(target, out_dir, minutes, tokens, eagle_version, force):
     """Train a small EAGLE drafter for TARGET on this machine (CPU) in minutes, and say how good it is
     (held-out acc@1 and tau). For pipeline work on your own target; a public drafter trained on a GPU
     for days is far better where one exists."""
-    if minutes <= 0 or (tokens is not None and tokens <= 0):
-        raise click.UsageError("--minutes and --tokens must be positive")
+    if not 0 < minutes < float("inf") or (tokens is not None and tokens <= 0):  # (nan trained without end)
+        raise click.UsageError("--minutes and --tokens must be positive (and --minutes finite)")
     from .models.config import read_config_json
 
     read_config_json(target)  # a directory that is not a checkpoint is refused before the data is read
@@ -466,6 +469,11 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
 
     from .tools.gpu_kit import check_acceptances, check_shapes, check_steps, run_kit
 
+    if not budget_s >= 0:  # (nan ignored the budget; below 0 skipped every step)
+        raise EagleExportError(f"--budget-s {budget_s} is not a time budget", "pass seconds, 0 or more (e.g. 480)")
+    if not report:  # (an empty name reached the first step's write, after the work)
+        raise EagleExportError("--report '' names no file, and the kit's results go nowhere else",
+                               "pass a file name, e.g. --report gpu-kit.json")
     chosen = check_shapes(shapes)
     chosen_steps = check_steps(steps, KIT_STEPS)
     values = check_acceptances(sweep_values) if sweep_values else None
@@ -477,7 +485,7 @@ def gpu_kit(shapes, report, plot_file, budget_s, export, num_prompts, new_tokens
     if plot_file:
         from .tools.bench import pyplot
 
-        pyplot()  # a missing matplotlib fails now, not after the kit
+        pyplot(plot_file)  # a missing matplotlib or an unknown format fails now, not after the kit
         plot = Path(plot_file)
     run_kit(chosen, Path(report), plot, budget_s, echo=click.echo, export=export, num_prompts=num_prompts,
             new_tokens=new_tokens, repeat=repeats, exact=exact, steps=chosen_steps, values=values)
@@ -540,12 +548,15 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"--num-prompts {num_prompts} leaves nothing to measure", "pass 1 or more")
     if repeat < 1:
         raise EagleExportError(f"--repeat {repeat} leaves nothing to measure", "pass 1 or more")
+    if threads is not None and threads < 0:
+        raise EagleExportError(f"--threads {threads} is not a thread count",
+                               "pass 1 or more, or leave it out for ONNX Runtime's default")
     if acceptance is not None and acceptance_sweep:
         raise EagleExportError("--acceptance and --acceptance-sweep both given", "pass one of them")
-    if plot_file:  # a missing matplotlib fails now, not after the bench (this imports torch: only with --plot)
+    if plot_file:  # a missing matplotlib or an unknown format fails now, not after the bench (this imports torch)
         from .tools.bench import pyplot
 
-        pyplot()
+        pyplot(plot_file)
     for build_dir in build_dirs:
         require_build(build_dir)
     from .builder.build_dir import open_build
@@ -579,6 +590,11 @@ def bench(build_dirs, dataset, batch, backend, cuda_graphs, num_prompts, max_new
         raise EagleExportError(f"the cached cost curves disagree: {stale[0]}",
                                "drop --reuse-costs: bench then measures every build's curves in this run")
     prompts = list(chat_prompts(first.chat_template(), dataset, num_prompts))
+    if max(sizes) > len(prompts):  # the batch would be the prompts' count, yet reported (and costed) as asked
+        raise EagleExportError(f"--batch {batch} asks for more prompts a batch than --num-prompts {num_prompts} of "
+                               f"{dataset} gives ({len(prompts)})",
+                               f"pass --num-prompts {max(sizes)} or more (of a prompt set or file that holds as many), "
+                               "or a smaller --batch")
     config = replace(config, eos_ids=first.eos_ids)
     results = []
     for size in sizes:
@@ -664,7 +680,7 @@ def diagnose(sources, target, dataset, num_prompts, max_new_tokens, depth, quant
     from .tools.diagnose import diagnose_sources, plot, table
 
     if plot_file:
-        pyplot()  # a missing matplotlib fails now, not after the run
+        pyplot(plot_file)  # a missing matplotlib or an unknown format fails now, not after the run
     report = diagnose_sources(sources, target, datasets, num_prompts, depth, max_new_tokens,
                               quantize, calib_prompts, echo=click.echo, progress=progress.say,
                               allow_changed_sources=allow_changed_sources)
@@ -690,6 +706,9 @@ def selftest(gpu, build_dir, report_path):
     from .environment import cuda_available
     from .tools.doctor import NO_GPU_SELFTEST
 
+    if not report_path:
+        raise EagleExportError("--report '' names no file, and the suite's results go nowhere else",
+                               "pass a file name, e.g. --report selftest-gpu.json")
     if build_dir is not None:  # a build given is checked as every reader checks it, GPU or not
         from .builder.manifest import check_build
 
@@ -748,12 +767,15 @@ def list_passes():
 @click.option("--precision", required=True, type=click.Choice(["fp8", "fp8_weight_only", "nvfp4", "nvfp4_weight_only"]),
               help="What to quantize to (weight_only: weights only, activations stay in the float dtype).")
 @click.option("--keep", default="lm_head,fc", show_default=True, help="Modules kept in high precision (comma-separated names).")
-@click.option("--calib-prompts", default=16, show_default=True, type=int, help="ShareGPT conversations to calibrate on.")
-@click.option("--eval-prompts", default=8, show_default=True, type=int, help="MT-bench prompts for the metrics.")
-@click.option("--tau-prompts", default=0, show_default=True, type=int, help="MT-bench prompts to measure tau on (needs --draft).")
-@click.option("--continuation-prompts", default=0, show_default=True, type=int,
+@click.option("--calib-prompts", default=16, show_default=True, type=click.IntRange(1),
+              help="ShareGPT conversations to calibrate on.")
+@click.option("--eval-prompts", default=8, show_default=True, type=click.IntRange(1), help="MT-bench prompts for the metrics.")
+@click.option("--tau-prompts", default=0, show_default=True, type=click.IntRange(0),
+              help="MT-bench prompts to measure tau on (needs --draft).")
+@click.option("--continuation-prompts", default=0, show_default=True, type=click.IntRange(0),
               help="MT-bench prompts whose greedy continuations (--max-new-tokens) the quantized target must follow.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Continuation length for tau and agreement.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1),
+              help="Continuation length for tau and agreement.")
 @click.option("--depth", default=4, show_default=True, type=int, help="Speculation depth K for tau and the drafter graph.")
 @click.option("-o", "--out", "out_dir", default=None, type=click.Path(), callback=output_directory,
               help="Export and check the quantized graphs here.")
@@ -798,7 +820,7 @@ def quantize_command(target_dir, drafter_dir, precision, keep, calib_prompts, ev
 @click.option("--embeddings", type=click.Choice(["store", "share"]),
               help="Store the embedding table or leave it to the target (default: store for speculators).")
 @click.option("--verifier", help="The target's name to record for speculators (e.g. a Hub id; default: its path).")
-@click.option("--calib-prompts", type=int,
+@click.option("--calib-prompts", type=click.IntRange(1),
               help="FP8/NVFP4: ShareGPT conversations to calibrate on, each cut to the calibration's token limit "
                    "(the build's, else 512) (default: the build's calibration set).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")

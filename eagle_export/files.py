@@ -73,6 +73,30 @@ def reading(path, restore: str = RESTORE, cls=EagleExportError):
         raise file_error(path, e, restore, cls=cls) from None
 
 
+@contextlib.contextmanager
+def replacing(path):
+    """Yield a temporary file's path beside `path` for the body to write; renamed onto `path` when the
+    body finishes, removed (and the error raised) when it fails. Readers, and a failure, Ctrl-C or a
+    full disk, see the old file or the new one, never half of one; the new file gets the user's umask."""
+    import tempfile
+
+    path = Path(os.path.realpath(path))  # a link to the output is written through, as an open() would
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's private 0600 would outlive the rename
+        os.close(fd)
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and tmp in (str(e.filename), str(e.filename2)):  # named as the output asked for
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
 def read_bytes(path, restore: str = RESTORE) -> bytes:
     with reading(path, restore):
         size = os.stat(path).st_size

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from .errors import EagleExportError
-from .files import is_dir, reading, resolved
+from .files import is_dir, reading, replacing, resolved
 
 
 def output_place(out_dir) -> Path:
@@ -69,11 +69,16 @@ def made_parents(path) -> Path:
     return path
 
 
-def write_output(path, text: str) -> None:
-    """Write an output file (a report, figures as JSON), making its missing parents."""
+def write_output(path, text: str | None = None, write=None) -> None:
+    """Write an output file (a report, figures as JSON, a plot), making its missing parents: `text`, or
+    what `write(temporary path)` writes. Written beside and renamed (`files.replacing`): a failure
+    leaves the user's earlier file as it was, never half a file."""
     path = made_parents(path)
-    with reading(path, "choose an output place you can write to"):
-        path.write_text(text)
+    with reading(path, "choose an output place you can write to"), replacing(path) as tmp:
+        if write is None:
+            tmp.write_text(text)
+        else:
+            write(tmp)
 
 
 def check_output(out_dir: Path, replaceable, inputs=(), force: bool = False) -> list[str]:
@@ -136,15 +141,19 @@ def _terminate(signum, frame):
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, replaceable, force: bool = False, inputs=(), warn=None):
+def atomic_output_dir(out_dir: str | Path, replaceable, force: bool = False, inputs=(), warn=None,
+                      merge: bool = False):
     """Yield a temporary directory beside `out_dir`; rename it into place only if the body succeeds.
 
     A failure, Ctrl-C or SIGTERM removes the temporary directory, so no half build is ever left. An
     existing output is replaced only with `force`, only if it is this tool's own (`check_output`), and
     only once the new build is complete. Without `force` the final rename cannot replace a build that
-    another process finished meanwhile (POSIX rename refuses a non-empty directory)."""
+    another process finished meanwhile (POSIX rename refuses a non-empty directory).
+    `merge`: files go into a directory the user may keep other files in (`export -o`, `quantize -o`;
+    the caller says what it may overwrite): once the body succeeds each file written is renamed into
+    `out_dir` (made if missing), replacing its namesake, and nothing else there is touched."""
     out_dir = output_place(out_dir)
-    for message in check_output(out_dir, replaceable, inputs, force):
+    for message in () if merge else check_output(out_dir, replaceable, inputs, force):
         (warn or print)(f"warning: {message}")
     parent = out_dir.parent
     created = [d for d in (parent, *parent.parents) if not os.path.lexists(d)]  # deepest first
@@ -154,7 +163,7 @@ def atomic_output_dir(out_dir: str | Path, replaceable, force: bool = False, inp
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=parent))
     except OSError as e:
         _remove_empty(created)
-        raise EagleExportError(f"cannot write the build beside {out_dir} ({e.strerror})",
+        raise EagleExportError(f"cannot write the output beside {out_dir} ({e.strerror})",
                                "choose an output directory you can write to (-o)") from None
     umask = os.umask(0)
     os.umask(umask)
@@ -163,7 +172,12 @@ def atomic_output_dir(out_dir: str | Path, replaceable, force: bool = False, inp
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         yield tmp
-        if force and (out_dir.exists() or out_dir.is_symlink()):
+        if merge:
+            out_dir.mkdir(exist_ok=True)
+            for path in sorted(tmp.iterdir()):
+                os.replace(path, out_dir / path.name)
+            tmp.rmdir()
+        elif force and (out_dir.exists() or out_dir.is_symlink()):
             check_output(out_dir, replaceable, (), force)  # still ours, whatever happened meanwhile
             old = parent / f".{out_dir.name}.old-{os.getpid()}"
             out_dir.rename(old)

@@ -334,11 +334,21 @@ def test_bad_recipes_and_overrides_through_the_cli(tmp_path, tiny_target_dir):
 @pytest.mark.parametrize("args, problem", [
     (["--batch", "abc"], "--batch 'abc' is not a list"), (["--batch", "0"], "--batch '0' is not a list"),
     (["--batch", "1,,2"], "is not a list"), (["--num-prompts", "0"], "--num-prompts 0 leaves nothing"),
-    (["--repeat", "0"], "--repeat 0 leaves nothing"),
+    (["--repeat", "0"], "--repeat 0 leaves nothing"), (["--threads", "-2"], "--threads -2 is not a thread count"),
 ])
 def test_bench_arguments(tmp_path, args, problem):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), *args])
     assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args", [["--num-prompts", "0"], ["--new-tokens", "-4"]])
+def test_inspect_check_refuses_an_empty_prompt_set_or_negative_answer_tokens(tmp_path, args):
+    """(`--num-prompts 0` ran the check over 0 positions and reported that the drafter "matches no
+    convention"; `--new-tokens -4` ran as 0.) Refused before any checkpoint is read."""
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "drafter"), "--target", str(tmp_path / "t"),
+                                       "--check", *args])
+    assert result.exit_code == 2 and "the check needs 1 prompt or more and 0 answer tokens or more" in result.output
+    assert "fix: pass e.g. --num-prompts 16" in result.output and "Traceback" not in result.output
 
 
 def test_a_manifest_of_the_wrong_shape(tmp_path):
@@ -485,7 +495,69 @@ def test_a_full_disk_is_named_with_the_space_needed_not_a_bug(tmp_path, tiny_tar
     assert result.exit_code == 2 and "0 MiB free, about" in result.output and not (tmp_path / "out2").exists()
 
 
+def test_an_export_that_fails_mid_write_leaves_the_output_directory_as_it_was(tmp_path, tiny_target_dir, monkeypatch):
+    """`export -o DIR --force` writes beside DIR and renames each file in once all are written: a
+    failure (here the disk fills half way through drafter.onnx) leaves DIR's earlier files whole and
+    no half graph. (Written in place, target.onnx was already replaced and drafter.onnx cut short.)"""
+    import errno
+
+    import eagle_export.export.export as export
+
+    drafter = write_tiny_drafter(tmp_path / "d", "3.1")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "target.onnx").write_text("an earlier export")
+    (out / "notes.txt").write_text("mine")
+    real = export.export_drafter
+
+    def half_then_full(drafter, speculation, sampling, path, **kw):
+        real(drafter, speculation, sampling, path, **kw)
+        path.write_bytes(path.read_bytes()[:100])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(export, "export_drafter", half_then_full)
+    args = ["export", "--target", str(tiny_target_dir), "--draft", str(drafter), "--depth", "2", "-o", str(out),
+            "--force"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"no space left on the device holding {out}/drafter.onnx" in result.output
+    assert sorted(os.listdir(out)) == ["notes.txt", "target.onnx"], result.output
+    assert (out / "target.onnx").read_text() == "an earlier export" and (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["d", "out"]  # nothing left beside it either
+    monkeypatch.setattr(export, "export_drafter", real)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out)) == ["drafter.onnx", "export_summary.json", "notes.txt", "target.onnx"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "target.onnx").stat().st_size > 1000
+
+
 def shutil_usage(free):
     import shutil
 
     return shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["export-checkpoint", "BUILD", "-o", "OUT", "--calib-prompts", "0"], "--calib-prompts"),
+    (["export-checkpoint", "BUILD", "-o", "OUT", "--calib-prompts", "-3"], "--calib-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--calib-prompts", "0"], "--calib-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--eval-prompts", "0"], "--eval-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--tau-prompts", "-1"], "--tau-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--continuation-prompts", "-1"], "--continuation-prompts"),
+    (["quantize", "--target", "T", "--precision", "fp8", "--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_prompt_counts_a_quantizing_command_cannot_use_are_refused_as_the_line_is_read(tmp_path, args, option):
+    """(`export-checkpoint --calib-prompts 0` and `quantize --eval-prompts 0` ended in internal errors
+    after loading the models: max() of an empty sequence, torch.cat of an empty list.)"""
+    args = [str(tmp_path / a) if a in ("BUILD", "OUT", "T") else a for a in args]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
+    assert "internal error" not in result.output
+
+
+@pytest.mark.parametrize("minutes", ["nan", "inf", "0", "-1"])
+def test_train_drafter_refuses_a_budget_that_never_ends_or_never_starts(tmp_path, minutes):
+    """(`--minutes nan` passed the `minutes <= 0` check and trained with no end.)"""
+    result = CliRunner().invoke(main, ["train-drafter", "--target", str(tmp_path / "t"), "-o", str(tmp_path / "d"),
+                                       "--minutes", minutes])
+    assert result.exit_code == 2 and "--minutes and --tokens must be positive (and --minutes finite)" in result.output
+    assert os.listdir(tmp_path) == []

@@ -984,6 +984,33 @@ def test_a_build_made_before_the_tiers_says_which_it_cannot_run(fp8_built, tmp_p
     assert f"SKIP  {T3}:" in result.output and "against its unquantized self (made before it)" in result.output
 
 
+def test_a_quantized_build_whose_target_graph_returns_no_logits_validates_without_t2(fp8_built, tmp_path):
+    """A target graph without its logits output (exported with return_logits false, or made by hand):
+    T1's probe reads the greedy ids and new K/V the graph has, T2 (margins) is skipped and says why.
+    (It ended in `internal error (KeyError: 'logits')`.)"""
+    import onnx
+
+    from eagle_export.builder.manifest import artifact_hashes
+
+    out, _ = fp8_built
+    copy = _copy_build(out, tmp_path)
+    graph = onnx.load(copy / "target.onnx")
+    outputs = [o for o in graph.graph.output if o.name != "logits"]
+    assert len(outputs) == len(graph.graph.output) - 1
+    del graph.graph.output[:]
+    graph.graph.output.extend(outputs)
+    onnx.save(graph, copy / "target.onnx")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["artifacts"] = artifact_hashes(copy)
+    manifest["graphs"]["target"]["return_logits"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest_hash(copy)
+    result = CliRunner().invoke(main, ["validate", str(copy)])
+    assert result.exit_code == 0 and "internal error" not in result.output, result.output
+    assert f"ok    {T1}" in result.output and "probed on their greedy ids and new K/V" in result.output
+    assert f"SKIP  {T2}: not run: the target graph returns no logits" in result.output
+
+
 def scale_first_fp8_weight(path, factor: float) -> None:
     """Multiply the scale of the first FP8 weight's DequantizeLinear (a Constant node) by `factor`."""
     import onnx
@@ -1114,6 +1141,19 @@ def test_bad_acceptance_is_refused_before_anything_is_measured(built, args, prob
     result = CliRunner().invoke(main, ["bench", str(out), *args])
     assert result.exit_code == 2 and problem in result.output and "fix:" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_batch_larger_than_the_prompts_is_refused_before_anything_is_measured(built, tmp_path):
+    """(`--batch 4` over 2 prompts measured batches of 2 and reported them, with batch-4 cost curves, as batch 4.)"""
+    out, _ = built
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7\nw8 w9\n")
+    result = CliRunner().invoke(main, ["bench", str(out), "--dataset", str(prompts), "--batch", "1,4",
+                                       "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 2 and "internal error" not in result.output, result.output
+    assert f"--batch 1,4 asks for more prompts a batch than --num-prompts 16 of {prompts} gives (2)" in result.output
+    assert "fix: pass --num-prompts 4 or more" in result.output and "or a smaller --batch" in result.output
+    assert not (tmp_path / "b.json").exists() and "autoregressive" not in result.output
 
 
 def test_run_has_no_synthetic_acceptance(built):

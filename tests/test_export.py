@@ -412,6 +412,29 @@ def test_export_sampling_writes_the_greedy_drafter_too_and_swapped_graphs_are_re
         OnnxRuntimeBackend(out / "target.onnx", out / "drafter_sampling.onnx")
 
 
+@pytest.mark.parametrize("graph, output", [("target.onnx", C.GREEDY_IDS), ("target.onnx", C.NEW_KEY),
+                                           ("drafter.onnx", C.DRAFT_IDS)])
+def test_a_graph_without_an_output_the_runtime_binds_is_refused_by_name(fp16_models, tmp_path, graph, output):
+    """A hand-made or foreign graph lacking an output the runtime reads (ended in a bare KeyError at the
+    first call); a target without logits is one the runtime runs (greedy)."""
+    from eagle_export.runtime.backends import OnnxRuntimeBackend
+
+    out, _ = fp16_models
+    for name in ("target.onnx", "drafter.onnx"):
+        model = onnx.load(str(out / name))
+        if name == graph:
+            kept = [o for o in model.graph.output if o.name != output]
+            assert len(kept) == len(model.graph.output) - 1
+            del model.graph.output[:]
+            model.graph.output.extend(kept)
+        onnx.save(model, str(tmp_path / name))
+    role = graph.removesuffix(".onnx")
+    with pytest.raises(EagleExportError, match=f"{graph} is not a {role} graph eagle-export can run: it has no "
+                                               f"output {output}") as refused:
+        OnnxRuntimeBackend(tmp_path / "target.onnx", tmp_path / "drafter.onnx")
+    assert "export it again" in refused.value.fix
+
+
 def test_duplicated_aux_ids_are_refused_where_they_enter(tmp_path, dirs):
     """Repro: duplicated aux layer ids passed `inspect`, then `export` failed with "a bug in the export"."""
     twice = write_tiny_drafter(tmp_path / "twice", "3", aux=(1, 3, 3))

@@ -142,3 +142,34 @@ def test_a_sweep_cell_whose_passes_disagree_is_flagged(monkeypatch):
     policies = run["builds"]["kit"]["sweep"][0]["policies"]
     assert policies["goodput"]["repeats_disagree"] and policies["goodput"]["spread_of_passes"] == 0.08
     assert not policies["fixed"]["repeats_disagree"] and policies["fixed"]["speedup_median_of_passes"] == 1.01
+
+
+def test_a_card_not_in_the_peak_table_is_said_and_the_copy_bandwidth_reported(tmp_path, monkeypatch):
+    """The kit names a device it has no datasheet peak for (here the CPU, as for a GPU missing from the
+    table) in its output and report, and still measures the copy every step's bandwidth is held against;
+    a card in the table gets its peak and no note."""
+    lines = []
+    report = gpu_kit.run_kit(["tiny"], tmp_path / "kit.json", None, 1e9, echo=lines.append, export=False,
+                             steps={"export"})  # the pair alone: no step of the list runs without export
+    note = "CPU is not in the kit's table of peak bandwidths: the plain step is reported against the measured copy only"
+    assert report["peak_note"] == note and f"  {note}" in lines
+    assert report["peak_bandwidth_gb_s"] is None and report["copy_bandwidth_gb_s"] > 0
+    assert (f"  bandwidth references: measured device-to-device copy {report['copy_bandwidth_gb_s']:g} GB/s, "
+            "datasheet peak not known") in lines
+    assert json.loads((tmp_path / "kit.json").read_text())["copy_bandwidth_gb_s"] == report["copy_bandwidth_gb_s"]
+    monkeypatch.setattr(gpu_kit, "peak_bandwidth", lambda device: 4.8e12)
+    lines.clear()
+    report = gpu_kit.run_kit(["tiny"], tmp_path / "kit.json", None, 1e9, echo=lines.append, export=False,
+                             steps={"export"})
+    assert report["peak_bandwidth_gb_s"] == 4800 and "peak_note" not in report
+    assert any(line.endswith("GB/s, datasheet peak 4800 GB/s") for line in lines), lines
+    assert not any("table of peak" in line for line in lines)
+
+
+@pytest.mark.parametrize("budget", ["nan", "-5"])
+def test_a_budget_that_is_no_time_is_refused_before_any_step(tmp_path, monkeypatch, budget):
+    """(`--budget-s nan` never stopped a step; `-5` skipped every one and wrote an empty report.)"""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["gpu-kit", "--shapes", "tiny", "--budget-s", budget])
+    assert result.exit_code == 2 and f"--budget-s {float(budget)} is not a time budget" in result.output
+    assert "fix: pass seconds, 0 or more" in result.output and not (tmp_path / "gpu-kit.json").exists()

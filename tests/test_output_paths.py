@@ -88,3 +88,69 @@ def test_a_missing_parent_is_made_when_the_output_is_written(tmp_path):
         with unprivileged(), pytest.raises(EagleExportError, match="permission denied"):
             check_output_file(root / "ro.json")
         assert (root / "ro.json").read_text() == "old"
+
+
+def half_then_full_disk(path, data):
+    """A write that stops half way with the disk full (what ENOSPC, a quota or a kill mid-write leave)."""
+    import errno
+
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+def test_an_output_file_that_fails_mid_write_leaves_the_users_earlier_file_whole(tmp_path, monkeypatch):
+    """--json, --report: written beside and renamed. (Written in place, a full disk cut the user's
+    earlier report in half.)"""
+    from pathlib import Path
+
+    path = tmp_path / "report.json"
+    path.write_text('{"mine": 1}\n')
+    monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: half_then_full_disk(self, text.encode()))
+    with pytest.raises(EagleExportError, match="no space left") as refused:
+        write_output(path, '{"new": "a report much longer than the one it replaces"}\n')
+    assert f"holding {path} (" in refused.value.problem  # the file asked for, not the one written beside it
+    monkeypatch.undo()
+    assert path.read_text() == '{"mine": 1}\n' and os.listdir(tmp_path) == ["report.json"]
+
+
+def test_a_plot_that_fails_mid_write_leaves_the_users_earlier_file_whole(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    from matplotlib.figure import Figure
+
+    from eagle_export.tools.bench import plot_sweep
+
+    policies = {p: {"decode_speedup": 1.1, "model_speedup": 1.2} for p in ("goodput", "fixed")}
+    results = [{"backend": "onnxruntime", "device": "CPU", "batch": 1, "builds": {"b": {
+        "speculation": "chain K=3", "break_even_acceptance": 0.4,
+        "sweep": [{"acceptance": "0", "policies": policies}, {"acceptance": "0.9", "policies": policies}]}}}]
+    path = tmp_path / "sweep.png"
+    plot_sweep(results, path)
+    mine = path.read_bytes()
+    assert mine[:4] == b"\x89PNG"
+    monkeypatch.setattr(Figure, "savefig", lambda self, target, **kw: half_then_full_disk(target, mine))
+    with pytest.raises(EagleExportError, match="no space left"):
+        plot_sweep(results, path)
+    assert path.read_bytes() == mine and os.listdir(tmp_path) == ["sweep.png"]
+
+
+@pytest.mark.parametrize("command", [["bench", "BUILD"], ["diagnose", "BUILD"], ["gpu-kit", "--shapes", "tiny"]])
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_any_work(tmp_path, monkeypatch, command):
+    """(`bench --plot results.txt` measured for minutes, then ended in an internal error.)"""
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, [*command, "--plot", "results.txt"])
+    assert result.exit_code == 2 and "internal error" not in result.output, result.output
+    assert "--plot results.txt: matplotlib cannot write a .txt file" in result.output
+    assert "fix: name the plot with one of the suffixes" in result.output and "png" in result.output
+    assert os.listdir(tmp_path) == []  # no report, no model run
+
+
+@pytest.mark.parametrize("command", [["gpu-kit", "--shapes", "tiny"], ["selftest"]])
+def test_an_empty_report_name_is_refused_before_any_work(tmp_path, monkeypatch, command):
+    """(`gpu-kit --report ''` made the pair, then failed writing the report to the current directory.)"""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, [*command, "--report", ""])
+    assert result.exit_code == 2 and "--report '' names no file" in result.output, result.output
+    assert "fix: pass a file name, e.g. --report " in result.output and os.listdir(tmp_path) == []
+    assert "pair:" not in result.output

@@ -203,3 +203,35 @@ def test_position_variance_reads_the_runtimes_cache_views_and_the_new_kv(runtime
     found = probe(runtime, view=lambda past, width: runtime.cache_slots(past + width, 256))
     assert found["max_kv_difference"] >= 0.25 and found["max_logit_difference"] < 1e-4
     assert found["differing"] > 0 and found["view_slots"] == [64, 64]
+
+
+def test_a_target_graph_without_logits_is_probed_on_its_greedy_ids_and_new_kv(runtime, monkeypatch):
+    """A build's target graph may return no logits (return_logits false, a hand-made graph): the T1
+    probe compares what it does return, bit for bit, and still finds a row-dependent kernel there;
+    the checks that need margins (delta, T2) say so instead of failing on a missing output."""
+    from eagle_export.builder.teacher_forced import TargetCalls
+    from eagle_export.errors import EagleExportError
+
+    backend = runtime.backend
+    with_logits = backend.target
+
+    def without_logits(feeds, need_logits=False):
+        return {k: v for k, v in with_logits(feeds, need_logits).items() if k != C.LOGITS}
+
+    monkeypatch.setattr(backend, "target", without_logits)
+    found = probe(runtime)
+    assert found["differing"] == 0 and found["max_logit_difference"] is None and found["rows"] > 0
+    with pytest.raises(EagleExportError, match="returns no logits") as refused:
+        TargetCalls(backend, shape(runtime))(PROMPTS[0])
+    assert "rebuild" in refused.value.fix
+
+    def second_row_other_id(feeds, need_logits=False):  # planted: a row's greedy id depends on its place
+        out = without_logits(feeds, need_logits)
+        if feeds[C.INPUT_IDS].shape[1] > 1:
+            out[C.GREEDY_IDS] = out[C.GREEDY_IDS].clone()
+            out[C.GREEDY_IDS][:, 1] += 1
+        return out
+
+    monkeypatch.setattr(backend, "target", second_row_other_id)
+    found = probe(runtime)
+    assert found["differing"] > 0 and found["argmax_flips"] == found["differing"]

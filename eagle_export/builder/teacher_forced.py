@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import REBUILD, EagleExportError
 from ..models import contract as C
 from ..models.layers import causal_mask
 from ..progress import track
@@ -74,6 +75,16 @@ class TargetCalls:
         return twin
 
     def __call__(self, ids: list[int], width: int | None = None) -> torch.Tensor:
+        """The live rows' logits [T, V]; refused where the target graph returns none."""
+        out = self.outputs(ids, width)
+        if C.LOGITS not in out:
+            raise EagleExportError("the build's target graph returns no logits, which the width-noise checks "
+                                   "(delta, T2) read", f"rebuild it: {REBUILD} (a quantized target's graph "
+                                   "returns its logits)")
+        return out[C.LOGITS]
+
+    def outputs(self, ids: list[int], width: int | None = None) -> dict[str, torch.Tensor]:
+        """The live rows' greedy ids [T] and, where the graph returns them, logits [T, V] in fp32."""
         n, device, live = self.key.shape[3], self.backend.device, len(ids)
         ids = list(ids) + [0] * max(0, (width or live) - live)
         masked = (self.view(n, len(ids)) - n) if self.view else 0
@@ -85,7 +96,10 @@ class TargetCalls:
         out = self.backend.target(feeds, need_logits=True)
         self.key = torch.cat([self.key, out[C.NEW_KEY][:, :, :, :live]], dim=3)
         self.value = torch.cat([self.value, out[C.NEW_VALUE][:, :, :, :live]], dim=3)
-        return out[C.LOGITS][0, :live].float().cpu()
+        got = {C.GREEDY_IDS: out[C.GREEDY_IDS][0, :live].cpu()}
+        if C.LOGITS in out:
+            got[C.LOGITS] = out[C.LOGITS][0, :live].float().cpu()
+        return got
 
 
 def margin_shift(narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
@@ -130,35 +144,45 @@ def position_variance(backend: Backend, cache_shape, sequences, width: int, view
       (s) as row p - s of one call over past s holding tokens s..s+width-1, for every s in
           p-width+1..p (a round that accepted p - s drafts),
     the cache before the call from the (r) calls in both. Each (s) row is compared with (r) bit for
-    bit: its logits and the new K/V it returns at every layer (a K/V difference that leaves this
-    row's logits equal still changes every later row). -> {"rows": compared, "differing": rows with
-    other bits, "max_logit_difference", "max_kv_difference" (|K|+|V| differences), "argmax_flips",
-    "view_slots": [fewest, most] shown}; all 0 where the layout does not change the bits."""
+    bit: its greedy id, its logits where the graph returns them, and the new K/V it returns at every
+    layer (a K/V difference that leaves this row's logits equal still changes every later row). A
+    graph without logits is probed on the rest: greedy ids and K/V are all a greedy run reads of a
+    call, so equal ones make the same tokens, and logits only show a difference before it flips one.
+    -> {"rows": compared, "differing": rows with other bits, "max_logit_difference" (None without
+    logits), "max_kv_difference" (|K|+|V| differences), "argmax_flips", "view_slots": [fewest, most]
+    shown}; all 0 where the layout does not change the bits."""
     rows = differing = flips = 0
     largest = kv_largest = 0.0
     shown = set()
+    has_logits = True
     for prompt, tokens in sequences:
         seq = list(prompt) + list(tokens)
         start = len(prompt)
         reference = TargetCalls(backend, cache_shape, view)
-        reference(prompt)
-        row0 = torch.cat([reference([t], width) for t in seq[start:]])  # (r): position start + i at i
+        reference.outputs(prompt)
+        steps = [reference.outputs([t], width) for t in seq[start:]]  # (r): position start + i at i
+        row0 = {name: torch.cat([o[name] for o in steps]) for name in steps[0]} if steps else {}
         for s in range(start, len(seq)):
             window = seq[s:s + width]
             call = reference.fork(s)
             shown.add(view(s, width) if view else s)
-            logits = call(window, width)
-            expected = row0[s - start:s - start + len(window)]
+            got = call.outputs(window, width)
+            expected = {name: t[s - start:s - start + len(window)] for name, t in row0.items()}
             new_kv = sum((getattr(call, c)[:, :, :, s:] - getattr(reference, c)[:, :, :, s:s + len(window)]).abs()
                          .amax(dim=(0, 1, 2, 4)) for c in ("key", "value"))  # per row: max |dK| + max |dV|
-            difference = (logits - expected).abs().amax(-1)
-            differing += int(((difference > 0) | (new_kv.cpu().float() > 0)).sum())
-            largest = max(largest, float(difference.max()))
+            flipped = got[C.GREEDY_IDS] != expected[C.GREEDY_IDS]
+            other = flipped | (new_kv.cpu().float() > 0)
+            has_logits = C.LOGITS in got
+            if has_logits:
+                difference = (got[C.LOGITS] - expected[C.LOGITS]).abs().amax(-1)
+                other |= difference > 0
+                largest = max(largest, float(difference.max()))
+            differing += int(other.sum())
             kv_largest = max(kv_largest, float(new_kv.max()))
-            flips += int((logits.argmax(-1) != expected.argmax(-1)).sum())
+            flips += int(flipped.sum())
             rows += len(window)
-    return {"rows": rows, "differing": differing, "max_logit_difference": largest, "max_kv_difference": kv_largest,
-            "argmax_flips": flips,
+    return {"rows": rows, "differing": differing, "max_logit_difference": largest if has_logits else None,
+            "max_kv_difference": kv_largest, "argmax_flips": flips,
             "view_slots": [min(shown), max(shown)] if shown else None}
 
 

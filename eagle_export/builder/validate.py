@@ -397,15 +397,19 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
     if variance["differing"]:
         t1 = None
         low, high = variance["view_slots"]
+        largest = variance["max_logit_difference"]
         t1_detail = (f"not applicable on {backend.name}: a row's bits depend on its place in a width-{width} call "
                      f"(the attention sums a row's keys as cache view + call, in an order that depends on which "
                      f"keys the call brings): {variance['differing']} of {variance['rows']} rows (logits or new K/V) "
                      f"differ between row 0 over past p and row j over past p-j, max |logit difference| "
-                     f"{variance['max_logit_difference']:.3g}, {variance['argmax_flips']} argmax flips, cache views of "
+                     f"{'- (the graph returns no logits)' if largest is None else f'{largest:.3g}'}, "
+                     f"{variance['argmax_flips']} argmax flips, cache views of "
                      f"{low}-{high} slots; README: the lossless contract; T2 and T3 carry the contract here; {t1_detail}")
     elif not t1:
         t1_detail += (f"; the backend gave every one of {variance['rows']} rows the same bits at every place in the "
                       "call, so the loop is at fault")
+    if variance["max_logit_difference"] is None:
+        t1_detail += "; rows probed on their greedy ids and new K/V (the target graph returns no logits)"
     checks = [(f"T1 exact at the verify width ({backend.name})", t1, t1_detail)]
     record = {"contract": "tiered", "backend": backend.name, "verify_width": width,
               "t1": {"ok": t1, "first_divergence": first, "position_variance": variance}, "prompts": records}
@@ -414,6 +418,9 @@ def _quantized_tiers(opened, manifest: Manifest, prompts, spec, reference, plain
     if delta is None:
         checks.append((t2_name, None, "not run: the build recorded no delta (made before the tiered contract): "
                                       "rebuild to run T2"))
+    elif not backend.has_logits:  # a hand-made or older target graph: T2 reads each call's margins
+        checks.append((t2_name, None, "not run: the target graph returns no logits, whose margins T2 reads: "
+                                      "rebuild to run T2 (a quantized target's graph returns them)"))
     else:
         explained = [explain_divergence(backend, shape, p, s.tokens, a, delta, s.stats.accepted, s.stats.widths)
                      for p, s, a in track(list(zip(prompts, spec, plain)), "T2 divergences", len(prompts))]

@@ -38,12 +38,12 @@ import onnx_ir as ir
 import torch
 
 from ..errors import EagleExportError
-from ..files import file_error, free_bytes, reading
+from ..files import file_error, free_bytes
 from ..models import contract as C
 from ..models.checkpoint import DTYPE_NAMES
 from ..models.config import DrafterConfig, TargetConfig, is_drafter_config, read_config_json
 from ..models.nvfp4 import pack_nvfp4
-from ..output_dir import output_place
+from ..output_dir import atomic_output_dir, output_place
 from ..passes import ONNX_IR_VERSION, lint_model, onnx_pipeline
 from ..speculation.tree import check_depth
 from .heap import TrimEvery, release_freed_memory, return_large_blocks_at_once
@@ -361,16 +361,18 @@ def export_models(target_dir, drafter_dir, depth: int, dtype: str, out_dir, samp
                  for t in m.state_dict().values())
     if free_bytes(out_dir) < needed:
         raise file_error(out_dir, OSError(errno.ENOSPC, "No space left on device"), needed=needed)
-    with reading(out_dir, "choose an output directory you can write to (-o)"):
-        out_dir.mkdir(parents=True, exist_ok=True)  # only once the inputs loaded: a refused export leaves nothing
     pair = [target, drafter]
     del target, drafter  # _export_into frees the target once its graph is written: no other reference may stay
+    # Written beside and renamed in once complete (only once the inputs loaded): a refused, failed or
+    # interrupted export leaves no file, nor half of one, in out_dir.
     try:
-        return _export_into(out_dir, pair, aux_ids, depth, sampling, torch_dtype, progress)
+        with atomic_output_dir(out_dir, None, merge=True) as staging:
+            return _export_into(staging, pair, aux_ids, depth, sampling, torch_dtype, progress)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise file_error(out_dir, e, needed=needed) from None
+        name = Path(e.filename).name if isinstance(e.filename, str) else None  # the file as out_dir will hold it
+        raise file_error(out_dir / name if name else out_dir, OSError(e.errno, e.strerror), needed=needed) from None
 
 
 def _export_into(out_dir, pair: list, aux_ids, depth, sampling, torch_dtype, progress) -> dict:

@@ -246,6 +246,25 @@ class TorchBackend(Backend):
         return self._run(sampling, feeds)
 
 
+# The names the runtime binds each graph by (contract.py), beyond the optional ones (a target's logits and
+# tree mask, a tree drafter's parents, a sampling drafter's inputs and probabilities).
+BOUND_NAMES = {"target": ((C.INPUT_IDS, C.POSITIONS, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
+                          (C.GREEDY_IDS, C.AUX_HIDDEN, C.NEW_KEY, C.NEW_VALUE)),
+               "drafter": ((C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
+                           (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS, C.NEW_KEY, C.NEW_VALUE))}
+
+
+def check_bound_names(path, session, role: str, outputs=()) -> None:
+    """Refuse a graph (a hand-made or foreign one) without an input or output the runtime binds for
+    `role` (BOUND_NAMES, and `outputs`), naming what is missing, before any call fails on it."""
+    inputs, needed = BOUND_NAMES[role]
+    missing = ([f"input {n}" for n in inputs if n not in {i.name for i in session.get_inputs()}]
+               + [f"output {n}" for n in (*needed, *outputs) if n not in {o.name for o in session.get_outputs()}])
+    if missing:
+        raise EagleExportError(f"{Path(path).name} is not a {role} graph eagle-export can run: it has no "
+                               + ", ".join(missing), f"export it again: {REBUILD} (or `eagle-export export`)")
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
@@ -263,6 +282,11 @@ class OnnxRuntimeBackend(Backend):
 
         self.target_session, self.drafter_session = session(target_onnx), session(drafter_onnx)
         self.drafter_sampling_session = session(drafter_sampling_onnx) if drafter_sampling_onnx else None
+        check_bound_names(target_onnx, self.target_session, "target")
+        for path, graph in ((drafter_onnx, self.drafter_session), (drafter_sampling_onnx, self.drafter_sampling_session)):
+            if graph is not None:
+                tree = speculation is not None and not as_tree(speculation).is_chain
+                check_bound_names(path, graph, "drafter", (C.DRAFT_PARENTS,) if tree else ())  # (else read as a chain)
         for path, graph, sampling in ((drafter_onnx, self.drafter_session, False),
                                       (drafter_sampling_onnx, self.drafter_sampling_session, True)):
             if graph is not None and sampling != any(i.name == C.TEMPERATURE for i in graph.get_inputs()):

@@ -29,11 +29,12 @@ import platform
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from ..errors import EagleExportError
-from ..output_dir import made_parents
+from ..output_dir import write_output
 from ..progress import track
 from ..runtime.costs import disagreement
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
@@ -257,9 +258,10 @@ def _policy_record(s: Counter, seqs: list, per_batch: list[float], ar: Counter, 
 SWEEP = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
-def pyplot():
-    """matplotlib's pyplot (file output only), or the error naming the extra that installs it.
-    The bench command asks before it measures anything, so a missing extra costs no bench run."""
+def pyplot(path=None):
+    """matplotlib's pyplot (file output only), or the error naming the extra that installs it; with
+    `path`, also refused where its suffix names a format matplotlib does not write. The commands ask
+    before they measure anything, so a missing extra or a misspelt --plot costs no run."""
     try:
         import matplotlib
 
@@ -268,7 +270,30 @@ def pyplot():
     except ImportError:
         raise EagleExportError("--plot needs matplotlib, which is not installed",
                                "pip install 'eagle-export[plot]'") from None
+    if path is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if plot_format(path) not in formats:
+            raise EagleExportError(f"--plot {path}: matplotlib cannot write a .{plot_format(path)} file",
+                                   f"name the plot with one of the suffixes {', '.join(sorted(formats))} "
+                                   "(e.g. bench.png)")
     return plt
+
+
+def plot_format(path) -> str:
+    """The image format a plot's file name asks for: its suffix, or matplotlib's default (png) without one."""
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    if suffix:
+        return suffix
+    import matplotlib
+
+    return matplotlib.rcParams["savefig.format"]
+
+
+def save_figure(fig, path, dpi: int) -> None:
+    """`fig` into `path` in the format its name asks for, written beside and renamed (`write_output`)."""
+    write_output(path, write=lambda tmp: fig.savefig(tmp, format=plot_format(path), dpi=dpi))
 
 
 def plot(results: list[dict], path) -> None:
@@ -322,7 +347,7 @@ def plot(results: list[dict], path) -> None:
         fig.suptitle(f"SYNTHETIC acceptance {', '.join(first['synthetic']['acceptance'])}: the real drafter call "
                      "runs, its drafts are replaced", fontsize=9)
     fig.tight_layout()
-    fig.savefig(made_parents(path), dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -354,5 +379,5 @@ def plot_sweep(results: list[dict], path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("synthetic acceptance: the real drafter call runs, its drafts are replaced", fontsize=9)
     fig.tight_layout()
-    fig.savefig(made_parents(path), dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

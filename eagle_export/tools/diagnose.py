@@ -33,7 +33,6 @@ from ..export.loader import prepare_pair
 from ..models.checkpoint import load_drafter, load_target
 from ..models.drafter import Drafter
 from ..models.target import Target
-from ..output_dir import made_parents
 from ..progress import track
 from ..speculation.eager import replay_greedy
 from ..speculation.stats import acceptance_by_depth, mean_accepted_length
@@ -281,7 +280,7 @@ def table(report: dict) -> str:
 def plot(report: dict, path) -> None:
     """Hidden-state RMS, sink mass and acceptance (teacher-forced and live) against depth: one
     colour per drafter, one line style per prompt set."""
-    from .bench import pyplot
+    from .bench import pyplot, save_figure
 
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -305,5 +304,5 @@ def plot(report: dict, path) -> None:
         ax.set_ylim(*(ylim or (0, None)))
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(made_parents(path), dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)

@@ -486,6 +486,8 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
         echo(f"  {result['peak_note']}")
     copy = copy_bandwidth(device)
     result["copy_bandwidth_gb_s"] = float(f"{copy / 1e9:.4g}")
+    echo(f"  bandwidth references: measured device-to-device copy {result['copy_bandwidth_gb_s']:g} GB/s, "
+         + ("datasheet peak not known" if peak is None else f"datasheet peak {peak / 1e9:g} GB/s"))
     for n, shape in enumerate(shapes):
         echo(f"{shape} ({result['device']}, {result['dtype']})")
         record = result["shapes"][shape] = {}

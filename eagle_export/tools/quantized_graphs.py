@@ -13,6 +13,7 @@ import torch
 from ..export.export import EXAMPLE_SIZES, export_drafter, export_target
 from ..export.unrolled import TargetGraph, UnrolledDrafter
 from ..models import contract as C
+from ..output_dir import atomic_output_dir
 from ..runtime.backends import run_graph
 from ..speculation.tree import TreeShape
 
@@ -34,8 +35,13 @@ def check_quantized_graph(path: Path, module: torch.nn.Module, spec: C.GraphSpec
 
 def export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
     """target.onnx and drafter.onnx from the quantized models, each checked against its torch module
-    on random inputs of the export's sizes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    on random inputs of the export's sizes; written beside `out_dir` and renamed in once both are
+    (`atomic_output_dir`): a failure leaves no half graph there."""
+    with atomic_output_dir(out_dir, None, merge=True) as staging:
+        return _export_and_check(qtarget, qdrafter, depth, staging)
+
+
+def _export_and_check(qtarget, qdrafter, depth: int, out_dir: Path) -> dict:
     generator = torch.Generator().manual_seed(0)
     spec = C.target_graph(qtarget.config, len(qtarget.aux_layer_ids), True)
     report = {"target": export_target(qtarget, out_dir / "target.onnx", True, quantized=True)}
