@@ -10,12 +10,13 @@ from collections import Counter
 
 import pytest
 import torch
+from planting import plant
 from test_cuda_graphs import replay_eagerly
 from test_runtime import PROMPTS, _DeviceOutputs, _OnDevice
 from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
 
-import eagle_export.runtime.runtime as runtime_module
+import eagle_export.runtime.device_round as device_round
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
@@ -237,37 +238,35 @@ def test_device_round_near_the_context_limit(pair, graphs, policy):
 
 def _off_by_one_accept(monkeypatch):
     """Planted: the chain's accepted count one more than matched (capped at K)."""
-    original = runtime_module.greedy_accepted_path
-
-    def accept(nodes, parents, greedy):
-        accepted, path = original(nodes, parents, greedy)
-        return (accepted + 1).clamp(max=nodes.shape[1]) if parents is None else accepted, path
-    monkeypatch.setattr(runtime_module, "greedy_accepted_path", accept)
+    def wrap(original):
+        def accept(nodes, parents, greedy):
+            accepted, path = original(nodes, parents, greedy)
+            return (accepted + 1).clamp(max=nodes.shape[1]) if parents is None else accepted, path
+        return accept
+    plant(monkeypatch, "greedy_accepted_path", wrap)
 
 
 def _one_row_too_many(monkeypatch):
     """Planted: every commit writes one row past the accepted ones."""
-    original = runtime_module._write_rows
-    monkeypatch.setattr(runtime_module, "_write_rows", lambda keys, values, out, starts, counts, live: original(
+    plant(monkeypatch, "_write_rows", lambda original: lambda keys, values, out, starts, counts, live: original(
         keys, values, out, starts, counts + 1, live))
 
 
 def _drafter_row_short(monkeypatch):
     """Planted: the drafter's next rows miss the newest one (the target's own token) each round."""
-    original = runtime_module._append_rows
-    monkeypatch.setattr(runtime_module, "_append_rows", lambda ids, aux_rows, count, tokens, aux, rows, added: original(
+    plant(monkeypatch, "_append_rows", lambda original: lambda ids, aux_rows, count, tokens, aux, rows, added: original(
         ids, aux_rows, count, tokens, aux, rows, (added - 1).clamp(min=0)))
 
 
 def _no_room(monkeypatch):
     """Planted: the pending rows never grow, so a catch-up's rows past 2(K+1) are lost."""
-    monkeypatch.setattr(runtime_module._RoundBuffers, "fit", lambda self, rows, pending: None)
+    monkeypatch.setattr(device_round._RoundBuffers, "fit", lambda self, rows, pending: None)
 
 
 def _reversed(monkeypatch):
     """Planted: the joint probabilities read deepest first."""
-    original = runtime_module.tree.chain_joint
-    monkeypatch.setattr(runtime_module.tree, "chain_joint", lambda token_probs: original(token_probs).flip(-1))
+    original = device_round.tree.chain_joint
+    monkeypatch.setattr(device_round.tree, "chain_joint", lambda token_probs: original(token_probs).flip(-1))
 
 
 def _not_told(monkeypatch):
@@ -391,7 +390,7 @@ def settle_calls(pair, prompts, max_context=28):
 
 def _settle_calls(pair, prompts, max_context):
     calls = []
-    original = runtime_module._settle_round
+    original = device_round._settle_round
 
     def recording(**feeds):
         calls.append({name: t.clone() for name, t in feeds.items()})
@@ -400,11 +399,11 @@ def _settle_calls(pair, prompts, max_context):
     target, drafter = pair
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False))
     runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context, verify_policy="fixed")
-    runtime_module._settle_round = recording
+    device_round._settle_round = recording
     try:
         runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     finally:
-        runtime_module._settle_round = original
+        device_round._settle_round = original
     drafted = next(c for c in calls if "draft_new_key" in c)
     plain = next(c for c in calls if c["greedy"].shape[1] == 1)
     return drafted, plain
@@ -426,24 +425,24 @@ def capturable(fn, feeds):
 
 
 def _reads_the_count(**feeds):  # planted: a host read inside
-    out = runtime_module._settle_round(**feeds)
+    out = device_round._settle_round(**feeds)
     return out, int(out[:, 0].max())
 
 
 def _nonzero_accept(**feeds):  # planted: the accepted drafts found by nonzero (a data-dependent shape)
     drafts, greedy = feeds["verify_ids"][:, 1:feeds["greedy"].shape[1]], feeds["greedy"]
     torch.nonzero(drafts != greedy[:, :drafts.shape[1]])
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 def _mask_index(**feeds):  # planted: the live sequences' lengths picked by a boolean mask
     feeds["lens"][feeds["live"]] += 0
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 def _host_tensor(**feeds):  # planted: a tensor made from host data inside
     feeds["lens"].add_(torch.tensor([0] * len(feeds["lens"])))
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 @pytest.mark.parametrize("plant", [None, _reads_the_count, _nonzero_accept, _mask_index, _host_tensor],
@@ -457,7 +456,7 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
     Each planted variant fails the check, naming its op."""
     for feeds in settle_calls(pair, PROMPTS[:batch]):
         if plant is None:
-            ops = capturable(runtime_module._settle_round, feeds)
+            ops = capturable(device_round._settle_round, feeds)
             assert {"scatter_", "gather", "cat"} <= set(ops)  # it ran the real bookkeeping
             assert ("cumprod" in ops) is ("draft_new_key" in feeds)  # (a plain step accepts no draft)
         else:
@@ -466,7 +465,7 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
 
 
 def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host
-    out = runtime_module._drafts_read(nodes, token_probs)
+    out = device_round._drafts_read(nodes, token_probs)
     return out, int(nodes[0, 0])
 
 
@@ -482,9 +481,9 @@ def test_the_read_of_the_drafts_is_capturable_and_exact(plant):
         with pytest.raises(EagleExportError, match="cannot be captured in a CUDA graph"):
             check_capturable(plant, [nodes, probs])
         return
-    check_capturable(runtime_module._drafts_read, [nodes, probs], [[nodes.flip(0), probs.flip(1)]])
-    read = runtime_module._drafts_read(nodes, probs).tolist()
-    assert [row[:DEPTH] for row in read] == runtime_module.tree.chain_reach(probs)[:, -1].tolist()
+    check_capturable(device_round._drafts_read, [nodes, probs], [[nodes.flip(0), probs.flip(1)]])
+    read = device_round._drafts_read(nodes, probs).tolist()
+    assert [row[:DEPTH] for row in read] == device_round.tree.chain_reach(probs)[:, -1].tolist()
     assert [[int(t) for t in row[DEPTH:]] for row in read] == nodes.tolist()
 
 
