@@ -657,3 +657,48 @@ def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls
     plain = median(rounds(None, always, speculative=False), False)
     k0 = median(rounds(Goodput(DEPTH, costs(1)), confident), False)
     assert k0 <= plain, (k0, plain)
+
+
+class _CountingEagerCalls(SpeculativeRuntime):
+    """(drafted, torch calls) of every round, eager (no graphs): the target's and the drafter's own calls
+    included (the same in a plain step and a k = 0 round: one target call of one token)."""
+
+    def _round(self, state, live, policy=None, drafted=False):
+        counting = _Counting()
+        with counting:
+            events = list(super()._round(state, live, policy, drafted))
+        self.rounds.append((drafted, sum(counting.calls.values())))
+        yield from events
+
+
+class _RowsAppendedEachRound(_CountingEagerCalls):  # planted: each k = 0 round appends its drafter row itself
+    def _defers_rows(self, state, policy, drafted):
+        return False
+
+
+@pytest.mark.parametrize("cls", [_CountingEagerCalls, _RowsAppendedEachRound], ids=["goodput", "planted"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_eager_k0_round_makes_the_torch_calls_of_a_plain_step(pair, cls, batch):
+    """issue 44: a k = 0 round costs what a plain step costs. Without CUDA graphs (the CPU) the device
+    round's bookkeeping runs eagerly, op by op; a goodput k = 0 round's drafter row (the target's greedy id
+    and aux state) waits by reference and is appended with the other k = 0 rounds' in one batch before the
+    rows are next read (`DeviceRounds._defers_rows`), so the round makes no more torch calls than a plain
+    decoding step on the device round (medians over the rounds; a round that grows the caches makes more,
+    in either stream). Greedy output stays the target's. Planted: each k = 0 round appending its own row
+    in the bookkeeping, as it did (17 calls more on the tiny pair)."""
+    target, drafter = pair
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
+    continuations = [p + greedy(target, p, 64) for p in prompts]
+    backend = RightDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                          continuations=continuations, confident=confident)
+    runtime = cls.for_models(backend, target, drafter, max_context=256, verify_policy=Goodput(DEPTH, costs(batch)))
+    medians = {}
+    for speculative in (False, True):
+        runtime.rounds = []
+        results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
+        assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
+        plain = sorted(n for drafted, n in runtime.rounds if not drafted)
+        assert len(plain) > 8  # (the confidence profile: k = 0 rounds between probes)
+        medians[speculative] = plain[len(plain) // 2]
+    plain, k0 = medians[False], medians[True]
+    assert (k0 > plain + 8) if cls is _RowsAppendedEachRound else (k0 <= plain), (k0, plain)

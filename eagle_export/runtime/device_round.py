@@ -95,6 +95,9 @@ class DeviceRounds:
         start = time.perf_counter()
         b, alive = len(state.prompts), live.tolist()
         buffers, pending = state.buffers, state.pending
+        defer = self._defers_rows(state, policy, drafted)
+        if buffers.deferred and (not defer or alive != buffers.alive):
+            buffers.flush()  # (before the live mask changes: the deferred rounds' mask)
         buffers.set_live(alive, state)
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         drafter_rows, j = None, 0
@@ -109,7 +112,9 @@ class DeviceRounds:
                 buffers.adopt(pending)
         ids, positions = buffers.views[j + 1]
         out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False)
-        settled = self._settle(state, out, drafter_rows)
+        settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
+        if defer:
+            buffers.deferred.append((out[C.GREEDY_IDS], out[C.AUX_HIDDEN]))
         read = time.perf_counter()  # the one host read: it waits for everything queued above
         rows = settled.tolist()
         self.timings.verify += time.perf_counter() - read
@@ -128,6 +133,16 @@ class DeviceRounds:
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
+
+    def _defers_rows(self, state, policy, drafted: bool) -> bool:
+        """Whether this round's drafter row (the target's greedy id and aux state) waits by reference in
+        `_RoundBuffers.deferred` instead of being appended to the pending rows in the bookkeeping: a goodput
+        k = 0 round whose bookkeeping runs eagerly. Its append is then one batched append of all such rounds'
+        rows before the rows are next read, so the round itself makes a plain step's torch calls. Not with
+        CUDA graphs: there the append is inside the bookkeeping's graph (free for the host), and a graph's
+        outputs are overwritten by its next replay, while a backend that replays nothing returns new output
+        tensors every call (which is what keeping them by reference needs)."""
+        return not drafted and policy is not None and state.pending is not None and self.backend.capture is None
 
     def _device_draft(self, state, alive: list[bool]):
         """A device round's drafter call -> (its outputs, its new K/V rows for `_settle_round` to commit;
@@ -193,7 +208,7 @@ class DeviceRounds:
         return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths,
                                    [[int(t) for t in row[k:]] for row in read])
 
-    def _settle(self, state, out, drafter_rows) -> torch.Tensor:
+    def _settle(self, state, out, drafter_rows, keep_rows: bool = True) -> torch.Tensor:
         """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]:
         through a graph captured per set of input shapes (`ShapeGraphs`, every input bound by reference:
         they are the runtime's own buffers and the graphs' static outputs) where the backend captures
@@ -203,7 +218,7 @@ class DeviceRounds:
                  "live": buffers.live, "target_k": state.target_k, "target_v": state.target_v,
                  "greedy": out[C.GREEDY_IDS], "aux": out[C.AUX_HIDDEN], "new_key": out[C.NEW_KEY],
                  "new_value": out[C.NEW_VALUE]}
-        if state.pending is not None:
+        if state.pending is not None and keep_rows:  # (else the round's rows wait: `_defers_rows`)
             feeds.update(pending_ids=buffers.ids, pending_aux=buffers.aux, pending_count=buffers.count,
                          num_valid=buffers.num_valid)
         if drafter_rows is not None:
@@ -271,6 +286,7 @@ class _RoundBuffers:
         self.views = {t: (self.verify_ids[:, :t], self.positions[:, :t]) for t in range(1, w + 1)}
         self._rows = {}
         self.alive, self.adopted = None, False
+        self.deferred = []  # eager k = 0 rounds' drafter rows, not yet appended: (greedy [B,1], aux [B,1,A])
 
     def start(self, lens, first, state) -> None:
         """A stream's state after its prompt pass: cache lengths, the first token (the first root), the
@@ -279,7 +295,7 @@ class _RoundBuffers:
         self.verify_ids[:, 0].copy_(first)
         self.positions.copy_(self.lens.view(-1, 1) + _arange(self.positions.shape[1], self.lens.device))
         self.draft_lens.zero_()
-        self.alive, self.adopted = None, False
+        self.alive, self.adopted, self.deferred = None, False, []
         self.set_live(state.active.tolist(), state)
 
     def set_live(self, alive: list[bool], state) -> None:
@@ -287,6 +303,17 @@ class _RoundBuffers:
         if alive != self.alive:
             self.live.copy_(state.on_device(alive))
             self.alive = alive
+
+    def flush(self) -> None:
+        """Append the deferred rows (`DeviceRounds._defers_rows`: R k = 0 rounds under one live mask, `live`)
+        to the pending rows, as the R rounds' bookkeeping would have one by one: a live sequence's count grows
+        by R, its rows the rounds' in order; a sequence not live writes padding past its count (never read).
+        One append for the R rounds (two concatenations, two scatters) and num_valid made for the next call."""
+        greedy, aux = zip(*self.deferred)
+        self.deferred = []
+        _append_rows(self.ids, self.aux, self.count, torch.cat(greedy, dim=1), torch.cat(aux, dim=1), None,
+                     self.live * len(greedy))
+        torch.clamp(self.count, 1, self.verify_ids.shape[1], out=self.num_valid)
 
     def adopt(self, pending: _PendingRows) -> None:
         """Move the pending rows into these buffers (the first P of each sequence: see the class) and
