@@ -118,6 +118,8 @@ class DeviceRounds:
         read = time.perf_counter()  # the one host read: it waits for everything queued above
         rows = settled.tolist()
         self.timings.verify += time.perf_counter() - read
+        if j == 0:  # (a call of the root alone reads its greedy ids alone: nothing accepted)
+            rows = [[0, *row] for row in rows]
         emitted = [row[1:row[0] + 2] for row in rows]
         for i, a in enumerate(alive):
             if a:
@@ -365,10 +367,11 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
     """A device round's bookkeeping, from the verify call's outputs to what the host reads: everything
     in place on the round's buffers (`_RoundBuffers`) and the caches, tensor ops of fixed shapes with no
     host read, so that one CUDA graph holds it (`cuda_graphs.check_capturable` proves it on CPU) ->
-    [accepted, greedy ids] [B,1+T], the one read. In order:
+    [accepted, greedy ids] [B,1+T], the one read (T = 1: the greedy ids alone, [B,1]). In order:
       the drafter call of this round (given its new K/V rows): its first num_valid rows committed at
       draft_lens, draft_lens += num_valid, its pending rows consumed (count = 0), live sequences only;
-      accepted = the leading drafts verify_ids[:, 1:T] equal to greedy (0 in a plain step, T = 1);
+      accepted = the leading drafts verify_ids[:, 1:T] equal to greedy (0 in a plain step, T = 1, where
+      none of acceptance's ops run: each is host time in an eager round);
       the target's rows 0..accepted committed at lens; the drafter's next rows (greedy, aux) appended,
       accepted + 1 of them valid; lens += accepted + 1; the root becomes greedy[accepted]; positions
       and num_valid made for the next round.
@@ -379,17 +382,21 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
     if draft_new_key is not None:
         _commit_drafter(draft_k, draft_v, {C.NEW_KEY: draft_new_key, C.NEW_VALUE: draft_new_value}, draft_lens,
                         num_valid, live, pending_count)
-    accepted = greedy_accepted_path(verify_ids[:, 1:width], None, greedy)[0].view(b, 1)
-    taken = torch.where(live.view(b, 1), accepted + 1, 0).view(b)
+    if width == 1:  # a plain step (or a drafted round verifying no draft): nothing to accept, nothing to add
+        accepted, taken, next_root = None, live.long(), greedy.view(b)
+    else:
+        accepted = greedy_accepted_path(verify_ids[:, 1:width], None, greedy)[0].view(b, 1)
+        taken = torch.where(live.view(b, 1), accepted + 1, 0).view(b)
+        next_root = greedy.gather(1, accepted).view(b)
     _write_rows(target_k, target_v, {C.NEW_KEY: new_key, C.NEW_VALUE: new_value}, lens, taken, live)
     if pending_ids is not None:
         _append_rows(pending_ids, pending_aux, pending_count, greedy, aux, None, taken)
         torch.clamp(pending_count, 1, verify_ids.shape[1], out=num_valid)
     lens.add_(taken)
     root = verify_ids[:, 0]
-    root.copy_(torch.where(live, greedy.gather(1, accepted).view(b), root))
-    positions.copy_(lens.view(b, 1) + _arange(positions.shape[1], lens.device))
-    return torch.cat([accepted, greedy], dim=1)
+    torch.where(live, next_root, root, out=root)
+    torch.add(lens.view(b, 1), _arange(positions.shape[1], lens.device), out=positions)
+    return greedy if accepted is None else torch.cat([accepted, greedy], dim=1)
 
 
 def _drafts_read(nodes, token_probs) -> torch.Tensor:
