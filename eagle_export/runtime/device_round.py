@@ -31,7 +31,13 @@ Invariants:
   - a sequence not live changes nothing that is read later (its rows write back what their slots held,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
-    makes room) for the next drafter call, which catches up on all of them (`_device_draft`).
+    makes room) for the next drafter call, which catches up on all of them (`_device_draft`); where the
+    bookkeeping runs eagerly (no CUDA graphs) a k = 0 round's row waits by reference instead, appended with
+    the others' in one batch before the rows are next read (`_defers_rows`), so that the round makes the
+    torch calls of a plain step (each is host time: issue 44 asks a k = 0 round to cost what a plain step
+    costs);
+  - a call of the root alone (a plain step, a k = 0 round) accepts nothing: its bookkeeping runs none of
+    acceptance's ops and its read is the greedy ids alone.
 """
 
 from __future__ import annotations
@@ -89,9 +95,9 @@ class DeviceRounds:
         which `choose_chain` picks j in 0..K; the target call is then over [last token, d_1..d_j] (width
         j + 1: graphs per width) and the same bookkeeping accepts among those j (a = the leading i <= j with
         d_i == g_{i-1}). Its k = 0 rounds (no drafter call) are plain steps whose rows wait in the pending
-        rows (`_RoundBuffers.fit` makes room) for the next drafter call, which catches up on all of them
-        (`_device_draft`). The policy is told what the general round tells it: j, the accepted counts and
-        the tokens emitted, from the read."""
+        rows (`_RoundBuffers.fit` makes room; by reference where the bookkeeping is eager: `_defers_rows`)
+        for the next drafter call, which catches up on all of them (`_device_draft`). The policy is told
+        what the general round tells it: j, the accepted counts and the tokens emitted, from the read."""
         start = time.perf_counter()
         b, alive = len(state.prompts), live.tolist()
         buffers, pending = state.buffers, state.pending
