@@ -702,3 +702,57 @@ def test_an_eager_k0_round_makes_the_torch_calls_of_a_plain_step(pair, cls, batc
         medians[speculative] = plain[len(plain) // 2]
     plain, k0 = medians[False], medians[True]
     assert (k0 > plain + 8) if cls is _RowsAppendedEachRound else (k0 <= plain), (k0, plain)
+
+
+class _CountingSettle(SpeculativeRuntime):
+    """Torch calls of each eager bookkeeping call (`_settle`) of a call of the root alone (width 1)."""
+
+    def _settle(self, state, out, drafter_rows, **kw):
+        counting = _Counting()
+        with counting:
+            settled = super()._settle(state, out, drafter_rows, **kw)
+        if out[C.GREEDY_IDS].shape[1] == 1:
+            self.settles.append(sum(counting.calls.values()))
+        return settled
+
+
+def _accepting_over_no_drafts(monkeypatch):
+    """Planted: the plain step's bookkeeping as it was, acceptance's ops over no drafts and the read
+    [accepted, greedy] made by a concatenation."""
+    original = device_round._settle_round
+
+    def settle(**feeds):
+        b = len(feeds["lens"])
+        accepted = device_round.greedy_accepted_path(feeds["verify_ids"][:, 1:1], None, feeds["greedy"])[0]
+        torch.where(feeds["live"].view(b, 1), accepted.view(b, 1) + 1, 0).view(b)
+        out = original(**feeds)
+        return torch.cat([accepted.view(b, 1), out], dim=1)[:, 1:]
+    monkeypatch.setattr(device_round, "_settle_round", settle)
+
+
+# Measured: an eager plain step's bookkeeping at batch 3, 36 (37 the first): the feeds' attribute reads, the
+# target's commit (_write_rows), lens, the next root and positions; 51 with acceptance's ops over no drafts
+# and the concatenated read, as before.
+PLAIN_SETTLE_CALLS = 37
+
+
+@pytest.mark.parametrize("plant", [None, _accepting_over_no_drafts], ids=["plain step", "planted"])
+def test_an_eager_plain_steps_bookkeeping_runs_no_acceptance(pair, monkeypatch, plant):
+    """A call of the root alone accepts nothing: its eager bookkeeping (a plain decoding step's, a k = 0
+    round's) makes at most PLAIN_SETTLE_CALLS torch calls, none of them acceptance's, and its read is the
+    greedy ids alone. Greedy output stays the target's. Planted: acceptance's ops over no drafts and the
+    concatenated read, as before."""
+    if plant is not None:
+        plant(monkeypatch)
+    target, drafter = pair
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False))
+    runtime = _CountingSettle.for_models(backend, target, drafter, max_context=256)
+    runtime.settles = []
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=16), speculative=False)
+    assert [r.tokens for r in results] == [greedy(target, p, 16) for p in prompts]
+    assert len(runtime.settles) >= 15
+    if plant is not None:
+        assert max(runtime.settles) > PLAIN_SETTLE_CALLS + 5, runtime.settles
+    else:
+        assert max(runtime.settles) <= PLAIN_SETTLE_CALLS, runtime.settles

@@ -217,8 +217,9 @@ class DeviceRounds:
                                    [[int(t) for t in row[k:]] for row in read])
 
     def _settle(self, state, out, drafter_rows, keep_rows: bool = True) -> torch.Tensor:
-        """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]:
-        through a graph captured per set of input shapes (`ShapeGraphs`, every input bound by reference:
+        """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]
+        (T = 1: the greedy ids alone): through a graph captured per set of input shapes (`ShapeGraphs`, every
+        input bound by reference:
         they are the runtime's own buffers and the graphs' static outputs) where the backend captures
         CUDA graphs, eagerly otherwise."""
         buffers = state.buffers
