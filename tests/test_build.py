@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from hostile import share, snapshot, unprivileged, world_dir
 from lifetime import watch_drafter_exports
+from planting import plant
 from random_policy import RandomDepth
 from safetensors.torch import load_file, save_file
 from test_validate import stale_aux_row
@@ -873,36 +874,33 @@ def _copy_build(out, tmp_path, edit=None):
     return copy
 
 
-def _off_by_one_accept(runtime):
+def _off_by_one_accept(original):
     """Accept one draft more than the target's argmax agreed with."""
-    original = runtime.greedy_accepted_path
-
     def accept(node_ids, parents, greedy):
         accepted, path = original(node_ids, parents, greedy)
         return (accepted + 1).clamp(max=path.shape[1]), path
-    return "greedy_accepted_path", accept
+    return accept
 
 
-def _cache_row_one_early(runtime):
+def _cache_row_one_early(original):
     """Write each call's new K/V rows one slot before the sequence's length."""
-    original = runtime._write_rows
-    return "_write_rows", lambda keys, values, out, starts, counts, live: original(
+    return lambda keys, values, out, starts, counts, live: original(
         keys, values, out, (starts - 1).clamp(min=0), counts, live)
 
 
-def _rejected_row_left(runtime):
+def _rejected_row_left(original):
     """Commit the verify call's first rows in call order instead of the accepted path's: where the
     path skips a rejected sibling (a tree), that rejected row is left in the cache."""
-    original = runtime._gather_rows
-    return "_gather_rows", lambda out, rows: original(out, torch.arange(rows.shape[1]).expand_as(rows))
+    return lambda out, rows: original(out, torch.arange(rows.shape[1]).expand_as(rows))
+
+
+# The runtime function each mutation replaces (`planting.plant`: wherever the runtime's modules bind it).
+MUTATED = {_off_by_one_accept: "greedy_accepted_path", _cache_row_one_early: "_write_rows",
+           _rejected_row_left: "_gather_rows", stale_aux_row: "_append_rows"}
 
 
 def _plant(monkeypatch, mutation):
-    import eagle_export.runtime.runtime as runtime
-
-    name, replacement = mutation(runtime)
-    owner, _, attribute = name.rpartition(".")
-    monkeypatch.setattr(getattr(runtime, owner) if owner else runtime, attribute, replacement)
+    plant(monkeypatch, MUTATED[mutation], mutation)
 
 
 def _failed(report):

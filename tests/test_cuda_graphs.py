@@ -18,13 +18,15 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 
 def replay_eagerly(fn, inputs, warmup=None):
     """A stand-in for a CUDA graph on CPU: static inputs and outputs as captured, a replay that
-    recomputes from the static inputs and copies into the outputs the capture returned. As a CUDA
-    capture records without running, the outputs are made by a warm-up call (on `warmup`, if given)."""
+    recomputes from the static inputs and copies into the outputs the capture returned (an output that
+    is one of the inputs is that tensor, as in a CUDA graph). As a CUDA capture records without running,
+    the outputs are made by a warm-up call (on `warmup`, if given)."""
     outputs = tuple(fn(*(inputs if warmup is None else warmup)))
 
     def replay():
         for static, fresh in zip(outputs, fn(*inputs)):
-            static.copy_(fresh)
+            if static is not fresh:
+                static.copy_(fresh)
     return replay, outputs
 
 

@@ -10,12 +10,13 @@ from collections import Counter
 
 import pytest
 import torch
+from planting import plant
 from test_cuda_graphs import replay_eagerly
 from test_runtime import PROMPTS, _DeviceOutputs, _OnDevice
 from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
 
-import eagle_export.runtime.runtime as runtime_module
+import eagle_export.runtime.device_round as device_round
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
@@ -238,37 +239,35 @@ def test_device_round_near_the_context_limit(pair, graphs, policy):
 
 def _off_by_one_accept(monkeypatch):
     """Planted: the chain's accepted count one more than matched (capped at K)."""
-    original = runtime_module.greedy_accepted_path
-
-    def accept(nodes, parents, greedy):
-        accepted, path = original(nodes, parents, greedy)
-        return (accepted + 1).clamp(max=nodes.shape[1]) if parents is None else accepted, path
-    monkeypatch.setattr(runtime_module, "greedy_accepted_path", accept)
+    def wrap(original):
+        def accept(nodes, parents, greedy):
+            accepted, path = original(nodes, parents, greedy)
+            return (accepted + 1).clamp(max=nodes.shape[1]) if parents is None else accepted, path
+        return accept
+    plant(monkeypatch, "greedy_accepted_path", wrap)
 
 
 def _one_row_too_many(monkeypatch):
     """Planted: every commit writes one row past the accepted ones."""
-    original = runtime_module._write_rows
-    monkeypatch.setattr(runtime_module, "_write_rows", lambda keys, values, out, starts, counts, live: original(
+    plant(monkeypatch, "_write_rows", lambda original: lambda keys, values, out, starts, counts, live: original(
         keys, values, out, starts, counts + 1, live))
 
 
 def _drafter_row_short(monkeypatch):
     """Planted: the drafter's next rows miss the newest one (the target's own token) each round."""
-    original = runtime_module._append_rows
-    monkeypatch.setattr(runtime_module, "_append_rows", lambda ids, aux_rows, count, tokens, aux, rows, added: original(
+    plant(monkeypatch, "_append_rows", lambda original: lambda ids, aux_rows, count, tokens, aux, rows, added: original(
         ids, aux_rows, count, tokens, aux, rows, (added - 1).clamp(min=0)))
 
 
 def _no_room(monkeypatch):
     """Planted: the pending rows never grow, so a catch-up's rows past 2(K+1) are lost."""
-    monkeypatch.setattr(runtime_module._RoundBuffers, "fit", lambda self, rows, pending: None)
+    monkeypatch.setattr(device_round._RoundBuffers, "fit", lambda self, rows, pending: None)
 
 
 def _reversed(monkeypatch):
     """Planted: the joint probabilities read deepest first."""
-    original = runtime_module.tree.chain_joint
-    monkeypatch.setattr(runtime_module.tree, "chain_joint", lambda token_probs: original(token_probs).flip(-1))
+    original = device_round.tree.chain_joint
+    monkeypatch.setattr(device_round.tree, "chain_joint", lambda token_probs: original(token_probs).flip(-1))
 
 
 def _not_told(monkeypatch):
@@ -392,7 +391,7 @@ def settle_calls(pair, prompts, max_context=28):
 
 def _settle_calls(pair, prompts, max_context):
     calls = []
-    original = runtime_module._settle_round
+    original = device_round._settle_round
 
     def recording(**feeds):
         calls.append({name: t.clone() for name, t in feeds.items()})
@@ -401,11 +400,11 @@ def _settle_calls(pair, prompts, max_context):
     target, drafter = pair
     backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False))
     runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=max_context, verify_policy="fixed")
-    runtime_module._settle_round = recording
+    device_round._settle_round = recording
     try:
         runtime.generate(prompts, GenerationConfig(max_new_tokens=40))
     finally:
-        runtime_module._settle_round = original
+        device_round._settle_round = original
     drafted = next(c for c in calls if "draft_new_key" in c)
     plain = next(c for c in calls if c["greedy"].shape[1] == 1)
     return drafted, plain
@@ -427,24 +426,24 @@ def capturable(fn, feeds):
 
 
 def _reads_the_count(**feeds):  # planted: a host read inside
-    out = runtime_module._settle_round(**feeds)
+    out = device_round._settle_round(**feeds)
     return out, int(out[:, 0].max())
 
 
 def _nonzero_accept(**feeds):  # planted: the accepted drafts found by nonzero (a data-dependent shape)
     drafts, greedy = feeds["verify_ids"][:, 1:feeds["greedy"].shape[1]], feeds["greedy"]
     torch.nonzero(drafts != greedy[:, :drafts.shape[1]])
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 def _mask_index(**feeds):  # planted: the live sequences' lengths picked by a boolean mask
     feeds["lens"][feeds["live"]] += 0
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 def _host_tensor(**feeds):  # planted: a tensor made from host data inside
     feeds["lens"].add_(torch.tensor([0] * len(feeds["lens"])))
-    return runtime_module._settle_round(**feeds)
+    return device_round._settle_round(**feeds)
 
 
 @pytest.mark.parametrize("plant", [None, _reads_the_count, _nonzero_accept, _mask_index, _host_tensor],
@@ -458,8 +457,8 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
     Each planted variant fails the check, naming its op."""
     for feeds in settle_calls(pair, PROMPTS[:batch]):
         if plant is None:
-            ops = capturable(runtime_module._settle_round, feeds)
-            assert {"scatter_", "gather", "cat"} <= set(ops)  # it ran the real bookkeeping
+            ops = capturable(device_round._settle_round, feeds)
+            assert {"scatter_", "gather", "add_"} <= set(ops)  # it ran the real bookkeeping
             assert ("cumprod" in ops) is ("draft_new_key" in feeds)  # (a plain step accepts no draft)
         else:
             with pytest.raises(EagleExportError, match="cannot be captured in a CUDA graph"):
@@ -467,7 +466,7 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
 
 
 def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host
-    out = runtime_module._drafts_read(nodes, token_probs)
+    out = device_round._drafts_read(nodes, token_probs)
     return out, int(nodes[0, 0])
 
 
@@ -483,9 +482,9 @@ def test_the_read_of_the_drafts_is_capturable_and_exact(plant):
         with pytest.raises(EagleExportError, match="cannot be captured in a CUDA graph"):
             check_capturable(plant, [nodes, probs])
         return
-    check_capturable(runtime_module._drafts_read, [nodes, probs], [[nodes.flip(0), probs.flip(1)]])
-    read = runtime_module._drafts_read(nodes, probs).tolist()
-    assert [row[:DEPTH] for row in read] == runtime_module.tree.chain_reach(probs)[:, -1].tolist()
+    check_capturable(device_round._drafts_read, [nodes, probs], [[nodes.flip(0), probs.flip(1)]])
+    read = device_round._drafts_read(nodes, probs).tolist()
+    assert [row[:DEPTH] for row in read] == device_round.tree.chain_reach(probs)[:, -1].tolist()
     assert [[int(t) for t in row[DEPTH:]] for row in read] == nodes.tolist()
 
 
@@ -529,10 +528,10 @@ class _CountingCalls(SpeculativeRuntime):
 
 
 class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly beside the captured graphs
-    def _settle(self, state, out, drafter_rows):
+    def _settle(self, state, out, drafter_rows, **kw):
         capture, self.backend.capture = self.backend.capture, None
         try:
-            return super()._settle(state, out, drafter_rows)
+            return super()._settle(state, out, drafter_rows, **kw)
         finally:
             self.backend.capture = capture
 
@@ -659,3 +658,102 @@ def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls
     plain = median(rounds(None, always, speculative=False), False)
     k0 = median(rounds(Goodput(DEPTH, costs(1)), confident), False)
     assert k0 <= plain, (k0, plain)
+
+
+class _CountingEagerCalls(SpeculativeRuntime):
+    """(drafted, torch calls) of every round, eager (no graphs): the target's and the drafter's own calls
+    included (the same in a plain step and a k = 0 round: one target call of one token)."""
+
+    def _round(self, state, live, policy=None, drafted=False):
+        counting = _Counting()
+        with counting:
+            events = list(super()._round(state, live, policy, drafted))
+        self.rounds.append((drafted, sum(counting.calls.values())))
+        yield from events
+
+
+class _RowsAppendedEachRound(_CountingEagerCalls):  # planted: each k = 0 round appends its drafter row itself
+    def _defers_rows(self, state, policy, drafted):
+        return False
+
+
+@pytest.mark.parametrize("cls", [_CountingEagerCalls, _RowsAppendedEachRound], ids=["goodput", "planted"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_eager_k0_round_makes_the_torch_calls_of_a_plain_step(pair, cls, batch):
+    """issue 44: a k = 0 round costs what a plain step costs. Without CUDA graphs (the CPU) the device
+    round's bookkeeping runs eagerly, op by op; a goodput k = 0 round's drafter row (the target's greedy id
+    and aux state) waits by reference and is appended with the other k = 0 rounds' in one batch before the
+    rows are next read (`DeviceRounds._defers_rows`), so the round makes no more torch calls than a plain
+    decoding step on the device round (medians over the rounds; a round that grows the caches makes more,
+    in either stream). Greedy output stays the target's. Planted: each k = 0 round appending its own row
+    in the bookkeeping, as it did (17 calls more on the tiny pair)."""
+    target, drafter = pair
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
+    continuations = [p + greedy(target, p, 64) for p in prompts]
+    backend = RightDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                          continuations=continuations, confident=confident)
+    runtime = cls.for_models(backend, target, drafter, max_context=256, verify_policy=Goodput(DEPTH, costs(batch)))
+    medians = {}
+    for speculative in (False, True):
+        runtime.rounds = []
+        results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
+        assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
+        plain = sorted(n for drafted, n in runtime.rounds if not drafted)
+        assert len(plain) > 8  # (the confidence profile: k = 0 rounds between probes)
+        medians[speculative] = plain[len(plain) // 2]
+    plain, k0 = medians[False], medians[True]
+    assert (k0 > plain + 8) if cls is _RowsAppendedEachRound else (k0 <= plain), (k0, plain)
+
+
+class _CountingSettle(SpeculativeRuntime):
+    """Torch calls of each eager bookkeeping call (`_settle`) of a call of the root alone (width 1)."""
+
+    def _settle(self, state, out, drafter_rows, **kw):
+        counting = _Counting()
+        with counting:
+            settled = super()._settle(state, out, drafter_rows, **kw)
+        if out[C.GREEDY_IDS].shape[1] == 1:
+            self.settles.append(sum(counting.calls.values()))
+        return settled
+
+
+def _accepting_over_no_drafts(monkeypatch):
+    """Planted: the plain step's bookkeeping as it was, acceptance's ops over no drafts and the read
+    [accepted, greedy] made by a concatenation."""
+    original = device_round._settle_round
+
+    def settle(**feeds):
+        b = len(feeds["lens"])
+        accepted = device_round.greedy_accepted_path(feeds["verify_ids"][:, 1:1], None, feeds["greedy"])[0]
+        torch.where(feeds["live"].view(b, 1), accepted.view(b, 1) + 1, 0).view(b)
+        out = original(**feeds)
+        return torch.cat([accepted.view(b, 1), out], dim=1)[:, 1:]
+    monkeypatch.setattr(device_round, "_settle_round", settle)
+
+
+# Measured: an eager plain step's bookkeeping at batch 3, 36 (37 the first): the feeds' attribute reads, the
+# target's commit (_write_rows), lens, the next root and positions; 51 with acceptance's ops over no drafts
+# and the concatenated read, as before.
+PLAIN_SETTLE_CALLS = 37
+
+
+@pytest.mark.parametrize("plant", [None, _accepting_over_no_drafts], ids=["plain step", "planted"])
+def test_an_eager_plain_steps_bookkeeping_runs_no_acceptance(pair, monkeypatch, plant):
+    """A call of the root alone accepts nothing: its eager bookkeeping (a plain decoding step's, a k = 0
+    round's) makes at most PLAIN_SETTLE_CALLS torch calls, none of them acceptance's, and its read is the
+    greedy ids alone. Greedy output stays the target's. Planted: acceptance's ops over no drafts and the
+    concatenated read, as before."""
+    if plant is not None:
+        plant(monkeypatch)
+    target, drafter = pair
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False))
+    runtime = _CountingSettle.for_models(backend, target, drafter, max_context=256)
+    runtime.settles = []
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]]
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=16), speculative=False)
+    assert [r.tokens for r in results] == [greedy(target, p, 16) for p in prompts]
+    assert len(runtime.settles) >= 15
+    if plant is not None:
+        assert max(runtime.settles) > PLAIN_SETTLE_CALLS + 5, runtime.settles
+    else:
+        assert max(runtime.settles) <= PLAIN_SETTLE_CALLS, runtime.settles

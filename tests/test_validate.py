@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from planting import plant
 
 from eagle_export.builder.manifest import Agreement
 from eagle_export.builder.validate import AGREEMENT_MARGIN, _agreement_check, _summary, _synthetic_tier
@@ -66,12 +67,11 @@ def runtime(request, tmp_path_factory):
     torch.set_grad_enabled(True)
 
 
-def stale_aux_row(runtime_module):
-    """A planted bug: each sequence's newest drafter row keeps whatever aux state the pending buffer
-    held in that slot before (an earlier round's row, or zeros)."""
+def stale_aux_row(original):
+    """A planted bug in `_append_rows` (`original`; every path's pending rows, the device round's included):
+    each sequence's newest drafter row keeps whatever aux state the pending buffer held in that slot before
+    (an earlier round's row, or zeros)."""
     import torch
-
-    original = runtime_module._append_rows  # (every path's pending rows, the device round's included)
 
     def append(ids, aux_rows, count, tokens, aux, rows, added):
         newest, width, batch = count + added - 1, aux_rows.shape[1], torch.arange(len(count))
@@ -79,7 +79,7 @@ def stale_aux_row(runtime_module):
         original(ids, aux_rows, count, tokens, aux, rows, added)
         fresh = added > 0
         aux_rows[batch[fresh], newest[fresh]] = held[fresh]
-    return "_append_rows", append
+    return append
 
 
 def test_t0_checks_every_drafter_call_against_the_accepted_path(runtime):
@@ -91,10 +91,7 @@ def test_t0_checks_every_drafter_call_against_the_accepted_path(runtime):
 def test_a_stale_aux_row_fed_to_the_drafter_fails_t0(runtime, monkeypatch):
     """Greedy output stays the target's (the stale row only changes drafts, which verification
     rejects): only the check of the drafter's input rows sees it."""
-    import eagle_export.runtime.runtime as runtime_module
-
-    name, append = stale_aux_row(runtime_module)
-    monkeypatch.setattr(runtime_module, name, append)
+    plant(monkeypatch, "_append_rows", stale_aux_row)
     (_, ok, detail), record = _synthetic_tier(runtime, PROMPTS, exact_plain=True)
     assert not ok and "aux state at position" in detail, detail
     assert not any("changed the output" in p for p in record["problems"])  # the output alone never shows it

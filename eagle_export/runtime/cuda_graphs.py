@@ -16,7 +16,7 @@ torch.cuda.CUDAGraph API: warm-up on a side stream, then capture, all graphs in 
 the bookkeeping above is tested on CPU with a capture that replays eagerly into the same buffers.
 
 The runtime captures one function of its own the same way: a device round's bookkeeping (acceptance,
-cache commits, the next drafter rows; `runtime._settle_round`), which writes the runtime's state in
+cache commits, the next drafter rows; `device_round._settle_round`), which writes the runtime's state in
 place. A capture runs its function eagerly a few times first (the warm-up), so a function with side
 effects names warm-up inputs under which it changes nothing that is read later (`warmup`). What a
 capture can hold is checked on CPU by `check_capturable`: no host read, no host data, no op whose

@@ -34,23 +34,11 @@ plain steps the drafter catches up in one call of more rows. Greedy output is th
 whatever k is: the accepted drafts are exactly those equal to the target's argmax.
 
 Every round's state lives on the backend's device (lengths, last tokens, pending drafter rows, cache
-writes: whole-batch tensor operations, no per-sequence loop), and the common case runs the whole round
-there (`_device_round`): greedy decoding of a chain under the fixed policy (every round drafts and
-verifies all K drafts) or the goodput policy, and plain decoding. There the host makes one drafter call,
-one target call and ONE device -> host read a round, [accepted count, the target's greedy ids] per
-sequence, which it needs to emit tokens and test EOS, stop strings and the limits; acceptance (the longest prefix of drafts equal
-to the target's argmax), the cache commits, the next root token, the lengths and the drafter's next
-rows (for a chain: the target's greedy ids and aux states as they are, `accepted + 1` of them valid)
-are computed on the device, queued behind the graphs. That bookkeeping is one function of fixed-shape
-tensors (`_settle_round`, over the round's buffers `_RoundBuffers` and the graphs' outputs, written in
-place, no host read: `cuda_graphs.check_capturable` proves it on CPU), so where the backend captures CUDA
-graphs it is one more graph, captured per set of shapes beside the target's and the drafter's: a drafted
-round costs the host three replays, the copies of the small inputs into the graphs' static ones, and the
-read (25 torch calls, 171 when the bookkeeping ran eagerly; each is host time on a GPU, 5-10 us a launch).
-Goodput chooses how many drafts to verify from this round's drafts, so its drafted round reads the device
-once more, right after the drafter call: the drafts and their joint probabilities, [B, 2K] numbers; its
-k = 0 rounds are plain steps on the device whose rows wait for the catch-up drafter call. The other cases
-(sampling, trees, other policy objects) read the drafts and the target's ids on the host as before.
+writes: whole-batch tensor operations, no per-sequence loop; `rows.py`), and the common case runs the whole
+round there (`device_round.py`): greedy decoding of a chain under the fixed or the goodput policy, and plain
+decoding, with one host read a round (two in a goodput round that drafts). The other cases (sampling,
+trees, other policy objects) take the general round (`_round`), which reads the drafts and the target's
+ids on the host.
 """
 
 from __future__ import annotations
@@ -72,9 +60,10 @@ from ..speculation.synthetic import SyntheticDrafts
 from ..speculation.tree import greedy_accepted_path
 from .backends import Backend
 from .costs import CostCache, CostCurves, measure
-from .cuda_graphs import ShapeGraphs
+from .device_round import DeviceRounds
 from .generation import GenerationConfig, is_int
-from .verify_policy import FixedDepth, check_policy, make_policy
+from .rows import _PendingRows, _to, _write_rows
+from .verify_policy import check_policy, make_policy
 
 STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
 
@@ -188,7 +177,7 @@ class PairShapes:
                    max_context, t.vocab_size)
 
 
-class SpeculativeRuntime:
+class SpeculativeRuntime(DeviceRounds):
     # What a refused --temperature > 0 tells the user to do; `open_build` names the build's own commands.
     cannot_sample_fix = "use --temperature 0, or rebuild with sampling: true in the recipe"
 
@@ -219,10 +208,7 @@ class SpeculativeRuntime:
         self.timings = Timings()
         # Caches grow in steps of this many slots as the sequences do (see _State.reserve).
         self.cache_step = 64
-        self._chain_masks = {}  # (batch, width) -> a chain verify call's mask (_chain_mask)
-        self._round_buffers: dict[int, _RoundBuffers] = {}  # static mode: batch -> its device rounds' buffers
-        self._settle_graphs: dict[tuple[str, ...], ShapeGraphs] = {}  # _settle_round's inputs -> its graphs
-        self._read_graphs: dict[tuple[str, ...], ShapeGraphs] = {}  # _drafts_read's (see _replayed)
+        self._init_device_rounds()
 
     @classmethod
     def for_models(cls, backend: Backend, target, drafter, max_context: int, tokenizer=None, **kw):
@@ -384,17 +370,6 @@ class SpeculativeRuntime:
         state.device_rounds = self._device_rounds(state)
         return state
 
-    def _device_rounds(self, state) -> bool:
-        """Whether every round of this stream runs on the device (`_device_round`): greedy, and plain
-        decoding (no policy), or a chain under the fixed policy (every round drafts and verifies all K
-        drafts: nothing about the drafts is decided on the host) or under a policy that decides a chain's
-        round from numbers read once after the drafter call (`choose_chain`: goodput). The general round
-        keeps sampling (rejection sampling walks the drafts' distributions on the host), trees (the menu of
-        subtrees and the walk down a tree are the host's) and other policy objects (a `choose` on tensors)."""
-        policy = state.policy
-        return not state.sampling and (policy is None or (self.backend.speculation.is_chain and (
-            type(policy) is FixedDepth or hasattr(policy, "choose_chain"))))
-
     def _policy(self, name, batch: int, costs):
         """The verify policy of a stream: a policy object as it is; a named one kept per batch size (its
         `start` forgets the last stream: a request is decided the same whatever came before it)."""
@@ -531,177 +506,6 @@ class SpeculativeRuntime:
         token the call's one greedy id (each torch call the tree's path makes is host time in every k = 0
         round of a goodput stream)."""
         return nodes.shape[1] == 0 and not state.sampling
-
-    def _device_round(self, state, live, policy=None, drafted=False):
-        """`_round` for a greedy chain under the fixed or the goodput policy, or a plain step, on the device:
-        one drafter call, one target call over [last token, the K drafts], the round's bookkeeping (`_settle_round`:
-        one graph replay where the backend captures CUDA graphs) and one host read of [accepted, greedy
-        ids] per sequence. With the drafts d_1..d_K and the target's argmax g_0..g_K at the call's rows, a
-        is the number of leading i with d_i == g_{i-1}; the sequence emits g_0..g_a (the accepted drafts
-        are g_0..g_{a-1}, then the target's own token g_a), its cache takes the call's rows 0..a at its
-        length, its next root is g_a, and the drafter's next rows are (g_i, the call's aux state at row
-        i) for i <= a: the call's outputs as they are, a + 1 rows valid. The state lives in buffers of
-        fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
-        host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
-        graph calls (each copies its small inputs into its static ones), and the read. Near the context
-        limit the stream's plain steps come here too (those sequences never draft again).
-        The goodput policy decides on this round's drafts, so its drafted round reads the device twice:
-        right after the drafter call, the drafts and their joint probabilities p_1 ... p_d (`_chosen`), from
-        which `choose_chain` picks j in 0..K; the target call is then over [last token, d_1..d_j] (width
-        j + 1: graphs per width) and the same bookkeeping accepts among those j (a = the leading i <= j with
-        d_i == g_{i-1}). Its k = 0 rounds (no drafter call) are plain steps whose rows wait in the pending
-        rows (`_RoundBuffers.fit` makes room) for the next drafter call, which catches up on all of them
-        (`_device_draft`). The policy is told what the general round tells it: j, the accepted counts and
-        the tokens emitted, from the read."""
-        start = time.perf_counter()
-        b, alive = len(state.prompts), live.tolist()
-        buffers, pending = state.buffers, state.pending
-        buffers.set_live(alive, state)
-        state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
-        drafter_rows, j = None, 0
-        if drafted:
-            out, drafter_rows = self._device_draft(state, alive)
-            j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
-        elif pending is not None:
-            if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
-                # (K+1 rows at most) finds it not live, for that append's padding past its count
-                buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
-            if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
-                buffers.adopt(pending)
-        ids, positions = buffers.views[j + 1]
-        out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False)
-        settled = self._settle(state, out, drafter_rows)
-        read = time.perf_counter()  # the one host read: it waits for everything queued above
-        rows = settled.tolist()
-        self.timings.verify += time.perf_counter() - read
-        emitted = [row[1:row[0] + 2] for row in rows]
-        for i, a in enumerate(alive):
-            if a:
-                state.host_lens[i] += rows[i][0] + 1
-        if pending is not None:
-            pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
-        if policy is not None:
-            counts = [row[0] for row in rows]
-            state.record(alive, counts, [j] * b, j + 1, drafted)
-        events = state.emit(emitted, alive)
-        if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
-            policy.observe(j, torch.tensor(counts) if drafted else state.none_accepted, live, drafted, emitted)
-        if not drafted:
-            self.timings.plain_round_s.append(time.perf_counter() - start)
-        yield from events
-
-    def _device_draft(self, state, alive: list[bool]):
-        """A device round's drafter call -> (its outputs, its new K/V rows for `_settle_round` to commit;
-        None when committed here). The stream's first call reads every prompt row (a call wider than
-        K+1 rows, run eagerly) and commits at once; then the pending rows move into the round's buffers,
-        and every later call reads its rows from them: at most K+1 after a drafted round (its accepted
-        path and the target's token), more after a goodput stream's k = 0 rounds (a catch-up: one row
-        each). A call wider than K+1 rows runs eagerly (the backend captures calls of at most K+1) and
-        is committed here, as `_settle_round` commits a K+1-row call's (`_commit_drafter`): a settle graph
-        per catch-up width would be captured for one use."""
-        buffers, pending = state.buffers, state.pending
-        if not buffers.adopted:
-            out, _ = self._call_drafter(state, alive, buffers.live)
-            buffers.draft_lens.copy_(state.draft_lens)
-            state.draft_lens = buffers.draft_lens
-            buffers.adopt(pending)
-            return out, None
-        width = self.drafter_width(max(h for h, a in zip(pending.host, alive) if a))
-        ids, aux = buffers.drafter_rows(width)
-        if width != self.depth + 1:  # (a catch-up; or growing caches, whose rows are not padded to K+1)
-            torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
-        dtype = self.backend.drafter_dtype
-        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype),
-                 C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
-                 C.CACHE_LENS: buffers.draft_lens}
-        start = time.perf_counter()
-        out = self.backend.drafter(feeds)
-        self.timings.draft += time.perf_counter() - start
-        pending.taken(alive)
-        if width > self.depth + 1:
-            new_rows = {name: out[name][:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
-            _commit_drafter(state.draft_k, state.draft_v, new_rows, buffers.draft_lens, buffers.num_valid,
-                            buffers.live, buffers.count)
-            return out, None
-        return out, buffers.new_rows(out, width)
-
-    def _chosen(self, state, out, policy, alive: list[bool], replayed: bool) -> int:
-        """A drafted device round's drafts into the verify call's ids -> j, how many it verifies: all K
-        under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K] numbers read in
-        one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on the device) and
-        the drafts, as float64 (float32 values and ids below 2^53: both exact). The read waits for the
-        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is).
-        Its few ops are replayed from a graph of their own over the outputs of a drafter call of at most
-        K+1 rows (`replayed`: the same static tensors every round), eagerly after a wider call (the
-        first, a catch-up: fresh tensors a graph would copy in) and over synthetic drafts (the host's)."""
-        nodes = out[C.DRAFT_IDS]
-        if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
-            depths = torch.arange(1, nodes.shape[1] + 1).expand(len(nodes), -1)
-            nodes, probs = self._synthetic(state, depths - 2, depths)
-            state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
-        else:
-            probs = out[C.DRAFT_TOKEN_PROBS]
-            state.buffers.drafts.copy_(nodes)
-        if state.whole_tree:
-            return self.depth
-        start = time.perf_counter()
-        if replayed and state.synthetic is None:
-            read = self._replayed(self._read_graphs, _drafts_read, {"nodes": nodes, "token_probs": probs}).tolist()
-        else:
-            read = _drafts_read(nodes, probs).tolist()
-        self.timings.draft += time.perf_counter() - start
-        k = self.depth
-        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths,
-                                   [[int(t) for t in row[k:]] for row in read])
-
-    def _settle(self, state, out, drafter_rows) -> torch.Tensor:
-        """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]:
-        through a graph captured per set of input shapes (`ShapeGraphs`, every input bound by reference:
-        they are the runtime's own buffers and the graphs' static outputs) where the backend captures
-        CUDA graphs, eagerly otherwise."""
-        buffers = state.buffers
-        feeds = {"lens": buffers.lens, "verify_ids": buffers.verify_ids, "positions": buffers.positions,
-                 "live": buffers.live, "target_k": state.target_k, "target_v": state.target_v,
-                 "greedy": out[C.GREEDY_IDS], "aux": out[C.AUX_HIDDEN], "new_key": out[C.NEW_KEY],
-                 "new_value": out[C.NEW_VALUE]}
-        if state.pending is not None:
-            feeds.update(pending_ids=buffers.ids, pending_aux=buffers.aux, pending_count=buffers.count,
-                         num_valid=buffers.num_valid)
-        if drafter_rows is not None:
-            feeds.update(draft_lens=buffers.draft_lens, draft_k=state.draft_k, draft_v=state.draft_v,
-                         draft_new_key=drafter_rows[C.NEW_KEY], draft_new_value=drafter_rows[C.NEW_VALUE])
-        return self._replayed(self._settle_graphs, _settle_round, feeds, warmup=_dry)
-
-    def _replayed(self, graphs: dict, fn, feeds: dict[str, torch.Tensor], warmup=None) -> torch.Tensor:
-        """fn(**feeds), a function of the runtime's own with one output: through a graph captured per set of
-        input shapes (`ShapeGraphs` kept in `graphs` by input names, every input bound by reference: they
-        are the runtime's buffers and the graphs' static outputs; `warmup(names, inputs)` the warm-up's
-        inputs) where the backend captures CUDA graphs, eagerly otherwise."""
-        if self.backend.capture is None:
-            return fn(**feeds)
-        names = tuple(feeds)
-        if names not in graphs:
-            graphs[names] = ShapeGraphs(lambda *inputs: (fn(**dict(zip(names, inputs))),), list(names), names,
-                                        self.backend.capture,
-                                        warmup=None if warmup is None else functools.partial(warmup, names))
-        return graphs[names](feeds)[0]
-
-    def round_buffers(self, batch: int) -> _RoundBuffers:
-        """A device round's buffers for `batch` sequences: new ones, or in static mode this batch size's,
-        made once and reused by every stream (a captured graph writes the tensors it was captured with)."""
-        if not self.static_cache:
-            return _RoundBuffers(batch, self.depth, self.aux_width, self.backend.model_dtype, self.device)
-        if batch not in self._round_buffers:
-            self._round_buffers[batch] = _RoundBuffers(batch, self.depth, self.aux_width, self.backend.model_dtype,
-                                                       self.device)
-        return self._round_buffers[batch]
-
-    def _chain_mask(self, batch: int, width: int) -> torch.Tensor:
-        """A chain's verify call of `width` tokens: its tree_mask (causal), on the device, made once per
-        (batch, width)."""
-        if (batch, width) not in self._chain_masks:
-            self._chain_masks[batch, width] = causal_mask(batch, width, self.device)
-        return self._chain_masks[batch, width]
 
     # ------------------------------------------------------------ graph calls
 
@@ -928,227 +732,6 @@ class _State:
         return tokens, False
 
 
-class _PendingRows:
-    """The drafter's input rows it has not consumed yet, on the device: token ids [B,W], aux states
-    [B,W,A] and each sequence's count [B] (its first count rows are real; the rest is padding, which
-    an append may overwrite), and the counts as the host knows them (`host`: the drafter's width,
-    without a read). Verify calls append; a drafter call takes all rows of the live sequences (the
-    others never draft again: they finished or finish token by token, so their rows are never read)."""
-
-    def __init__(self, ids, aux, count):
-        self.ids, self.aux = ids.to(aux.device), aux.clone()  # ours to write into
-        self.count, self.host = count.to(aux.device).clone(), count.tolist()
-
-    def _fit(self, width):
-        if width > self.aux.shape[1]:
-            self.ids, self.aux = _grown(self.ids, self.aux, width)
-
-    def append(self, tokens, aux, rows, added):
-        """Sequence b's next added[b] rows: tokens[b, i] [B,R], the i-th beside the aux state of the
-        verify call's row rows[b, i] (None: row i), the row that predicted it. All R go to the slots
-        after its count (past added[b] they are padding): two scatters for the whole batch, no host
-        read. The host's counts follow with `added`."""
-        self._fit(max(self.host) + tokens.shape[1])
-        _append_rows(self.ids, self.aux, self.count, tokens, aux, rows, added)
-
-    def added(self, counts: list[int]) -> None:
-        """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
-        self.host = [h + n for h, n in zip(self.host, counts)]
-
-    def take(self, alive: list[bool], live, width_for=lambda rows: rows):
-        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid):
-        ids [B,W], aux [B,W,A], num_valid [B] (at least 1: a finished sequence's row is padding).
-        alive: the live mask as a list, live: on the device."""
-        width = width_for(max(h for h, keep in zip(self.host, alive) if keep))
-        self._fit(width)
-        num_valid = self.count.clamp(1, width)
-        self.count = torch.where(live, 0, self.count)
-        self.taken(alive)
-        return self.ids[:, :width], self.aux[:, :width], num_valid
-
-    def taken(self, alive: list[bool]) -> None:
-        """The host's counts after a drafter call took every row of the live sequences."""
-        self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
-
-
-def _grown(ids, aux, rows: int):
-    """Pending rows ids [B,P], aux [B,P,A] with room for `rows` > P a sequence, their rows kept: grown by
-    doubling (plain steps and k = 0 rounds add one row at a time)."""
-    grow = max(rows, 2 * ids.shape[1]) - ids.shape[1]
-    return (torch.cat([ids, ids.new_zeros(len(ids), grow)], dim=1),
-            torch.cat([aux, aux.new_zeros(len(aux), grow, aux.shape[2])], dim=1))
-
-
-def _append_rows(ids, aux_rows, count, tokens, aux, rows, added) -> None:
-    """Append to pending rows ids [B,P], aux_rows [B,P,A] with counts count [B], in place: sequence b's
-    rows tokens[b, i] [B,R] beside the aux state of the verify call's row rows[b, i] (None: row i), all
-    R of them at the slots after its count (past added[b] they are padding), then count += added. Two
-    scatters for the whole batch, no host read. A slot past P is clamped into the last one: `_PendingRows`
-    grows first so that none is, and a device round's buffers never read a slot that high (see
-    _RoundBuffers: only the rows of a sequence that no longer drafts land there)."""
-    device, (b, width), a = aux_rows.device, tokens.shape, aux.shape[2]
-    slots = (count.view(b, 1) + _arange(width, device)).clamp_(max=ids.shape[1] - 1)
-    ids.scatter_(1, slots, _to(tokens, device))
-    source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
-    aux_rows.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
-    count.add_(_to(added, device))
-
-
-class _RoundBuffers:
-    """A device round's state on the device, in tensors of fixed shapes made once (per batch size in
-    static mode) that the graphs read and `_settle_round` writes in place: a CUDA graph replays the
-    addresses it was captured with. lens [B] (target positions in cache); verify_ids [B,K+1], the next
-    verify call's ids (column 0 its root, the last emitted token; then the drafts, `drafts`) and positions
-    [B,K+1] (lens + 0..K); live [B] (the round's live mask, copied in when it changes); with a drafter:
-    draft_lens [B], num_valid [B] (the next drafter call's valid rows) and the pending rows (ids [B,P],
-    aux [B,P,A], count [B], `_PendingRows`'s), P = 2(K+1) to begin with: after a drafted round a
-    sequence that drafts has at most K+1 pending, which a drafter call reads, and a row appended past
-    them (a sequence that no longer drafts: finished, or near the context limit) lands at or past slot
-    K+1, read by no call. A goodput stream's k = 0 rounds add a row each until its next drafter call
-    catches up: `fit` grows P for them."""
-
-    def __init__(self, batch: int, depth: int, aux_width: int, aux_dtype: torch.dtype, device):
-        w, zeros = depth + 1, functools.partial(torch.zeros, dtype=torch.int64, device=device)
-        self.lens, self.verify_ids, self.positions = zeros(batch), zeros(batch, w), zeros(batch, w)
-        self.live = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.draft_lens, self.num_valid, self.count = zeros(batch), zeros(batch), zeros(batch)
-        self.ids = zeros(batch, 2 * w)
-        self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
-        self.room = 2 * w  # P
-        self.drafts = self.verify_ids[:, 1:]
-        # Views made once (each slicing is a torch call, host time in every round): a verify call's
-        # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
-        # the drafter's rows by theirs.
-        self.views = {t: (self.verify_ids[:, :t], self.positions[:, :t]) for t in range(1, w + 1)}
-        self._rows = {}
-        self.alive, self.adopted = None, False
-
-    def start(self, lens, first, state) -> None:
-        """A stream's state after its prompt pass: cache lengths, the first token (the first root), the
-        live mask; no drafter rows yet (`adopt` takes the prompt's after the first drafter call)."""
-        self.lens.copy_(lens)
-        self.verify_ids[:, 0].copy_(first)
-        self.positions.copy_(self.lens.view(-1, 1) + _arange(self.positions.shape[1], self.lens.device))
-        self.draft_lens.zero_()
-        self.alive, self.adopted = None, False
-        self.set_live(state.active.tolist(), state)
-
-    def set_live(self, alive: list[bool], state) -> None:
-        """The round's live mask into `live` (a copy on the device, only when it changed)."""
-        if alive != self.alive:
-            self.live.copy_(state.on_device(alive))
-            self.alive = alive
-
-    def adopt(self, pending: _PendingRows) -> None:
-        """Move the pending rows into these buffers (the first P of each sequence: see the class) and
-        make `pending` use them."""
-        p = min(self.ids.shape[1], pending.ids.shape[1])
-        self.ids.zero_()
-        self.aux.zero_()
-        self.ids[:, :p], self.aux[:, :p] = pending.ids[:, :p], pending.aux[:, :p]
-        self.count.copy_(pending.count)
-        torch.clamp(self.count, 1, self.verify_ids.shape[1], out=self.num_valid)
-        pending.ids, pending.aux, pending.count = self.ids, self.aux, self.count
-        self.adopted = True
-
-    def fit(self, rows: int, pending: _PendingRows) -> None:
-        """Room for `rows` pending rows a sequence (a goodput stream's k = 0 rounds add one each, and its
-        next drafter call catches up on them all): the rows' buffers grow by doubling, their rows kept.
-        The settle graphs captured over the old buffers keep them (a geometric series: at most as much
-        again), and new ones are captured over these (a graph per set of shapes)."""
-        if rows <= self.room:  # (a Python int: a tensor's shape is a torch call, in every k = 0 round)
-            return
-        self.ids, self.aux = _grown(self.ids, self.aux, rows)
-        self.room = self.ids.shape[1]
-        self._rows.clear()
-        if self.adopted:
-            pending.ids, pending.aux = self.ids, self.aux
-
-    def drafter_rows(self, width: int):
-        """The drafter's input rows (ids [B,W], aux [B,W,A]): views of the pending rows, kept for the
-        widths of calls after a drafted round (a catch-up's width is rarely seen twice)."""
-        if width in self._rows:
-            return self._rows[width]
-        rows = self.ids[:, :width], self.aux[:, :width]
-        if width <= self.verify_ids.shape[1]:
-            self._rows[width] = rows
-        return rows
-
-    def new_rows(self, out, width: int) -> dict[str, torch.Tensor]:
-        """The new K/V of a drafter call's `width` input rows (its later steps' rows follow), as views
-        made once per output tensor: a graph's outputs are the same tensors at every replay."""
-        key = (width, C.NEW_KEY)
-        if self._rows.get(key, (None,))[0] is not out[C.NEW_KEY]:
-            self._rows[key] = out[C.NEW_KEY], {name: out[name][:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
-        return self._rows[key][1]
-
-
-def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy, aux, new_key, new_value,
-                  pending_ids=None, pending_aux=None, pending_count=None, num_valid=None,
-                  draft_lens=None, draft_k=None, draft_v=None, draft_new_key=None, draft_new_value=None):
-    """A device round's bookkeeping, from the verify call's outputs to what the host reads: everything
-    in place on the round's buffers (`_RoundBuffers`) and the caches, tensor ops of fixed shapes with no
-    host read, so that one CUDA graph holds it (`cuda_graphs.check_capturable` proves it on CPU) ->
-    [accepted, greedy ids] [B,1+T], the one read. In order:
-      the drafter call of this round (given its new K/V rows): its first num_valid rows committed at
-      draft_lens, draft_lens += num_valid, its pending rows consumed (count = 0), live sequences only;
-      accepted = the leading drafts verify_ids[:, 1:T] equal to greedy (0 in a plain step, T = 1);
-      the target's rows 0..accepted committed at lens; the drafter's next rows (greedy, aux) appended,
-      accepted + 1 of them valid; lens += accepted + 1; the root becomes greedy[accepted]; positions
-      and num_valid made for the next round.
-    A sequence not live changes nothing that is read later (its rows write back what their slots held,
-    its appended rows are padding past its count): the capture's warm-up runs with no sequence live
-    (`_dry`)."""
-    b, width = greedy.shape
-    if draft_new_key is not None:
-        _commit_drafter(draft_k, draft_v, {C.NEW_KEY: draft_new_key, C.NEW_VALUE: draft_new_value}, draft_lens,
-                        num_valid, live, pending_count)
-    accepted = greedy_accepted_path(verify_ids[:, 1:width], None, greedy)[0].view(b, 1)
-    taken = torch.where(live.view(b, 1), accepted + 1, 0).view(b)
-    _write_rows(target_k, target_v, {C.NEW_KEY: new_key, C.NEW_VALUE: new_value}, lens, taken, live)
-    if pending_ids is not None:
-        _append_rows(pending_ids, pending_aux, pending_count, greedy, aux, None, taken)
-        torch.clamp(pending_count, 1, verify_ids.shape[1], out=num_valid)
-    lens.add_(taken)
-    root = verify_ids[:, 0]
-    root.copy_(torch.where(live, greedy.gather(1, accepted).view(b), root))
-    positions.copy_(lens.view(b, 1) + _arange(positions.shape[1], lens.device))
-    return torch.cat([accepted, greedy], dim=1)
-
-
-def _drafts_read(nodes, token_probs) -> torch.Tensor:
-    """What the goodput policy's choice reads of a chain's drafts, [B, 2K] float64 for one transfer: the
-    joint probabilities p_1 ... p_d (`tree.chain_joint`, float32 values) beside the drafts' ids (below
-    2^53): both exact in float64."""
-    return torch.cat([tree.chain_joint(token_probs).double(), nodes.double()], dim=1)
-
-
-def _commit_drafter(draft_k, draft_v, new_rows, draft_lens, num_valid, live, pending_count) -> None:
-    """A drafter call's input rows consumed, live sequences only, in place and without a host read: the
-    first num_valid of its new K/V rows committed at draft_lens, draft_lens += num_valid, the pending
-    rows' count = 0 (`_settle_round` for a K+1-row call, `_device_draft` for a catch-up)."""
-    _write_rows(draft_k, draft_v, new_rows, draft_lens, num_valid, live)
-    draft_lens.add_(torch.where(live, num_valid, 0))
-    pending_count.masked_fill_(live, 0)
-
-
-def _dry(names, inputs):
-    """`_settle_round`'s inputs with no sequence live: what its capture warms up on (see its docstring)."""
-    return [torch.zeros_like(t) if name == "live" else t for name, t in zip(names, inputs)]
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`: itself where it is already (each torch call, even one that does nothing,
-    is host time in every round)."""
-    return tensor if tensor.device == device else tensor.to(device)
-
-
-@functools.lru_cache(maxsize=32)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """[0, n) on `device`, made once: callers must not write into it."""
-    return torch.arange(n, device=device)
-
-
 @functools.lru_cache(maxsize=8)
 def _chain(k: int) -> torch.Tensor:
     """The parents of a chain of k drafts: node i's is i-1, the first's the root (-1). Kept per k (a
@@ -1162,19 +745,3 @@ def _gather_rows(out, rows):
     index = rows.to(out[C.NEW_KEY].device)[None, :, None, :, None]
     return {name: out[name].gather(3, index.expand(*out[name].shape[:3], -1, out[name].shape[4]))
             for name in (C.NEW_KEY, C.NEW_VALUE)}
-
-
-def _write_rows(keys, values, out, starts, counts, live):
-    """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
-    cache write the runtime does (rejected rows are simply never written). On the caches' device
-    without a host read: row r of sequence b goes to slot starts[b] + r, and a row not committed (r >=
-    counts[b], or a sequence not live) writes back what its slot held. Slots past the cache view are
-    clamped into it; a live sequence's rows always fit (`_State.reserve`), so a row written back never
-    shares a slot with a committed one."""
-    device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
-    rows = _arange(r, device)
-    slots = (_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r, 1)
-    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r, 1)
-    for cache, new in ((keys, out[C.NEW_KEY]), (values, out[C.NEW_VALUE])):
-        index = slots.expand(*new.shape)
-        cache.scatter_(3, index, torch.where(keep, new, cache.gather(3, index)))

@@ -1,0 +1,106 @@
+"""The rows a round moves, on the backend's device, as whole-batch tensor operations without a host read:
+new K/V rows committed into the caches (`_write_rows`: the only cache write the runtime does) and the
+drafter's input rows that wait for its next call (`_PendingRows`, `_append_rows`). The general round
+(`runtime.py`) and the device round (`device_round.py`) both write through these."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..models import contract as C
+
+
+class _PendingRows:
+    """The drafter's input rows it has not consumed yet, on the device: token ids [B,W], aux states
+    [B,W,A] and each sequence's count [B] (its first count rows are real; the rest is padding, which
+    an append may overwrite), and the counts as the host knows them (`host`: the drafter's width,
+    without a read). Verify calls append; a drafter call takes all rows of the live sequences (the
+    others never draft again: they finished or finish token by token, so their rows are never read)."""
+
+    def __init__(self, ids, aux, count):
+        self.ids, self.aux = ids.to(aux.device), aux.clone()  # ours to write into
+        self.count, self.host = count.to(aux.device).clone(), count.tolist()
+
+    def _fit(self, width):
+        if width > self.aux.shape[1]:
+            self.ids, self.aux = _grown(self.ids, self.aux, width)
+
+    def append(self, tokens, aux, rows, added):
+        """Sequence b's next added[b] rows: tokens[b, i] [B,R], the i-th beside the aux state of the
+        verify call's row rows[b, i] (None: row i), the row that predicted it. All R go to the slots
+        after its count (past added[b] they are padding): two scatters for the whole batch, no host
+        read. The host's counts follow with `added`."""
+        self._fit(max(self.host) + tokens.shape[1])
+        _append_rows(self.ids, self.aux, self.count, tokens, aux, rows, added)
+
+    def added(self, counts: list[int]) -> None:
+        """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
+        self.host = [h + n for h, n in zip(self.host, counts)]
+
+    def take(self, alive: list[bool], live, width_for=lambda rows: rows):
+        """The live sequences' rows at the width `width_for` gives (padding rows beyond num_valid):
+        ids [B,W], aux [B,W,A], num_valid [B] (at least 1: a finished sequence's row is padding).
+        alive: the live mask as a list, live: on the device."""
+        width = width_for(max(h for h, keep in zip(self.host, alive) if keep))
+        self._fit(width)
+        num_valid = self.count.clamp(1, width)
+        self.count = torch.where(live, 0, self.count)
+        self.taken(alive)
+        return self.ids[:, :width], self.aux[:, :width], num_valid
+
+    def taken(self, alive: list[bool]) -> None:
+        """The host's counts after a drafter call took every row of the live sequences."""
+        self.host = [0 if keep else h for h, keep in zip(self.host, alive)]
+
+
+def _grown(ids, aux, rows: int):
+    """Pending rows ids [B,P], aux [B,P,A] with room for `rows` > P a sequence, their rows kept: grown by
+    doubling (plain steps and k = 0 rounds add one row at a time)."""
+    grow = max(rows, 2 * ids.shape[1]) - ids.shape[1]
+    return (torch.cat([ids, ids.new_zeros(len(ids), grow)], dim=1),
+            torch.cat([aux, aux.new_zeros(len(aux), grow, aux.shape[2])], dim=1))
+
+
+def _append_rows(ids, aux_rows, count, tokens, aux, rows, added) -> None:
+    """Append to pending rows ids [B,P], aux_rows [B,P,A] with counts count [B], in place: sequence b's
+    rows tokens[b, i] [B,R] beside the aux state of the verify call's row rows[b, i] (None: row i), all
+    R of them at the slots after its count (past added[b] they are padding), then count += added. Two
+    scatters for the whole batch, no host read. A slot past P is clamped into the last one: `_PendingRows`
+    grows first so that none is, and a device round's buffers never read a slot that high (see
+    _RoundBuffers: only the rows of a sequence that no longer drafts land there)."""
+    device, (b, width), a = aux_rows.device, tokens.shape, aux.shape[2]
+    slots = (count.view(b, 1) + _arange(width, device)).clamp_(max=ids.shape[1] - 1)
+    ids.scatter_(1, slots, _to(tokens, device))
+    source = aux[:, :width] if rows is None else aux.gather(1, _to(rows, device).view(b, width, 1).expand(-1, -1, a))
+    aux_rows.scatter_(1, slots.view(b, width, 1).expand(-1, -1, a), source)
+    count.add_(_to(added, device))
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself where it is already (each torch call, even one that does nothing,
+    is host time in every round)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """[0, n) on `device`, made once: callers must not write into it."""
+    return torch.arange(n, device=device)
+
+
+def _write_rows(keys, values, out, starts, counts, live):
+    """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
+    cache write the runtime does (rejected rows are simply never written). On the caches' device
+    without a host read: row r of sequence b goes to slot starts[b] + r, and a row not committed (r >=
+    counts[b], or a sequence not live) writes back what its slot held. Slots past the cache view are
+    clamped into it; a live sequence's rows always fit (`_State.reserve`), so a row written back never
+    shares a slot with a committed one."""
+    device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
+    rows = _arange(r, device)
+    slots = (_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r, 1)
+    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r, 1)
+    for cache, new in ((keys, out[C.NEW_KEY]), (values, out[C.NEW_VALUE])):
+        index = slots.expand(*new.shape)
+        cache.scatter_(3, index, torch.where(keep, new, cache.gather(3, index)))
