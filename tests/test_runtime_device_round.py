@@ -699,7 +699,7 @@ def test_an_eager_k0_round_makes_the_torch_calls_of_a_plain_step(pair, cls, batc
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
         assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
         plain = sorted(n for drafted, n in runtime.rounds if not drafted)
-        assert len(plain) > 8  # (the confidence profile: k = 0 rounds between probes)
+        assert len(plain) >= 8  # (the confidence profile: k = 0 rounds between probes, 8 apart)
         medians[speculative] = plain[len(plain) // 2]
     plain, k0 = medians[False], medians[True]
     assert (k0 > plain + 8) if cls is _RowsAppendedEachRound else (k0 <= plain), (k0, plain)
