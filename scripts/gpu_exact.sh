@@ -41,15 +41,15 @@ assert torch.cuda.is_available(), 'no CUDA GPU'
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))
 " 2>&1 | tee "$out/versions.txt" || exit 1
 
-timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
-    -k reduction_by_the_last_program 2>&1 | tail -15 | tee "$out/reductions.txt"
+timeout 150 python3 -m pytest tests/test_kernel_reductions.py -q -p no:cacheprovider --noconftest -o addopts="" \
+    2>&1 | tail -15 | tee "$out/reductions.txt"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
     export EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1
     echo "FUSED REDUCTIONS FAILED natively: every step below runs the two-kernel path" | tee -a "$out/reductions.txt"
 fi
 echo "reductions' tests: after $((SECONDS - start)) s" | tee -a "$out/reductions.txt"
 timeout 150 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --noconftest -o addopts="" \
-    -k "not reduction_by_the_last_program" 2>&1 | tail -15 | tee "$out/kernels.txt"
+    2>&1 | tail -15 | tee "$out/kernels.txt"
 echo "kernels' tests: after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
 timeout 90 python3 -m pytest tests/test_cuda_graphs.py tests/test_runtime_device_round.py -m cuda -q -p no:cacheprovider \
     -o addopts="" 2>&1 | tail -8 | tee "$out/graph-tests.txt"

@@ -46,7 +46,7 @@ zeroed int32 buffer a device (_counters), made once outside any graph capture an
 sharing it must not run at the same time on two streams (the runtime runs one). Under the
 interpreter programs run one after another, so there only the protocol's bookkeeping is checked (the
 tests also run the programs in shuffled orders); its memory ordering is proven only natively, by
-scripts/gpu_exact.sh (tests/test_kernels.py: fused against the two-kernel path bit for bit, 20 calls
+scripts/gpu_exact.sh (tests/test_kernel_reductions.py: fused against the two-kernel path bit for bit, 20 calls
 a case, and replayed from a CUDA graph). `_FUSED = False` (EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS=1) runs
 the two kernels: the tests' reference, the GPU probe's A/B, and what that script measures on if the
 fused path fails there.
