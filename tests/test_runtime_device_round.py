@@ -174,6 +174,19 @@ def eos_config(pair, prompts, policy="fixed"):
     return GenerationConfig(max_new_tokens=new, eos_ids=(eos,))
 
 
+def goodput_stream(pair, cls, batch, backend_cls, max_context):
+    """(runtime of class `cls`, its backend of class `backend_cls`, prompts): the tiny pair over the first
+    `batch` of three prompts, the drafter right where `confident` says, the goodput policy on `costs`."""
+    target, drafter = pair
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
+    continuations = [p + greedy(target, p, 64) for p in prompts]
+    backend = backend_cls(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                          continuations=continuations, confident=confident)
+    runtime = cls.for_models(backend, target, drafter, max_context=max_context,
+                             verify_policy=Goodput(DEPTH, costs(batch)))
+    return runtime, backend, prompts
+
+
 def assert_same_stream(device, general):
     """Two runs' (`run`) statistics, policy decisions, drafts per drafter call, drafter widths and whole
     target and drafter caches (rows past a sequence's length included: rejected rows are never written)
@@ -357,12 +370,8 @@ def test_a_goodput_device_round_reads_the_device_twice_at_most(pair, cls, batch)
     near the limit): a drafted round reads the device twice (its drafts with their probabilities for the
     policy's choice, then the outcome), a round without a drafter call once; greedy output stays the
     target's. Planted: a round that also reads the probabilities on their own."""
-    target, drafter = pair
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
-    continuations = [p + greedy(target, p, 64) for p in prompts]
-    backend = _RightOnDevice(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
-                             continuations=continuations, confident=confident)
-    runtime = cls.for_models(backend, target, drafter, max_context=48, verify_policy=Goodput(DEPTH, costs(batch)))
+    target, _ = pair
+    runtime, backend, prompts = goodput_stream(pair, cls, batch, _RightOnDevice, max_context=48)
     runtime.rounds = []
     results = runtime.generate(prompts, GenerationConfig(max_new_tokens=48))
     assert [r.tokens for r in results] == [greedy(target, p, len(r.tokens)) for p, r in zip(prompts, results)]
@@ -687,12 +696,8 @@ def test_an_eager_k0_round_makes_the_torch_calls_of_a_plain_step(pair, cls, batc
     decoding step on the device round (medians over the rounds; a round that grows the caches makes more,
     in either stream). Greedy output stays the target's. Planted: each k = 0 round appending its own row
     in the bookkeeping, as it did (17 calls more on the tiny pair)."""
-    target, drafter = pair
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]][:batch]
-    continuations = [p + greedy(target, p, 64) for p in prompts]
-    backend = RightDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
-                          continuations=continuations, confident=confident)
-    runtime = cls.for_models(backend, target, drafter, max_context=256, verify_policy=Goodput(DEPTH, costs(batch)))
+    target, _ = pair
+    runtime, _, prompts = goodput_stream(pair, cls, batch, RightDrafts, max_context=256)
     medians = {}
     for speculative in (False, True):
         runtime.rounds = []
