@@ -236,7 +236,7 @@ class GoodputDepth:
         """Whether the round calls the drafter (see the module). Remembered while its inputs stay (the
         rounds between probes, where nothing the policy knows changes: a k = 0 round costs what a plain
         step does)."""
-        if self.since_draft >= self.interval:  # (_probing, inlined: every round asks)
+        if self._probing():
             return True
         alive = live.tolist()
         memo = self._draft_memo
@@ -275,7 +275,7 @@ class GoodputDepth:
     def _choose_greedy(self, reach: list, alive: list[bool], widths: list[int], drafts, chain: bool) -> int:
         """`choose`, greedy: reach [B][J+1][D] (a chain's: [B][D]), drafts (nodes, parents) as lists or None."""
         self.widths, self._sampling = widths, False
-        at_least = 1 if self.since_draft >= self.interval else 0  # (see choose; _probing, inlined)
+        at_least = int(self._probing())  # (see choose)
         self._drafts, self._chain, self._reach = drafts, chain, reach
         j, self._promised = self._best(self._calibrated(), alive, at_least)
         self._promised_from = None if at_least else (self._trust_path, alive)  # what _promised was read with
@@ -365,7 +365,7 @@ class GoodputDepth:
         if not drafted:
             self.since_draft += 1
             return
-        probe = self.since_draft >= self.interval  # (_probing, inlined)
+        probe = self._probing()
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
