@@ -93,6 +93,15 @@ class GraphSpec:
         return next(t for t in self.inputs + self.outputs if t.name == name)
 
 
+# The names the runtime binds each graph by (inputs, outputs), beside the specs below that define them:
+# those every graph has, not the optional ones (a target's logits and tree mask, a tree drafter's parents,
+# a sampling drafter's inputs and probabilities).
+BOUND_NAMES = {"target": ((INPUT_IDS, POSITIONS, PAST_KEY, PAST_VALUE, CACHE_LENS),
+                          (GREEDY_IDS, AUX_HIDDEN, NEW_KEY, NEW_VALUE)),
+               "drafter": ((INPUT_IDS, AUX_HIDDEN, NUM_VALID, PAST_KEY, PAST_VALUE, CACHE_LENS),
+                           (DRAFT_IDS, DRAFT_TOKEN_PROBS, NEW_KEY, NEW_VALUE))}
+
+
 def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphSpec:
     cache = (cfg.num_layers, BATCH, cfg.num_kv_heads, PAST, cfg.head_dim)
     new_cache = (cfg.num_layers, BATCH, cfg.num_kv_heads, TOKENS, cfg.head_dim)

@@ -246,18 +246,10 @@ class TorchBackend(Backend):
         return self._run(sampling, feeds)
 
 
-# The names the runtime binds each graph by (contract.py), beyond the optional ones (a target's logits and
-# tree mask, a tree drafter's parents, a sampling drafter's inputs and probabilities).
-BOUND_NAMES = {"target": ((C.INPUT_IDS, C.POSITIONS, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
-                          (C.GREEDY_IDS, C.AUX_HIDDEN, C.NEW_KEY, C.NEW_VALUE)),
-               "drafter": ((C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
-                           (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS, C.NEW_KEY, C.NEW_VALUE))}
-
-
 def check_bound_names(path, session, role: str, outputs=()) -> None:
     """Refuse a graph (a hand-made or foreign one) without an input or output the runtime binds for
-    `role` (BOUND_NAMES, and `outputs`), naming what is missing, before any call fails on it."""
-    inputs, needed = BOUND_NAMES[role]
+    `role` (contract.BOUND_NAMES, and `outputs`), naming what is missing, before any call fails on it."""
+    inputs, needed = C.BOUND_NAMES[role]
     missing = ([f"input {n}" for n in inputs if n not in {i.name for i in session.get_inputs()}]
                + [f"output {n}" for n in (*needed, *outputs) if n not in {o.name for o in session.get_outputs()}])
     if missing:
