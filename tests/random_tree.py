@@ -38,8 +38,8 @@ class RandomTrees:
             depths.append(1 if p < 0 else depths[p] + 1)
         return TreeShape(tuple(parents))
 
-    def drafter(self, feeds, sampling=False):
-        out = super().drafter(feeds, sampling)
+    def drafter(self, feeds, sampling=False, bound=()):
+        out = super().drafter(feeds, sampling, bound)
         batch = len(feeds[C.INPUT_IDS])
         n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.rng))
         shapes = [self._parents(n)] * batch if self.kind == "static" else [self._parents(n) for _ in range(batch)]

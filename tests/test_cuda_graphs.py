@@ -61,6 +61,77 @@ def test_inputs_are_copied_into_static_buffers_and_bound_ones_are_read_in_place(
     assert graphs({"x": x, "cache": cache})[0].tolist() == [10, 10, 10, 10] and out.tolist() == [10, 10, 10, 10]
 
 
+def _bound_never_copied(self, inputs, given, refs):  # planted: a bound input given as another tensor is read stale
+    for static, tensor, ref in zip(inputs, given, refs):
+        if not ref and static is not tensor:
+            static.copy_(tensor)
+
+
+def _binding_ignored(original):  # planted: the caller's bound names dropped, its buffers copied in every call
+    return lambda self, feeds, bound=(): original(self, feeds)
+
+
+@pytest.mark.parametrize("plant", [None, _bound_never_copied, _binding_ignored],
+                         ids=["bound", "planted: not copied in", "planted: binding ignored"])
+def test_a_callers_own_buffers_are_bound_in_graphs_of_their_own(monkeypatch, plant):
+    """A caller that keeps its inputs at fixed addresses binds them (`bound`): the graph is captured over
+    its tensors and reads them in place, nothing copied; another caller's fresh tensors of the same shapes
+    replay a graph of their own, with clones, and never write the first caller's buffers; a bound input
+    given as another tensor of its layout is copied in (counted), one of another layout (a regrown
+    buffer's view) gets a graph of its own. Planted: a bound input replaced between calls but not copied
+    in; the caller's binding ignored (its buffers copied in at every call)."""
+    if plant is _bound_never_copied:
+        monkeypatch.setattr(ShapeGraphs, "_feed", plant)
+    elif plant is _binding_ignored:
+        monkeypatch.setattr(ShapeGraphs, "__call__", plant(ShapeGraphs.__call__))
+    captures = []
+
+    def capture(fn, inputs, warmup=None):
+        captures.append(inputs)
+        return replay_eagerly(fn, inputs, warmup)
+
+    graphs = ShapeGraphs(lambda x, n, cache: (x * n + cache.sum(),), ["x", "n", "cache"], ("cache",), capture)
+    cache, x, n = torch.zeros(3), torch.ones(2), torch.full((2,), 2.0)
+    mine = {"x": x, "n": n, "cache": cache}
+    assert graphs(mine, ("x", "n"))[0].tolist() == [2, 2]
+    x.fill_(3)  # the caller writes its buffer between calls
+    assert graphs(mine, ("x", "n"))[0].tolist() == [6, 6]
+    assert graphs({"x": torch.full((2,), 5.0), "n": torch.ones(2), "cache": cache})[0].tolist() == [5, 5]
+    assert x.tolist() == [3, 3] and n.tolist() == [2, 2]  # (another caller's call wrote nothing of the first's)
+    in_place = captures[0][0] is x and captures[0][1] is n  # (the same tensors: nothing to copy in, `_feed`)
+    if plant is _binding_ignored:
+        assert not in_place
+        return
+    assert in_place and len(captures) == 2
+    other = torch.full((2,), 4.0)  # the caller's buffer replaced by another of its layout
+    result = graphs({"x": other, "n": n, "cache": cache}, ("x", "n"))[0].tolist()
+    if plant is _bound_never_copied:
+        assert result != [8, 8]
+        return
+    assert result == [8, 8] and graphs.copied_bound == 1 and len(captures) == 2
+    strided = torch.full((2, 2), 7.0)[:, 0]  # another layout: a graph of its own, read in place
+    assert graphs({"x": strided, "n": n, "cache": cache}, ("x", "n"))[0].tolist() == [14, 14]
+    assert len(captures) == 3 and captures[2][0] is strided and graphs.copied_bound == 1
+
+
+@pytest.mark.parametrize("by_address", [True, False], ids=["by address", "planted: copied in"])
+def test_a_function_writing_its_bound_inputs_gets_a_graph_per_buffer(by_address):
+    """A function that writes its bound inputs in place (a device round's bookkeeping) keys its graphs by
+    their addresses too: another buffer of the same layout gets a graph of its own, and the writes land in
+    the caller's buffer. Planted: such a buffer copied in, the writes land in the captured one."""
+    def advance(step, total):
+        total.add_(step)
+        return (total * 1,)
+
+    graphs = ShapeGraphs(advance, ["step", "total"], ("step", "total"), replay_eagerly,
+                         warmup=lambda inputs: [torch.zeros_like(inputs[0]), inputs[1]], by_address=by_address)
+    step, first, second = torch.ones(2), torch.zeros(2), torch.zeros(2)
+    graphs({"step": step, "total": first})
+    graphs({"step": step, "total": second})
+    assert first.tolist() == [1, 1]
+    assert (second.tolist() == [1, 1]) is by_address and (len(graphs.graphs) == 2) is by_address
+
+
 @pytest.mark.parametrize("recent", [16, 1], ids=["recent sets", "planted: the last set only"])
 def test_sets_of_inputs_seen_lately_are_replayed_without_looking_at_their_shapes(monkeypatch, recent):
     """A stream alternates verify widths (goodput's j, its k = 0 rounds): each width's inputs are the same
@@ -155,6 +226,13 @@ def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, draf
                 bound = [inputs[graph.input_names.index(name)] for name in (C.PAST_KEY, C.PAST_VALUE)]
                 assert {t.data_ptr() for t in bound} <= {c.data_ptr() for c in first_caches}
             assert graph.copied_bound == 0
+        # The device round's verify calls read the runtime's buffers in place; the cost measurement's calls of
+        # the same widths (fresh tensors) replayed graphs of their own.
+        buffers, verify = runtime._round_buffers[batch], runtime.backend.captured[None]
+        ids = verify.input_names.index(C.INPUT_IDS)
+        in_place = [inputs[ids].shape[1] for inputs, _, _ in verify.graphs.values()
+                    if inputs[ids].data_ptr() == buffers.verify_ids.data_ptr()]
+        assert in_place and len(verify.graphs) == depth + 1 + len(in_place)
 
 
 def test_static_caches_are_seen_through_views_growing_in_power_of_two_buckets(target, drafter):

@@ -36,7 +36,7 @@ from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target
 from eagle_export.models.layers import causal_mask
 from eagle_export.runtime.backends import ort_session, run_onnx
-from eagle_export.speculation.tree import TreeShape, verify_mask
+from eagle_export.speculation.tree import DynamicTree, TreeShape, verify_mask
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 AUX = (1, 3, 4)
@@ -410,6 +410,45 @@ def test_export_sampling_writes_the_greedy_drafter_too_and_swapped_graphs_are_re
     with pytest.raises(EagleExportError, match="drafter_sampling.onnx is a sampling drafter graph, given where the "
                                                "greedy one goes"):
         OnnxRuntimeBackend(out / "target.onnx", out / "drafter_sampling.onnx")
+
+
+def assert_every_variant_has(bound, variants):
+    """`bound` ({role: (inputs, outputs)}) names exactly what every spec of each role has, optional inputs
+    aside."""
+    for role, specs in variants.items():
+        for names, got in zip((lambda s: s.input_names, lambda s: s.output_names), bound[role]):
+            shared = {n for n in names(specs[0]) if all(n in names(s) for s in specs)} - set(C.OPTIONAL_INPUTS)
+            assert set(got) == shared, (role, got, shared)
+
+
+# What BOUND_NAMES read before it was derived from the specs (written out by hand).
+WRITTEN_OUT = {"target": ((C.INPUT_IDS, C.POSITIONS, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
+                          (C.GREEDY_IDS, C.AUX_HIDDEN, C.NEW_KEY, C.NEW_VALUE)),
+               "drafter": ((C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.PAST_KEY, C.PAST_VALUE, C.CACHE_LENS),
+                           (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS, C.NEW_KEY, C.NEW_VALUE))}
+
+
+@pytest.mark.parametrize(("table", "renamed"), [("derived", False), ("derived", True), ("written out", True)],
+                         ids=["as exported", "an input renamed", "planted: written out, renamed"])
+def test_the_names_a_graph_is_refused_without_are_those_every_spec_has(dirs, monkeypatch, table, renamed):
+    """contract.BOUND_NAMES (a graph lacking one is refused by name) is what every variant of the real specs
+    has (the tiny pair's configs; a chain, a static and a dynamic tree; greedy and sampling; with and without
+    logits), optional inputs aside, and follows an input renamed in the contract (cache_lens -> seq_lens).
+    Planted: the table written out by hand, which the rename leaves stale."""
+    if renamed:
+        monkeypatch.setattr(C, "CACHE_LENS", "seq_lens")
+    target, drafter = load_pair(dirs, "3.1")
+    trees = (TreeShape.chain(3), TreeShape((-1, -1, 0, 1)), DynamicTree(2, 3, 4))
+    variants = {"target": [C.target_graph(target.config, len(AUX), logits) for logits in (False, True)],
+                "drafter": [C.drafter_graph(drafter.config, tree, sampling) for tree in trees
+                            for sampling in (False, True)]}
+    bound = WRITTEN_OUT if table == "written out" else C.bound_names() if renamed else C.BOUND_NAMES
+    if table == "written out":
+        with pytest.raises(AssertionError):
+            assert_every_variant_has(bound, variants)
+    else:
+        assert_every_variant_has(bound, variants)
+        assert ("seq_lens" in bound["target"][0]) is renamed
 
 
 @pytest.mark.parametrize("graph, output", [("target.onnx", C.GREEDY_IDS), ("target.onnx", C.NEW_KEY),

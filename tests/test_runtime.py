@@ -52,9 +52,9 @@ class PlantedDrafts(TorchBackend):
         self.rng = torch.Generator().manual_seed(seed)
         self.cache_slots = set()  # the cache sizes the drafter was given
 
-    def drafter(self, feeds, sampling=False):
+    def drafter(self, feeds, sampling=False, bound=()):
         self.cache_slots.add(feeds[C.PAST_KEY].shape[3])
-        out = super().drafter(feeds, sampling)
+        out = super().drafter(feeds, sampling, bound)
         first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # position of draft 1
         drafts = out[C.DRAFT_IDS].clone()
         for b, full in enumerate(self.continuations):
@@ -73,8 +73,8 @@ class RecordedDrafts(TorchBackend):
         super().__init__(*graphs, **kw)
         self.calls = []
 
-    def drafter(self, feeds, sampling=False):
-        out = super().drafter(feeds, sampling)
+    def drafter(self, feeds, sampling=False, bound=()):
+        out = super().drafter(feeds, sampling, bound)
         self.calls.append(out[C.DRAFT_IDS].cpu().clone())
         return out
 
@@ -218,13 +218,13 @@ class ProfileChecked(TorchBackend):
             assert all(a <= s <= b for a, s, b in zip(lo, shape, hi)), \
                 f"{graph} profile {index}: {name} {shape} outside {lo}..{hi}"
 
-    def target(self, feeds, need_logits=False):
+    def target(self, feeds, need_logits=False, bound=()):
         self._check("target", feeds)
-        return super().target(feeds, need_logits)
+        return super().target(feeds, need_logits, bound)
 
-    def drafter(self, feeds, sampling=False):
+    def drafter(self, feeds, sampling=False, bound=()):
         self._check("drafter", feeds)
-        return super().drafter(feeds, sampling)
+        return super().drafter(feeds, sampling, bound)
 
 
 @pytest.mark.parametrize("max_context", [40, 70])  # below and above one cache_step (64)
@@ -401,8 +401,8 @@ class SampledTrees(TorchBackend):
         self.max_nodes, self.rng = max_nodes, torch.Generator().manual_seed(seed)
         self.verify_width = max_nodes + 1
 
-    def drafter(self, feeds, sampling=False):
-        out = super().drafter(feeds, sampling)
+    def drafter(self, feeds, sampling=False, bound=()):
+        out = super().drafter(feeds, sampling, bound)
         batch, vd = out[C.DRAFT_PROBS].shape[0], out[C.DRAFT_PROBS].shape[2]
         parents, depths = [], []
         for i in range(int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.rng))):
@@ -576,11 +576,11 @@ class _OnDevice(torch.Tensor):
 
 
 class _DeviceOutputs(TorchBackend):
-    def target(self, feeds, need_logits=False):
-        return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits).items()}
+    def target(self, feeds, need_logits=False, bound=()):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits, bound).items()}
 
-    def drafter(self, feeds, sampling=False):
-        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling).items()}
+    def drafter(self, feeds, sampling=False, bound=()):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling, bound).items()}
 
 
 class _CountingSyncs(SpeculativeRuntime):

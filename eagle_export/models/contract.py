@@ -33,6 +33,7 @@ rolls back by length alone. Cache slot j always holds position j.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from .config import DrafterConfig, TargetConfig
 
@@ -93,13 +94,9 @@ class GraphSpec:
         return next(t for t in self.inputs + self.outputs if t.name == name)
 
 
-# The names the runtime binds each graph by (inputs, outputs), beside the specs below that define them:
-# those every graph has, not the optional ones (a target's logits and tree mask, a tree drafter's parents,
-# a sampling drafter's inputs and probabilities).
-BOUND_NAMES = {"target": ((INPUT_IDS, POSITIONS, PAST_KEY, PAST_VALUE, CACHE_LENS),
-                          (GREEDY_IDS, AUX_HIDDEN, NEW_KEY, NEW_VALUE)),
-               "drafter": ((INPUT_IDS, AUX_HIDDEN, NUM_VALID, PAST_KEY, PAST_VALUE, CACHE_LENS),
-                           (DRAFT_IDS, DRAFT_TOKEN_PROBS, NEW_KEY, NEW_VALUE))}
+# Inputs a graph exported before they existed lacks: the backends feed a graph only the inputs it declares
+# (a target graph without tree_mask builds its causal mask in-graph, and runs chains).
+OPTIONAL_INPUTS = (TREE_MASK,)
 
 
 def target_graph(cfg: TargetConfig, num_aux: int, return_logits: bool) -> GraphSpec:
@@ -141,6 +138,34 @@ def drafter_graph(cfg: DrafterConfig, speculation, sampling: bool) -> GraphSpec:
         outputs.append(TensorSpec(DRAFT_PROBS, (BATCH, nodes, cfg.draft_vocab_size), "float32"))
     outputs += [TensorSpec(NEW_KEY, new_cache, MODEL_DTYPE), TensorSpec(NEW_VALUE, new_cache, MODEL_DTYPE)]
     return GraphSpec(tuple(inputs), tuple(outputs), cfg.vocab_size)
+
+
+def required_names(specs) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(inputs, outputs) that every one of `specs` (a graph's variants) has, OPTIONAL_INPUTS left out, in
+    the first spec's order."""
+    first, *rest = specs
+
+    def every(names):
+        return tuple(n for n in names(first) if n not in OPTIONAL_INPUTS and all(n in names(s) for s in rest))
+    return every(lambda s: s.input_names), every(lambda s: s.output_names)
+
+
+# The names the runtime feeds and reads each graph by (inputs, outputs), checked on a graph before it runs
+# (`backends.check_bound_names`): those every variant of its spec has, read off the specs above (at sizes
+# that do not matter: names do not depend on them), so a renamed or added input or output cannot leave
+# them stale; not a target's logits, a tree drafter's parents and joint probabilities, a sampling
+# drafter's inputs and probabilities, nor an optional input. (Not the inputs a CUDA graph binds by
+# reference: `runtime.backends.Backend.target`.)
+def bound_names() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """BOUND_NAMES, read off the specs."""
+    size = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1, vocab_size=1, hidden_size=1, num_aux=1,
+                           target_hidden_size=1, draft_vocab_size=1)
+    return {"target": required_names([target_graph(size, 1, logits) for logits in (False, True)]),
+            "drafter": required_names([drafter_graph(size, SimpleNamespace(num_nodes=1, is_chain=chain), sampling)
+                                       for chain in (True, False) for sampling in (False, True)])}
+
+
+BOUND_NAMES = bound_names()
 
 
 def example_args(spec: GraphSpec, sizes: dict[str, int], generator=None, dtype=None, tree_mask=None) -> tuple:

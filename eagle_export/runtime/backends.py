@@ -177,18 +177,32 @@ class Backend:
         self.verify_width = self.speculation.verify_width  # the widest verify call
         self.has_logits, self.has_sampling = has_logits, has_sampling
 
-    def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False) -> dict[str, torch.Tensor]:
+    def target(self, feeds: dict[str, torch.Tensor], need_logits: bool = False,
+               bound: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The target graph on `feeds` (contract names). `bound`: the names of feeds the caller owns at
+        fixed addresses, beside the caches (always bound): tensors it writes only between calls and never
+        frees or repurposes while the backend lives (the device round's buffers and the views made once
+        of them, `device_round.TARGET_BOUND`). A backend replaying CUDA graphs captures them by reference
+        and reads them in place at every replay, instead of copying each into a static clone at every
+        call (a launch and host time each, 5-10 us on a GPU). Its invariant (`cuda_graphs.ShapeGraphs`):
+        a bound input's address is the one its graph was captured with at every replay, or the call's
+        tensor is copied in there (another tensor than at capture: correct, counted as `copied_bound`).
+        The other backends read every input in place at every call and ignore it."""
         raise NotImplementedError
 
-    def drafter(self, feeds: dict[str, torch.Tensor], sampling: bool = False) -> dict[str, torch.Tensor]:
+    def drafter(self, feeds: dict[str, torch.Tensor], sampling: bool = False,
+                bound: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The drafter graph (the sampling one with `sampling`) on `feeds`; `bound` as in `target`
+        (`device_round.DRAFTER_BOUND`)."""
         raise NotImplementedError
 
 
 class TorchBackend(Backend):
     """The exported torch modules. `cuda_graphs`: replay each call of at most K+1 tokens (verify,
-    plain steps, the drafter's padded rows) from a CUDA graph captured per input shape (see
+    plain steps, the drafter's padded rows) from a CUDA graph captured per input shape and binding (see
     cuda_graphs.py); longer calls (prefill, a drafter catching up) run eagerly. The runtime then
-    keeps its caches static. `capture` makes the graphs (default: torch.cuda.CUDAGraph). `exact`: the
+    keeps its caches static: they are bound by reference in every call (`CACHES`), beside the inputs a
+    call binds (`Backend.target`). `capture` makes the graphs (default: torch.cuda.CUDAGraph). `exact`: the
     models bound once to the width-invariant kernels (runtime/exact.py): True insists (refused where they
     cannot hold), False keeps torch's kernels, None (the default) binds them on a CUDA GPU wherever
     they hold and says in one line why not where they do not (`exact.resolve`).
@@ -226,24 +240,26 @@ class TorchBackend(Backend):
                 raise EagleExportError(f"CUDA graphs need a CUDA device, the torch backend runs on {device}",
                                        "run on a machine with a CUDA GPU, or without --cuda-graphs")
             capture = self.capture = capture or CudaGraphCapture()
-            self.captured = {key: ShapeGraphs(graph, spec.input_names, (C.PAST_KEY, C.PAST_VALUE), capture)
+            self.captured = {key: ShapeGraphs(graph, spec.input_names, self.CACHES, capture)
                              for key, (graph, spec) in self.graphs.items()}
 
-    def _run(self, key, feeds):
+    CACHES = (C.PAST_KEY, C.PAST_VALUE)  # bound in every call: the runtime's static caches (see `Backend.target`)
+
+    def _run(self, key, feeds, bound):
         graph, spec = self.graphs[key]
         if key in self.captured and feeds[C.INPUT_IDS].shape[1] <= self.depth + 1:
-            outputs = self.captured[key](feeds)
+            outputs = self.captured[key](feeds, bound)
         else:
             outputs = graph(*[feeds[name] for name in spec.input_names])
         return dict(zip(spec.output_names, outputs))
 
     @torch.inference_mode()
-    def target(self, feeds, need_logits=False):
-        return self._run(None, feeds)
+    def target(self, feeds, need_logits=False, bound=()):
+        return self._run(None, feeds, bound)
 
     @torch.inference_mode()
-    def drafter(self, feeds, sampling=False):
-        return self._run(sampling, feeds)
+    def drafter(self, feeds, sampling=False, bound=()):
+        return self._run(sampling, feeds, bound)
 
 
 def check_bound_names(path, session, role: str, outputs=()) -> None:
@@ -305,11 +321,11 @@ class OnnxRuntimeBackend(Backend):
                                    f"elsewhere ({self.drafter_session.get_providers()})",
                                    "pass providers=['CPUExecutionProvider'] to run both on the CPU")
 
-    def target(self, feeds, need_logits=False):
+    def target(self, feeds, need_logits=False, bound=()):
         names = [o.name for o in self.target_session.get_outputs() if need_logits or o.name != C.LOGITS]
         return run_bound(self.target_session, feeds, names, self.step_rows, self.num_nodes, self.device)
 
-    def drafter(self, feeds, sampling=False):
+    def drafter(self, feeds, sampling=False, bound=()):
         session = self.drafter_sampling_session if sampling else self.drafter_session
         return run_bound(session, feeds, [o.name for o in session.get_outputs()], self.step_rows, self.num_nodes,
                          self.device)
@@ -339,8 +355,8 @@ class TensorRTBackend(Backend):
         widest = self.verify_width if graph == "target" else self.depth + 1
         return 1 if feeds[C.INPUT_IDS].shape[1] <= widest else 0
 
-    def target(self, feeds, need_logits=False):
+    def target(self, feeds, need_logits=False, bound=()):
         return self.target_session.run(dict(feeds), self._profile(feeds, "target"))
 
-    def drafter(self, feeds, sampling=False):
+    def drafter(self, feeds, sampling=False, bound=()):
         return self.drafter_session.run(dict(feeds), self._profile(feeds, "drafter"))

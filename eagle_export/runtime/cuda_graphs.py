@@ -5,10 +5,14 @@ them. A CUDA graph records one call's kernels once and replays them in one launc
 gpt-fast do. A graph replays the memory it was captured with, so:
   - one graph per input shape, captured lazily on its first call (the runtime keeps the shapes
     few: verify widths T = 1..K+1, the drafter's rows padded to K+1, caches at the context limit);
-  - every input lives in a static buffer the graph reads; a call copies its small inputs (ids,
-    positions, lengths) into them, while the caches are bound by reference: the graph is captured
-    reading the runtime's own cache tensors, which the runtime writes between replays, and they
-    are never copied (a call given another cache tensor is copied in, correct but slow);
+  - an input is read by reference (bound: the graph is captured reading the caller's own tensor) or
+    from the graph's own clone, into which every call copies it. The caches are always bound: the
+    runtime writes them between replays and they are never copied. A caller binds more of its inputs
+    where it keeps them at fixed addresses for as long as the graphs live (a device round's buffers,
+    `device_round._RoundBuffers`), so its steady-state round copies nothing; other callers' fresh tensors
+    of the same shapes (a cost measurement, a short prefill, the general round) replay graphs of their
+    own, with clones. A bound input's address is the captured one at every replay, or it is copied in
+    (a call given another tensor than at capture: correct, counted as `copied_bound`);
   - outputs are static buffers too, overwritten by the next replay of the same graph: the runtime
     consumes them (commits K/V rows, copies ids to the host) before that.
 The capture itself is the only CUDA-only code (`CudaGraphCapture`, written against the documented
@@ -60,56 +64,82 @@ class CudaGraphCapture:
 
 
 class ShapeGraphs:
-    """A module called by input name, one captured graph per set of input shapes. `bound` names the
-    inputs captured by reference (the caches); the others are copied into static buffers. `warmup`
-    maps a capture's inputs to those its warm-up calls get (None: the same; see CudaGraphCapture)."""
+    """A module called by input name, one captured graph per (inputs bound by reference, input shapes,
+    the bound inputs' strides). `bound` names the inputs every call binds (the caches); a call may bind
+    more of its own (`__call__`). A bound input is captured as the caller's tensor itself, which the
+    graph holds (so its memory is never freed while the graph lives) and reads in place at every replay;
+    every other input is the graph's own clone, copied into at every call. The invariant: a bound
+    input's address at every replay of a graph is the one it was captured with, or the call's tensor is
+    copied in there (another tensor of the same layout than at capture: correct, counted as
+    `copied_bound`). The bound inputs' strides are part of the key because the graph reads them in
+    place: buffers regrown with another row stride (`device_round._RoundBuffers.fit`) get a graph of their
+    own. `warmup` maps a capture's inputs to those its warm-up calls get (None: the same; see
+    CudaGraphCapture). `by_address`: the bound inputs' addresses are part of the key too, so a bound
+    input is never copied in (another tensor gets a graph of its own): for a function that writes its
+    bound inputs in place (a device round's bookkeeping), whose writes would otherwise land in the
+    captured tensor and not in the caller's."""
 
     def __init__(self, fn: Callable, input_names: list[str], bound: tuple[str, ...], capture: Callable,
-                 warmup: Callable | None = None):
+                 warmup: Callable | None = None, by_address: bool = False):
         self.fn, self.input_names, self.bound, self.capture, self.warmup = fn, input_names, bound, capture, warmup
-        self.graphs: dict[tuple, tuple] = {}  # input shapes -> (static inputs, replay, static outputs)
+        self.by_address = by_address
+        self.graphs: dict[tuple, tuple] = {}  # (which are bound, shapes, bound layouts) -> (static inputs, replay, outputs)
         self.copied_bound = 0  # bound inputs that had to be copied in (another tensor than at capture)
-        self._recent = {}  # the last calls' inputs by their ids -> (those inputs, their graph)
+        self._recent = {}  # the last calls' (names bound, inputs by their ids) -> (those inputs, their graph, which are bound)
 
     def keys(self) -> set[tuple[int, int]]:
         """(batch, width) of every captured graph: the first input's shape (input_ids [B, T])."""
-        return {tuple(shapes[0]) for shapes in self.graphs}
+        return {tuple(shapes[0]) for _, shapes, _ in self.graphs}
 
-    def __call__(self, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Copy the inputs into the static ones where they are other tensors, and replay. The same
-        tensors as one of the last RECENT calls' (a device round's buffers and views, the caches: the
-        same few sets of tensors at every width a stream alternates between) are known to have its
-        shapes: every torch call here, a tensor's shape or address included, is host time in every round."""
+    def __call__(self, feeds: dict[str, torch.Tensor], bound: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
+        """Copy the inputs not bound into the graph's clones, and replay. `bound`: the inputs the caller
+        binds beside the graphs' own `bound`, tensors it keeps at fixed addresses (it writes them only
+        between calls and never frees them while the graphs live). The same tensors as one of the last
+        RECENT calls' with the same names bound (a device round's buffers and views, the caches: the same
+        few sets of tensors at every width a stream alternates between) are known to have its key: every
+        torch call here, a tensor's shape or address included, is host time in every round."""
         given = [feeds[name] for name in self.input_names]
-        ids = tuple(map(id, given))
+        ids = (bound, *map(id, given))
         recent = self._recent.get(ids)
         if recent is not None:
-            inputs, replay, outputs = recent[1]
+            (inputs, replay, outputs), refs = recent[1:]
         else:
-            key = tuple(tuple(t.shape) for t in given)
+            names = set(self.bound) | set(bound)
+            if not names <= set(self.input_names):
+                raise ValueError(f"bound inputs {sorted(names - set(self.input_names))} are not inputs of this "
+                                 f"graph ({self.input_names})")
+            refs = tuple(name in names for name in self.input_names)
+            key = (refs, tuple(tuple(t.shape) for t in given),
+                   tuple((t.stride(), t.data_ptr() if self.by_address else None) for t, r in zip(given, refs) if r))
             if key not in self.graphs:
-                self.graphs[key] = self._capture(key, given)
+                self.graphs[key] = self._capture(key, given, refs)
             inputs, replay, outputs = self.graphs[key]
             if len(self._recent) >= RECENT:  # (the oldest goes: an eager call's fresh outputs are seen once)
                 del self._recent[next(iter(self._recent))]
-            self._recent[ids] = (given, self.graphs[key])  # (holding the tensors keeps their ids unique)
-        for name, static, tensor in zip(self.input_names, inputs, given):
-            if static is tensor:
-                continue
-            if name not in self.bound:  # (a static input is the graph's own clone: never the caller's memory)
-                static.copy_(tensor)
-            elif static.data_ptr() != tensor.data_ptr() or static.stride() != tensor.stride():
-                static.copy_(tensor)
-                self.copied_bound += 1
+            self._recent[ids] = (given, self.graphs[key], refs)  # (holding the tensors keeps their ids unique)
+        self._feed(inputs, given, refs)
         replay()
         return outputs
 
-    def _capture(self, key, given):
-        inputs = [t if name in self.bound else t.clone() for name, t in zip(self.input_names, given)]
+    def _feed(self, inputs, given, refs) -> None:
+        """A call's inputs where its graph reads them: each one not bound into the graph's clone; a bound
+        one given as another tensor than at capture (of the same layout: the key holds a bound input's
+        strides) into the captured one, counted."""
+        for static, tensor, ref in zip(inputs, given, refs):
+            if static is tensor:
+                continue
+            if not ref:  # (the graph's own clone: never the caller's memory)
+                static.copy_(tensor)
+            elif static.data_ptr() != tensor.data_ptr():
+                static.copy_(tensor)
+                self.copied_bound += 1
+
+    def _capture(self, key, given, refs):
+        inputs = [t if ref else t.clone() for ref, t in zip(refs, given)]
         try:
             replay, outputs = self.capture(self.fn, inputs, None if self.warmup is None else self.warmup(inputs))
         except RuntimeError as e:  # an op that syncs with the host or allocates on the CPU inside the graph
-            raise EagleExportError(f"CUDA graph capture failed for input shapes {key}: {str(e).splitlines()[0]}",
+            raise EagleExportError(f"CUDA graph capture failed for input shapes {key[1]}: {str(e).splitlines()[0]}",
                                    "run without CUDA graphs (--no-cuda-graphs, or cuda_graphs=False)") from e
         return inputs, replay, tuple(outputs)
 

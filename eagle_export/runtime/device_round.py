@@ -27,7 +27,8 @@ Invariants:
   - `_settle_round` is tensor ops of fixed shapes with no host read, no host data and no data-dependent
     shape (`cuda_graphs.check_capturable` proves it on CPU), so where the backend captures CUDA graphs it
     is one more graph beside the target's and the drafter's: a drafted round costs the host three replays,
-    the copies of the small inputs into the graphs' static ones, and the read;
+    one copy (the drafts into the verify call's ids: the graphs read every other input of theirs in
+    place, `TARGET_BOUND`, `DRAFTER_BOUND`), and the read;
   - a sequence not live changes nothing that is read later (its rows write back what their slots held,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
@@ -54,6 +55,18 @@ from ..speculation.tree import greedy_accepted_path
 from .cuda_graphs import ShapeGraphs
 from .rows import _append_rows, _arange, _grown, _PendingRows, _write_rows
 from .verify_policy import FixedDepth
+
+# The graph inputs a device round feeds from the runtime's own tensors at fixed addresses, bound by reference
+# where the backend replays CUDA graphs (`Backend.target`), so a steady-state round copies none of them in:
+# the verify call's ids and positions (views of `_RoundBuffers.verify_ids` and `positions`, made once per
+# width), its cache lengths (`lens`) and its mask (`_chain_mask`, made once per batch and width); the
+# drafter's rows (views of the pending rows, made once per width; regrown by `fit`: graphs of their own),
+# its aux states unless converted to its dtype (a new tensor every call), num_valid and draft_lens. Each is
+# kept by the runtime (static mode, which CUDA graphs need, keeps the buffers per batch size) or, regrown,
+# by the graphs captured over it, and is written only between calls, on the device's stream.
+TARGET_BOUND = (C.INPUT_IDS, C.POSITIONS, C.CACHE_LENS, C.TREE_MASK)
+DRAFTER_BOUND = {True: (C.INPUT_IDS, C.AUX_HIDDEN, C.NUM_VALID, C.CACHE_LENS),
+                 False: (C.INPUT_IDS, C.NUM_VALID, C.CACHE_LENS)}
 
 
 class DeviceRounds:
@@ -88,7 +101,7 @@ class DeviceRounds:
         i) for i <= a: the call's outputs as they are, a + 1 rows valid. The state lives in buffers of
         fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
         host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
-        graph calls (each copies its small inputs into its static ones), and the read. Near the context
+        graph calls (which read the buffers in place: `TARGET_BOUND`), and the read. Near the context
         limit the stream's plain steps come here too (those sequences never draft again).
         The goodput policy decides on this round's drafts, so its drafted round reads the device twice:
         right after the drafter call, the drafts and their joint probabilities p_1 ... p_d (`_chosen`), from
@@ -117,7 +130,8 @@ class DeviceRounds:
             if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
                 buffers.adopt(pending)
         ids, positions = buffers.views[j + 1]
-        out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False)
+        out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False,
+                           bound=TARGET_BOUND)
         settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
         if defer:
             buffers.deferred.append((out[C.GREEDY_IDS], out[C.AUX_HIDDEN]))
@@ -172,12 +186,12 @@ class DeviceRounds:
         ids, aux = buffers.drafter_rows(width)
         if width != self.depth + 1:  # (a catch-up; or growing caches, whose rows are not padded to K+1)
             torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
-        dtype = self.backend.drafter_dtype
-        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if aux.dtype == dtype else aux.to(dtype),
+        same = aux.dtype == self.backend.drafter_dtype  # (else converted: a new tensor every call, not bound)
+        feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if same else aux.to(self.backend.drafter_dtype),
                  C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: buffers.draft_lens}
         start = time.perf_counter()
-        out = self.backend.drafter(feeds)
+        out = self.backend.drafter(feeds, bound=DRAFTER_BOUND[same])
         self.timings.draft += time.perf_counter() - start
         pending.taken(alive)
         if width > self.depth + 1:
@@ -237,16 +251,19 @@ class DeviceRounds:
 
     def _replayed(self, graphs: dict, fn, feeds: dict[str, torch.Tensor], warmup=None) -> torch.Tensor:
         """fn(**feeds), a function of the runtime's own with one output: through a graph captured per set of
-        input shapes (`ShapeGraphs` kept in `graphs` by input names, every input bound by reference: they
-        are the runtime's buffers and the graphs' static outputs; `warmup(names, inputs)` the warm-up's
-        inputs) where the backend captures CUDA graphs, eagerly otherwise."""
+        input shapes and addresses (`ShapeGraphs` kept in `graphs` by input names, every input bound by
+        reference: they are the runtime's buffers and the graphs' static outputs, which the bookkeeping
+        writes in place, so never copied in: a regrown buffer, or a drafter graph's outputs over one, get a
+        graph of their own; `warmup(names, inputs)` the warm-up's inputs) where the backend captures CUDA
+        graphs, eagerly otherwise."""
         if self.backend.capture is None:
             return fn(**feeds)
         names = tuple(feeds)
         if names not in graphs:
             graphs[names] = ShapeGraphs(lambda *inputs: (fn(**dict(zip(names, inputs))),), list(names), names,
                                         self.backend.capture,
-                                        warmup=None if warmup is None else functools.partial(warmup, names))
+                                        warmup=None if warmup is None else functools.partial(warmup, names),
+                                        by_address=True)
         return graphs[names](feeds)[0]
 
     def round_buffers(self, batch: int) -> _RoundBuffers:
@@ -261,9 +278,10 @@ class DeviceRounds:
 
     def _chain_mask(self, batch: int, width: int) -> torch.Tensor:
         """A chain's verify call of `width` tokens: its tree_mask (causal), on the device, made once per
-        (batch, width)."""
+        (batch, width), and dense: a graph reads it in place (`TARGET_BOUND`), and one captured over another
+        runtime's copies it in, which an expanded tensor's shared elements refuse."""
         if (batch, width) not in self._chain_masks:
-            self._chain_masks[batch, width] = causal_mask(batch, width, self.device)
+            self._chain_masks[batch, width] = causal_mask(batch, width, self.device).contiguous()
         return self._chain_masks[batch, width]
 
 

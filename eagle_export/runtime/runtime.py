@@ -509,14 +509,15 @@ class SpeculativeRuntime(DeviceRounds):
 
     # ------------------------------------------------------------ graph calls
 
-    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify", read=True):
-        """One target call; `read`: its greedy ids (and logits) copied to the host."""
+    def _target(self, state, ids, positions, cache_lens, tree_mask, need_logits, phase="verify", read=True, bound=()):
+        """One target call; `read`: its greedy ids (and logits) copied to the host; `bound`: the inputs the
+        caller keeps at fixed addresses (`Backend.target`)."""
         device = state.target_k.device
         feeds = {C.INPUT_IDS: _to(ids, device), C.POSITIONS: _to(positions, device),
                  C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v, C.CACHE_LENS: _to(cache_lens, device),
                  C.TREE_MASK: _to(tree_mask, device)}
         start = time.perf_counter()
-        out = self.backend.target(feeds, need_logits=need_logits)
+        out = self.backend.target(feeds, need_logits=need_logits, bound=bound)
         # timed to the copy of its ids to the host, which waits for a GPU's queued work: what the call costs
         # (logits only when asked for: a graph that returns them anyway keeps them on the device)
         if read:
