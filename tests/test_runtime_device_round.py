@@ -630,8 +630,9 @@ def test_the_captured_bookkeeping_on_a_gpu_gives_the_eager_tokens(pair):
     tokens of the eager device round on the same kernels (torch's: exact mode would bind the shared
     models to its kernels for the rest of the module), ragged batches of 1 and 3, two streams each (the
     second replays the first's graphs over the same buffers), under the fixed and the goodput policy (the
-    tiny drafter's own low probabilities: k = 0 rounds, probes and catch-ups); no captured bookkeeping
-    input copied in (every one is a buffer the graph was captured with)."""
+    tiny drafter's own low probabilities: k = 0 rounds, probes and catch-ups); no captured input of the
+    bookkeeping's, nor of the target's and the drafter's, copied in (each is a buffer the graph was
+    captured over, or the static caches: `device_round.TARGET_BOUND`)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA GPU")
     target, drafter = (m.to("cuda") for m in pair)
@@ -650,6 +651,7 @@ def test_the_captured_bookkeeping_on_a_gpu_gives_the_eager_tokens(pair):
             assert tokens[True] == tokens[False] and tokens[True][0] == tokens[True][1]
             assert all(len(t) == 24 for t in tokens[True][0])
             assert runtime._settle_graphs and all(g.copied_bound == 0 for g in runtime._settle_graphs.values())
+            assert all(g.copied_bound == 0 for g in backend.captured.values())
     finally:
         for m in pair:
             m.to("cpu")

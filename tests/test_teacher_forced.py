@@ -49,8 +49,8 @@ class WidthNoise(TorchBackend):
     first_noisy_row = 0
     noise = staticmethod(prefer_second_at_near_ties)
 
-    def target(self, feeds, need_logits=False):
-        out = dict(super().target(feeds, need_logits=True))
+    def target(self, feeds, need_logits=False, bound=()):
+        out = dict(super().target(feeds, need_logits=True, bound=bound))
         if feeds[C.INPUT_IDS].shape[1] > 1:
             logits = out[C.LOGITS].clone()
             rows = slice(self.first_noisy_row, None)
@@ -173,8 +173,8 @@ def test_position_variance_is_zero_for_a_width_only_noise_and_found_for_a_row_de
     assert found["differing"] == 0 and found["max_logit_difference"] == 0 and found["max_kv_difference"] == 0
     target = backend.target
 
-    def row_dependent(feeds, need_logits=False):
-        out = dict(target(feeds, need_logits))
+    def row_dependent(feeds, need_logits=False, bound=()):
+        out = dict(target(feeds, need_logits, bound))
         rows = torch.arange(out[C.LOGITS].shape[1], dtype=out[C.LOGITS].dtype)
         out[C.LOGITS] = out[C.LOGITS] + 1e-3 * rows[None, :, None]
         return out
@@ -190,8 +190,8 @@ def test_position_variance_reads_the_runtimes_cache_views_and_the_new_kv(runtime
     backend = runtime.backend
     target = backend.target
 
-    def last_row_kv_under_masked_slots(feeds, need_logits=False):
-        out = dict(target(feeds, need_logits))
+    def last_row_kv_under_masked_slots(feeds, need_logits=False, bound=()):
+        out = dict(target(feeds, need_logits, bound))
         if feeds[C.PAST_KEY].shape[3] > int(feeds[C.CACHE_LENS].max()) and feeds[C.INPUT_IDS].shape[1] > 1:
             out[C.NEW_KEY] = out[C.NEW_KEY].clone()
             out[C.NEW_KEY][:, :, :, -1] += 0.25
@@ -215,8 +215,8 @@ def test_a_target_graph_without_logits_is_probed_on_its_greedy_ids_and_new_kv(ru
     backend = runtime.backend
     with_logits = backend.target
 
-    def without_logits(feeds, need_logits=False):
-        return {k: v for k, v in with_logits(feeds, need_logits).items() if k != C.LOGITS}
+    def without_logits(feeds, need_logits=False, bound=()):
+        return {k: v for k, v in with_logits(feeds, need_logits, bound).items() if k != C.LOGITS}
 
     monkeypatch.setattr(backend, "target", without_logits)
     found = probe(runtime)
@@ -225,8 +225,8 @@ def test_a_target_graph_without_logits_is_probed_on_its_greedy_ids_and_new_kv(ru
         TargetCalls(backend, shape(runtime))(PROMPTS[0])
     assert "rebuild" in refused.value.fix
 
-    def second_row_other_id(feeds, need_logits=False):  # planted: a row's greedy id depends on its place
-        out = without_logits(feeds, need_logits)
+    def second_row_other_id(feeds, need_logits=False, bound=()):  # planted: a row's greedy id depends on its place
+        out = without_logits(feeds, need_logits, bound)
         if feeds[C.INPUT_IDS].shape[1] > 1:
             out[C.GREEDY_IDS] = out[C.GREEDY_IDS].clone()
             out[C.GREEDY_IDS][:, 1] += 1

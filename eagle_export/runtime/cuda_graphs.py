@@ -3,8 +3,8 @@
 A decoding round launches hundreds of small kernels; at batch 1 the GPU waits on Python between
 them. A CUDA graph records one call's kernels once and replays them in one launch, as vLLM and
 gpt-fast do. A graph replays the memory it was captured with, so:
-  - one graph per input shape, captured lazily on its first call (the runtime keeps the shapes
-    few: verify widths T = 1..K+1, the drafter's rows padded to K+1, caches at the context limit);
+  - one graph per input shape (and binding, below), captured lazily on its first call (the runtime keeps
+    the shapes few: verify widths T = 1..K+1, the drafter's rows padded to K+1, caches at the context limit);
   - an input is read by reference (bound: the graph is captured reading the caller's own tensor) or
     from the graph's own clone, into which every call copies it. The caches are always bound: the
     runtime writes them between replays and they are never copied. A caller binds more of its inputs
@@ -12,7 +12,9 @@ gpt-fast do. A graph replays the memory it was captured with, so:
     `device_round._RoundBuffers`), so its steady-state round copies nothing; other callers' fresh tensors
     of the same shapes (a cost measurement, a short prefill, the general round) replay graphs of their
     own, with clones. A bound input's address is the captured one at every replay, or it is copied in
-    (a call given another tensor than at capture: correct, counted as `copied_bound`);
+    (a call given another tensor than at capture: correct, counted as `copied_bound`), into the tensor
+    the graph was captured over: callers sharing one backend's graphs (two runtimes over one backend)
+    take turns, a stream at a time;
   - outputs are static buffers too, overwritten by the next replay of the same graph: the runtime
     consumes them (commits K/V rows, copies ids to the host) before that.
 The capture itself is the only CUDA-only code (`CudaGraphCapture`, written against the documented
