@@ -96,7 +96,7 @@ def replay(prompts_rounds, costs, depth, policy=None) -> float:
                 j = policy.choose(torch.tensor([r["reach"]]), live, list(range(1, depth + 2)), drafts) if drafted else 0
             accepted = min(r["right"], j, r["end"] - n - 1) if drafted else 0
             if policy is not None:  # tokens as their positions, as the drafts above are
-                policy.observe(j, torch.tensor([accepted]), live, drafted, [list(range(n + 1, n + accepted + 2))])
+                policy.observe(j, [accepted], live, drafted, [list(range(n + 1, n + accepted + 2))])
             spent += draft + verify[j] if drafted else verify[0]
             plain += (accepted + 1) * verify[0]
             n += accepted + 1

@@ -40,10 +40,10 @@ def run_rounds(policy, probs, accepted, rounds, batch=1):
     for _ in range(rounds):
         if policy.should_draft(live):
             k = policy.choose(None if probs is None else expected(torch.tensor([probs] * batch)), live, CHAIN)
-            policy.observe(k, torch.full((batch,), min(k, accepted)), live, True)
+            policy.observe(k, [min(k, accepted)] * batch, live, True)
             chosen.append(k)
         else:
-            policy.observe(0, torch.zeros(batch, dtype=torch.int64), live, False)
+            policy.observe(0, [0] * batch, live, False)
             chosen.append(None)
     return chosen
 
@@ -150,7 +150,7 @@ def drive(policy, phases):
             nodes = [position + d + 1 if d < right else 0 for d in range(K)]
             j = policy.choose_chain([joint], [True], CHAIN, [nodes]) if drafted else 0
             accepted = min(j, right)
-            policy.observe(j, torch.tensor([accepted]), live, drafted, [list(range(position + 1, position + accepted + 2))])
+            policy.observe(j, [accepted], live, drafted, [list(range(position + 1, position + accepted + 2))])
             position += accepted + 1
             chosen.append(j if drafted else None)
     return chosen
@@ -247,7 +247,7 @@ def worked_by_hand(policy, claims, right, draft=0.1, slope=0.25):
         assert policy.trust == pytest.approx(trust, rel=1e-5), r
         assert policy._calibrated() == [pytest.approx(e, rel=1e-5) for e in calibrated], r
         accepted = [min(right[b][r], j) for b in range(batch)]
-        policy.observe(j, torch.tensor(accepted), live, True,
+        policy.observe(j, accepted, live, True,
                        [list(range(n + 1, n + a + 2)) for n, a in zip(pos, accepted)])
         new = [[0.0] * K for _ in range(3)]  # reached, promised, checked by the outcomes this round resolved
         for b in range(batch):

@@ -127,7 +127,7 @@ class FixedDepth:
     def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
         return len(widths) - 1
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
         pass
 
@@ -346,10 +346,11 @@ class GoodputDepth:
         reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
         return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
-        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`,
-        each sequence having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
+        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted[b]`
+        drafts of sequence b (Python ints, as the round read them: no torch call to make them), each
+        having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
         if not drafted and not any(self._waiting):  # a plain round with nothing to learn: nothing changes
             self.since_draft += 1
             return
@@ -369,6 +370,7 @@ class GoodputDepth:
         self.since_draft = 0
         d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
+            accepted = torch.tensor(accepted)
             for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
                 checked = live & (accepted >= i)
                 hit = (accepted > i).float()
@@ -394,7 +396,7 @@ class GoodputDepth:
         outcomes = []  # (a tree's reach per depth, how deep the target's path followed it, depths checked)
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = self._entry(self._verified), accepted.tolist()
+                claims, counts = self._entry(self._verified), accepted
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     outcomes.append((claims[b], counts[b], min(counts[b] + 1, verified)))
