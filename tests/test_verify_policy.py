@@ -207,13 +207,16 @@ def worked_by_hand(policy, claims, right, draft=0.1, slope=0.25):
     was drafted number min(right + 1, K) (hindsight: whatever depth was verified): depths 1..min(right +
     1, K) were checked there, 1..right reached, depth d promised with claims[b][d - 1]. A, P, N: per
     depth, the sums of reached, promised, checked, decayed by TRUST_DECAY in each round where an outcome
-    became known. Each round: m = P/N, A' = A + TRUST_PRIOR m, P' = P + TRUST_PRIOR m,
-    t = max(A'/P', min(1, (A' + TRUST_Z sqrt(A + 1)) / P')) (1 where N = 0), E'[j] = 1 + sum over d <= j
-    of min(1, t_1 ... t_d reach_d), and the entry j with the most batch tokens, (sum + B min) / 2, per
-    unit of round cost (draft + 1 + slope j; the first round a probe: j >= 1) is chosen. An assertion
-    fails on the first disagreement (trust and menu to rel 1e-5: the claims reach the policy as float32).
-    -> (choices, face-value choices, most depths a hindsight outcome checked beyond the entry verified,
-    least trust seen)."""
+    became known, and A_r, P_r, N_r the same sums decayed by RECENT_DECAY. Then, depth by depth (t_0 = 1):
+    m = P/N, A' = A + TRUST_PRIOR m t_{d-1}, P' = P + TRUST_PRIOR m, t_d = max(A'/P', min(1, (A' + TRUST_Z
+    sqrt(A + 1)) / P')) (t_{d-1} where N = 0); where the recent trees fell short, A'/P' P_r - A_r >
+    RECENT_Z sqrt(A'/P' P_r), A, P, N become A_r, P_r, N_r (t_d read again from them) and every deeper
+    depth's sums are cleared. Each round: E'[j] = 1 + sum over d <= j of min(1, t_1 ... t_d reach_d), and
+    the entry j with the most batch tokens, (sum + B min) / 2, per unit of round cost (draft + 1 + slope
+    j; the first round a probe: j >= 1) is chosen. An assertion fails on the first disagreement (trust
+    and menu to rel 1e-5: the claims reach the policy as float32). -> (choices, face-value choices, most
+    depths a hindsight outcome checked beyond the entry verified, least trust seen, rounds whose recent
+    trees fell short)."""
     batch, rounds = len(claims), len(right[0])
     policy.start(batch)
     live = torch.ones(batch, dtype=torch.bool)
@@ -221,20 +224,21 @@ def worked_by_hand(policy, claims, right, draft=0.1, slope=0.25):
     menu, reach_t = nested_subtrees(parents, torch.tensor(claims), K, by_depth=False)
     widths = (1 + menu.sum(-1).amax(-1)).tolist()
     reach = [[math.prod(c[:d + 1]) for d in range(K)] for c in claims]
-    A, P, N = [0.0] * K, [0.0] * K, [0.0] * K
+    sums = [[0.0] * K for _ in range(6)]  # A, P, N, A_r, P_r, N_r
+    trust = [1.0] * K
     pos, waiting = [0] * batch, [[] for _ in range(batch)]  # waiting: (position drafted at, right, verified)
-    chosen, face, beyond, least = [], [], 0, 1.0
+    chosen, face, beyond, least, fell_short = [], [], 0, 1.0, []
+
+    def read(A, P, N, above):  # (t, A'/P')
+        m = P / N
+        a, p = A + GoodputDepth.TRUST_PRIOR * m * above, P + GoodputDepth.TRUST_PRIOR * m
+        return max(a / p, min(1.0, (a + GoodputDepth.TRUST_Z * math.sqrt(A + 1)) / p)), a / p
 
     def best(E, at_least):
         tokens = [(sum(e[j] for e in E) + batch * min(e[j] for e in E)) / 2 for j in range(K + 1)]
         return max(range(at_least, K + 1), key=lambda j: tokens[j] / (draft + 1 + slope * j))
 
     for r in range(rounds):
-        trust = []
-        for d in range(K):
-            m = P[d] / N[d] if N[d] else 0.0
-            a, p = A[d] + GoodputDepth.TRUST_PRIOR * m, P[d] + GoodputDepth.TRUST_PRIOR * m
-            trust.append(max(a / p, min(1.0, (a + GoodputDepth.TRUST_Z * math.sqrt(A[d] + 1)) / p)) if N[d] else 1.0)
         path = [math.prod(trust[:d + 1]) for d in range(K)]
         calibrated = [[1 + sum(min(1.0, path[d] * c[d]) for d in range(j)) for j in range(K + 1)] for c in reach]
         j = best(calibrated, int(r == 0))
@@ -263,11 +267,27 @@ def worked_by_hand(policy, claims, right, draft=0.1, slope=0.25):
                         new[1][d] += claims[b][d]
                         new[2][d] += 1
         if any(new[2]):  # the sums decay in each round that resolved an outcome
-            decay = GoodputDepth.TRUST_DECAY
-            A = [decay * s + x for s, x in zip(A, new[0])]
-            P = [decay * s + x for s, x in zip(P, new[1])]
-            N = [decay * s + x for s, x in zip(N, new[2])]
-    return chosen, face, beyond, least
+            decays = [GoodputDepth.TRUST_DECAY] * 3 + [GoodputDepth.RECENT_DECAY] * 3
+            sums = [[decay * x + y for x, y in zip(column, new[i % 3])] for i, (decay, column) in enumerate(zip(decays, sums))]
+            trust, above, short = [], 1.0, None
+            for d in range(K):
+                if short is not None:
+                    for column in sums:
+                        column[d] = 0.0
+                A, P, N, Ar, Pr, Nr = (column[d] for column in sums)
+                if not N:
+                    trust.append(above)
+                else:
+                    t, ratio = read(A, P, N, above)
+                    if short is None and ratio * Pr - Ar > GoodputDepth.RECENT_Z * math.sqrt(ratio * Pr):
+                        short = d
+                        sums[0][d], sums[1][d], sums[2][d] = Ar, Pr, Nr
+                        t, _ = read(Ar, Pr, Nr, above)
+                    trust.append(t)
+                above = trust[-1]
+            if short is not None:
+                fell_short.append((r, short))
+    return chosen, face, beyond, least, fell_short
 
 
 CASES = {  # claims per sequence, drafts right per sequence and round: deep drafts wrong, then all right
@@ -280,13 +300,13 @@ CASES = {  # claims per sequence, drafts right per sequence and round: deep draf
 def test_calibration_below_full_trust_matches_the_formula_worked_by_hand(case):
     """issue 45: a calibration wrong whenever trust < 1 passed every test. Here trust falls to ~0.4 at
     the deep depths (the drafter says 0.9 per draft, the target follows its first draft only), the
-    policy leaves depth 4 for 1 where the claims at face value keep 4, and climbs back once the deep
+    policy leaves depth 4 for 2 or 1 where the claims at face value keep 4, and climbs back once the deep
     drafts are right again, which only hindsight sees (depths beyond the one verified); every round's
     trust, menu and choice must be the module's formulas worked in `worked_by_hand`."""
     claims, right = CASES[case]
     costs = curves(draft=0.1, verify_slope=0.25, batch=len(claims))
-    chosen, face, beyond, least = worked_by_hand(GoodputDepth(K, costs), claims, right)
-    assert least < 0.5 and chosen != face and min(chosen) == 1 and chosen[-1] == K
+    chosen, face, beyond, least, _ = worked_by_hand(GoodputDepth(K, costs), claims, right)
+    assert least < 0.5 and chosen != face and min(chosen) <= 2 and chosen[-1] == K
     assert beyond > 0  # an outcome checked depths the round did not verify
 
 
@@ -306,7 +326,8 @@ class _DepthAlone(GoodputDepth):  # planted: t_d alone, not t_1 ... t_d
 class _SqrtA(GoodputDepth):  # planted: the optimistic bound's sqrt(A + 1) written sqrt(A) (the rest as `_learn`)
     def _learn(self, reached, promised, seen):
         sqrt = math.sqrt
-        math.sqrt = lambda x: sqrt(x - 1)  # `_learn` reads it as it runs: its sqrt(A + 1) is sqrt(A)
+        math.sqrt = lambda x: sqrt(max(0.0, x - 1))  # `_learn` reads it as it runs: its sqrt(A + 1) is sqrt(A)
+        # (and the recent trees' deviation sqrt(E) sqrt(E - 1))
         try:
             super()._learn(reached, promised, seen)
         finally:
@@ -317,11 +338,32 @@ class _VerifiedOnly(GoodputDepth):  # planted: no hindsight, only the depths ver
     HINDSIGHT = False
 
 
-@pytest.mark.parametrize("planted", [_TimesE, _DepthAlone, _SqrtA, _VerifiedOnly], ids=lambda c: c.__name__[1:])
+class _PriorAtOne(GoodputDepth):  # planted: every depth's prior trees at ratio 1, not at the depth above's trust
+    DEEP_PRIOR = False
+
+
+class _NeverFallsShort(GoodputDepth):  # planted: the old slow rule, the recent trees never consulted
+    RECENT_Z = math.inf
+
+
+STOPS = ([[0.9] * K], [[K] * 60 + [0] * 20])  # a drafter right in every draft for 60 rounds, then in none
+
+
+def test_calibration_worked_by_hand_forgets_the_trees_before_the_drafter_stopped_delivering():
+    """The drafter stops delivering: within a few rounds the recent trees fall RECENT_Z deviations short
+    of what the trust expects of them, the older trees are forgotten (the deeper depths' too) and the
+    policy leaves depth 4 for a plain step's worth; every round as worked by hand."""
+    chosen, face, _, least, fell_short = worked_by_hand(GoodputDepth(K, curves(draft=0.1, verify_slope=0.25)), *STOPS)
+    assert fell_short and 60 < fell_short[0][0] <= 76 and fell_short[0][1] == 0, fell_short
+    assert chosen[:60] == [K] * 60 and chosen[-1] < K and face == [K] * len(face) and least < 0.5
+
+
+@pytest.mark.parametrize("planted", [_TimesE, _DepthAlone, _SqrtA, _VerifiedOnly, _PriorAtOne, _NeverFallsShort],
+                         ids=lambda c: c.__name__[1:])
 def test_calibration_worked_by_hand_catches_planted_bugs(planted):
-    claims, right = CASES["batch 1"]
     with pytest.raises(AssertionError):
-        worked_by_hand(planted(K, curves(draft=0.1, verify_slope=0.25)), claims, right)
+        for claims, right in (CASES["batch 1"], STOPS):
+            worked_by_hand(planted(K, curves(draft=0.1, verify_slope=0.25)), claims, right)
 
 
 def test_each_stream_starts_afresh_whatever_came_before():
@@ -625,13 +667,14 @@ class _WidthBlind(GoodputDepth):  # planted: every menu entry priced as if its v
         return [self.costs.draft(self.batch) + self.costs.verify(self.batch, 1)] * len(self.widths)
 
 
-@pytest.mark.parametrize("planted", [None, _WidthBlind, _VerifiedOnly], ids=["goodput", "width blind", "verified only"])
-def test_the_sweep_at_batch_16_catches_a_policy_blind_to_verify_width_or_deep_drafts(planted):
+@pytest.mark.parametrize("planted", [None, _WidthBlind], ids=["goodput", "width blind"])
+def test_the_sweep_at_batch_16_catches_a_policy_blind_to_verify_width(planted):
     """The sweep above, on the exact kernels' curves at batch 16 (H200, where a 5-token verify costs
     2.1x a plain step, so the depth matters most): goodput holds >= 0.97 of the best at every acceptance;
     a policy pricing every depth as a plain step's verify drafts deep where it loses (0.63 of plain
-    decoding at 0.4), and one that learns only from the depths it verified never finds that the deep
-    drafts of the "deep low" drafter pay (0.90)."""
+    decoding at 0.4). (One that learns only from the depths it verified no longer loses here: the
+    "deep low" drafter's under-promise measured at depth 2 is the prior of the depths below it, so it
+    reaches them; the fp32 test below still catches it.)"""
     costs = recorded_costs("H200 exact bf16", catch_up=True)
     policy = (planted or GoodputDepth)(K, costs)
     worst = min(compare(costs, 16, true, claimed, goodput=policy)["vs_best"] for true, claimed in SWEEP.values())

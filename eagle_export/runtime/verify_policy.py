@@ -144,6 +144,9 @@ class GoodputDepth:
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
     TRUST_PRIOR = 2.0    # each depth's trust starts at 1 with the weight of this many trees seen
     TRUST_Z = 1.0        # trust is read optimistically up to face value (see the module)
+    RECENT_DECAY = 0.9   # the recent sums, which say when the drafter stopped delivering: about 10 rounds
+    RECENT_Z = 2.0       # ... when they fall this many deviations short of what the trust expects (see the module)
+    DEEP_PRIOR = True    # a depth's prior trees at the depth above's trust (False: at 1, kept for the tests)
     HINDSIGHT = True     # calibrate every drafted depth against the tokens emitted later (see the module)
 
     def __init__(self, depth: int, costs: CostCurves):
@@ -168,7 +171,7 @@ class GoodputDepth:
         # Python floats, D of each, as everything the policy works from them is (the trust, the menu
         # read through it, the round's value: a torch call per step of that arithmetic on a few numbers
         # was host time in every drafted round).
-        self._sums = [[0.0] * self.depth for _ in range(3)]
+        self._sums = [[0.0] * self.depth for _ in range(6)]
         self._trust = [1.0] * self.depth
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
@@ -315,31 +318,44 @@ class GoodputDepth:
         return self._trust
 
     def _learn(self, reached: list[float], promised: list[float], seen: list[float]) -> None:
-        """The decayed sums A, P, N (see the module) take one round's outcomes, and the trust per depth
-        and its running product t_1 ... t_d are worked from them, in one pass over the depths (each
-        step of it is host time in every drafted round)."""
+        """The decayed sums A, P, N and the recent ones A_r, P_r, N_r (see the module) take one round's
+        outcomes, and the trust per depth and its running product t_1 ... t_d are worked from them, in
+        one pass over the depths (each step of it is host time in every drafted round)."""
         # (max(a, b) written `b if b > a else a` and min(a, b) `b if b < a else a`, the same values, NaN
         # too: a call to either cost more than the rest of the arithmetic)
-        decay, weight, z, sqrt = self.TRUST_DECAY, self.TRUST_PRIOR, self.TRUST_Z, math.sqrt
-        sum_a, sum_p, sum_n, trust, path, running = [], [], [], [], [], None
-        for a, p, n, da, dp, dn in zip(*self._sums, reached, promised, seen):
+        decay, recent, weight, z, zr, sqrt = (self.TRUST_DECAY, self.RECENT_DECAY, self.TRUST_PRIOR, self.TRUST_Z,
+                                              self.RECENT_Z, math.sqrt)
+
+        def read(a, p, n, above):  # (the trust, the plain ratio) from sums A, P, N, the prior at ratio `above`
+            prior = weight * p / (1e-9 if 1e-9 > n else n)  # prior trees' claims
+            top, bottom = a + above * prior, p + prior
+            bottom = 1e-9 if 1e-9 > bottom else bottom
+            ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
+            optimistic = 1.0 if 1.0 < optimistic else optimistic
+            return (optimistic if optimistic > ratio else ratio), ratio
+
+        sums = [[] for _ in range(6)]
+        trust, path, running, above, changed = [], [], None, 1.0, False
+        for a, p, n, ar, pr, nr, da, dp, dn in zip(*self._sums, reached, promised, seen):
             a, p, n = decay * a + da, decay * p + dp, decay * n + dn
-            sum_a.append(a)
-            sum_p.append(p)
-            sum_n.append(n)
+            ar, pr, nr = recent * ar + da, recent * pr + dp, recent * nr + dn
+            if changed:  # the path changed below a depth above: what this depth saw before says nothing now
+                a = p = n = ar = pr = nr = 0.0
             if n <= 0:
-                t = 1.0
+                t = above
             else:
-                prior = weight * p / (1e-9 if 1e-9 > n else n)  # prior observations' claims
-                top, bottom = a + prior, p + prior
-                bottom = 1e-9 if 1e-9 > bottom else bottom
-                ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
-                optimistic = 1.0 if 1.0 < optimistic else optimistic
-                t = optimistic if optimistic > ratio else ratio
+                t, ratio = read(a, p, n, above)
+                expect = ratio * pr  # what the recent trees would have reached at the trust's own ratio
+                if not changed and expect - ar > zr * sqrt(expect):  # they fell short: forget the older trees
+                    changed, a, p, n = True, ar, pr, nr
+                    t, _ = read(a, p, n, above)
+            for into, x in zip(sums, (a, p, n, ar, pr, nr)):
+                into.append(x)
             trust.append(t)
             running = t if running is None else running * t
             path.append(running)
-        self._sums, self._trust, self._trust_path = [sum_a, sum_p, sum_n], trust, path
+            above = t if self.DEEP_PRIOR else 1.0
+        self._sums, self._trust, self._trust_path = sums, trust, path
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
@@ -381,6 +397,8 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
+        if j == 0 and not self._sampling:  # the drafts, read through the trust, were not worth one verified:
+            d = 0.0                           # the text at hand says so, not the rounds before (see the module)
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
 
