@@ -8,8 +8,9 @@ import torch
 
 from eagle_export.errors import EagleExportError
 from eagle_export.runtime.costs import CostCache, CostCurves
-from eagle_export.runtime.replay import RECORDED, compare, recorded_costs, replay
-from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, make_policy
+from eagle_export.runtime.replay import (RECORDED, compare, recorded_costs, recorded_drafts, replay,
+                                         sample_cpu_costs)
+from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, break_even_acceptance, make_policy
 from eagle_export.speculation.tree import chain_reach, nested_subtrees
 
 K = 4
@@ -176,6 +177,91 @@ def test_a_drafter_that_pays_again_is_found_by_the_next_probe(planted):
     assert again[interval + 20:] == [K] * 10, again
 
 
+class _PriorAtOne(GoodputDepth):  # planted: every depth's prior trees at ratio 1, not at the depth above's trust
+    DEEP_PRIOR = False
+
+
+class _NeverFallsShort(GoodputDepth):  # planted: the old slow rule, the recent trees never consulted
+    RECENT_Z = math.inf
+
+
+@pytest.mark.parametrize("planted", [None, _NeverFallsShort], ids=["goodput", "the old slow rule"])
+def test_a_drafter_that_stops_paying_is_stopped_within_a_few_dozen_rounds(planted):
+    """issue 44: a drafter right about its 0.9 per draft for 300 rounds, then wrong in every draft. The
+    trust's ~100 rounds of memory (TRUST_DECAY) alone kept it drafting for ~250 rounds more (planted:
+    the recent trees never consulted); the recent trees (RECENT_DECAY, ~10 rounds) fall RECENT_Z
+    deviations short of what the trust expects after ~10 failures, the older trees are forgotten, and
+    drafting stops within 40 rounds (but for probes)."""
+    policy = (planted or GoodputDepth)(K, curves(draft=0.2))
+    policy.start(1)
+    wrong = drive(policy, [(300, [0.9] * K, K), (400, [0.9] * K, 0)])[300:]
+    last = max(i for i in range(1, len(wrong)) if wrong[i] is not None and wrong[i - 1] is not None)  # (not a probe)
+    assert (last > 200) if planted else (last <= 40), last
+
+
+class _Twitchy(GoodputDepth):  # planted: the recent trees heard at half a deviation short
+    RECENT_Z = 0.5
+
+
+@pytest.mark.parametrize("planted", [None, _Twitchy], ids=["goodput", "twitchy"])
+def test_at_the_break_even_edge_the_recent_trees_change_no_decision(planted):
+    """Stable where the evidence is noisy: a calibrated drafter at the break-even acceptance (its rounds'
+    outcomes scatter around what the trust expects) is decided exactly as without the recent trees, on
+    the recorded GPU curves at batch 1, 4 and 16. Planted: a test of half a deviation, which forgets the
+    trust's history on noise and drafts less."""
+    changed = []
+    for card, batch in (("H200 bf16", 1), ("H200 bf16", 4), ("H100 bf16", 16), ("H200 exact bf16", 4)):
+        costs = recorded_costs(card, catch_up=True)
+        edge, _ = break_even_acceptance(costs, batch, K)
+        runs = [replay(cls(K, costs), costs, batch, (edge,) * K) for cls in (planted or GoodputDepth, _NeverFallsShort)]
+        changed.append(runs[0] != runs[1])
+    assert any(changed) if planted else not any(changed), changed
+
+
+def opening(prompts=8, open_positions=8, end=129):
+    """Recorded-drafter rounds (`recorded_drafts`) of a text whose opening the drafter knows: at its first
+    positions every draft right, its probabilities 0.9 each; from then on every draft wrong, and its
+    probabilities say so (0.05 each)."""
+    rounds = []
+    for _ in range(prompts):
+        known = [(0.9, K)] * (open_positions - 1) + [(0.05, 0)] * (end - open_positions)
+        rounds.append([{"n": n, "right": right, "end": end, "reach": [[0.0] * K, [p ** (d + 1) for d in range(K)]]}
+                       for n, (p, right) in enumerate(known, 1)])
+    return recorded_drafts(rounds)
+
+
+class _Blending(GoodputDepth):  # planted: a round that verified no draft blended in like any other
+    def _past_weight(self, probe, j):
+        return 0.0 if probe else self.DECAY
+
+
+@pytest.mark.parametrize("planted", [None, _Blending], ids=["goodput", "blending"])
+def test_a_drafted_round_worth_no_verified_draft_stops_the_drafting(planted):
+    """The sample drafter's batch-4 case: a request's first rounds pay (its opening is predictable), then
+    the drafts' own probabilities fall below what a plain step is worth. The round whose drafts were
+    worth verifying none (j = 0) is the text at hand saying so: the policy stops at once (3 drafter
+    calls a request: the probe, one more that paid, the one that verified none). Planted: that round's
+    promise blended in like any other's, ~3 rounds of drafter calls more a request."""
+    costs = sample_cpu_costs()
+    result = replay((planted or GoodputDepth)(K, costs), costs, 4, recorded=opening())
+    assert (result["drafted"] >= 12) if planted else (result["drafted"] <= 6), result
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("planted", [None, _PriorAtOne], ids=["goodput", "deep prior at 1"])
+def test_an_overconfident_drafters_deep_claims_are_read_through_the_trust_above(planted, batch):
+    """A drafter whose probabilities say 0.9 per draft and which delivers 0.2, at the sample build's CPU
+    costs: its first depth's trust is measured in every drafted round, its deeper depths' rarely (the
+    path seldom reaches them). Their prior trees are at the depth above's trust, so the deep drafts are
+    read as overconfident as the first until measured: 0.92x (batch 1) and 0.97x (batch 4) of plain
+    decoding. Planted: the prior at face value (1) kept the deep claims for ~50 drafted rounds a request
+    more: 0.86x and 0.95x."""
+    costs = sample_cpu_costs()
+    speedup = replay((planted or GoodputDepth)(K, costs), costs, batch, (0.2,) * K, (0.9,) * K)["speedup"]
+    floor = {1: 0.91, 4: 0.965}[batch]
+    assert (speedup < floor - 0.01) if planted else (speedup >= floor), speedup
+
+
 def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
     """The sample drafter's case: its probabilities say 0.9 per draft, it delivers 0.28, below this
     machine's break-even. Read at face value it drafts every round (1 + 0.9 + ... promises ~4 tokens
@@ -336,14 +422,6 @@ class _SqrtA(GoodputDepth):  # planted: the optimistic bound's sqrt(A + 1) writt
 
 class _VerifiedOnly(GoodputDepth):  # planted: no hindsight, only the depths verified say anything
     HINDSIGHT = False
-
-
-class _PriorAtOne(GoodputDepth):  # planted: every depth's prior trees at ratio 1, not at the depth above's trust
-    DEEP_PRIOR = False
-
-
-class _NeverFallsShort(GoodputDepth):  # planted: the old slow rule, the recent trees never consulted
-    RECENT_Z = math.inf
 
 
 STOPS = ([[0.9] * K], [[K] * 60 + [0] * 20])  # a drafter right in every draft for 60 rounds, then in none
@@ -649,14 +727,16 @@ SWEEP = {**{f"{a}": ((a,) * K, None) for a in (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8
          "deep low": ((0.9,) * K, (0.9, 0.5, 0.3, 0.2))}
 
 
-@pytest.mark.parametrize(("card", "batch"), [(c, b) for c in RECORDED for b in RECORDED[c]])
+@pytest.mark.parametrize(("card", "batch"), [(c, b) for c in RECORDED for b in RECORDED[c]]
+                         + [("sample CPU", 1), ("sample CPU", 4)])
 def test_goodput_never_loses_to_fixed_or_plain_decoding_on_recorded_gpu_costs(card, batch):
     """Replayed on the GPU cost curves the kit recorded (graph time, 32 requests of 128 tokens, the same
     acceptance draws for every policy), a drafter call after plain rounds priced at the rows it catches
-    up on (`replay.recorded_costs`: the first over the prompt): goodput >= 0.97 x max(fixed K, plain
-    decoding) at every acceptance of the sweep and batch 1, 4, 16 (the least, 0.972: H100 batch 16 at
-    0.2, where probes spaced 16-64 rounds apart whatever they cost gave 0.961)."""
-    costs = recorded_costs(card, catch_up=True)
+    up on (`replay.recorded_costs`: the first over the prompt), and on the sample build's CPU costs
+    (`replay.SAMPLE_CPU`): goodput >= 0.97 x max(fixed K, plain decoding) at every acceptance of the
+    sweep and batch 1, 4, 16 (the least, 0.972: H100 batch 16 at 0.2, where probes spaced 16-64 rounds
+    apart whatever they cost gave 0.961)."""
+    costs = sample_cpu_costs() if card == "sample CPU" else recorded_costs(card, catch_up=True)
     for name, (true, claimed) in SWEEP.items():
         result = compare(costs, batch, true, claimed)
         assert result["vs_best"] >= 0.97, (card, batch, name, result)

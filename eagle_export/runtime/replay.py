@@ -58,6 +58,20 @@ RECORDED = {
 }
 
 
+# The sample build on a shared 2-core CPU (ONNX Runtime; its costs.json): verify ms by tokens T, the
+# drafter at K+1 rows, the drafter catching up over CATCH_UP_ROWS rows, at batch 1 and 4. Its drafter
+# runs below break-even on humaneval at batch 4 (fixed K = 4 0.65x of plain decoding there).
+SAMPLE_CPU = {1: ({1: 39.2, 2: 44.1, 3: 44.6, 4: 49.0, 5: 49.0}, 9.7, 15.1),
+              4: ({1: 49.5, 2: 64.4, 3: 65.1, 4: 72.3, 5: 82.1}, 12.9, 31.0)}
+
+
+def sample_cpu_costs() -> CostCurves:
+    """`SAMPLE_CPU` as the policy reads it (seconds), catching up measured."""
+    return CostCurves({b: {t: ms / 1e3 for t, ms in verify.items()} for b, (verify, _, _) in SAMPLE_CPU.items()},
+                      {b: {w: draft / 1e3 for w in range(1, DEPTH + 2)} for b, (_, draft, _) in SAMPLE_CPU.items()},
+                      {b: {CATCH_UP_ROWS: ms / 1e3} for b, (_, _, ms) in SAMPLE_CPU.items()})
+
+
 def row_ms(name: str) -> float:
     """The drafter's cost per input row on a card (ms): the steepest rise between its recorded batch
     sizes per row added, b (K+1) rows at batch b (see the module); at one batch size, every card's steepest."""

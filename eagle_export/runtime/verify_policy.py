@@ -397,10 +397,16 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
-        if j == 0 and not self._sampling:  # the drafts, read through the trust, were not worth one verified:
-            d = 0.0                           # the text at hand says so, not the rounds before (see the module)
+        d = self._past_weight(probe, j)
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
+
+    def _past_weight(self, probe: bool, j: int) -> float:
+        """The weight of the past in what a drafted round promises (`expected`) and costs: none after a
+        probe (its estimates are stale) or, greedy, after a round whose drafts, read through the trust,
+        were worth verifying none (j = 0: the text at hand says drafting does not pay, and blending it
+        in over ~3 rounds cost a drafter call each; see the module); else DECAY."""
+        return 0.0 if probe or (j == 0 and not self._sampling) else self.DECAY
 
     def _calibrate(self, j, accepted, alive, drafted, emitted) -> bool:
         """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
