@@ -15,7 +15,12 @@ With the measured costs (`costs.CostCurves`):
 
 So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
-decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
+decayed running estimate of what drafted rounds promised (DECAY), replaced by a probe's promise and by
+that of a round whose drafts, read through the trust, were worth verifying none (j = 0): that is the
+text at hand saying drafting does not pay, and blending it in over ~3 rounds cost a drafter call
+each (the sample drafter on humaneval knows a request's opening, then not: replayed over its recorded
+claims at batch 4, 25 -> 12 drafter calls in 500 rounds, 0.993x -> 1.002x of plain decoding; batch 1
+1.022x -> 1.037x). When drafting stops paying, the policy
 probes: a drafter call after `interval` plain rounds, which first catches up on every row those
 rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. The
 interval is the shortest I (at least PROBE_EVERY; PROBE_CEILING where none up to it is) whose failed
@@ -63,12 +68,31 @@ request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.95x of pl
 once per machine, would be an order-independent prior.
 
 Greedy, the drafter's estimates are read through its measured calibration, per depth. With A_d and P_d
-the decayed sums, over the drafted trees whose outcome is known and whose path reached depth d - 1, of
-[the path reached depth d] and of the conditional probability the drafter gave that (reach_d / reach_{d-1};
-for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at ratio 1 mixed in (m = P_d / N_d):
+the decayed sums (TRUST_DECAY a round), over the drafted trees whose outcome is known and whose path
+reached depth d - 1, of [the path reached depth d] and of the conditional probability the drafter gave
+that (reach_d / reach_{d-1}; for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at the
+depth above's trust mixed in (m = P_d / N_d, t_0 = 1):
 
-    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m,  P' = P_d + TRUST_PRIOR m
-    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d].
+    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m t_{d-1},  P' = P_d + TRUST_PRIOR m
+    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d]
+
+(t_d = t_{d-1} where no tree reached depth d - 1). The prior was at ratio 1: the path seldom reaches the
+deep depths of a drafter that over-promises, so their claims were read at face value while the first
+depth's were already discounted (a drafter saying 0.9 per draft and delivering 0.2, at the sample
+build's CPU costs, `replay.SAMPLE_CPU`: 0.861x -> 0.918x of plain decoding at batch 1, 0.949x -> 0.972x
+at batch 4, drafted rounds 80 -> 52 and 10 -> 7 a request).
+
+The same sums decayed by RECENT_DECAY (~10 rounds: A_r, P_r, N_r) say when the drafter stopped
+delivering: where they fall short of what the trust's own ratio expects of them by RECENT_Z deviations,
+
+    A' / P' * P_r - A_r  >  RECENT_Z sqrt(A' / P' * P_r),
+
+the older trees are forgotten (A, P, N := A_r, P_r, N_r, and every deeper depth's sums cleared: its
+trees were drawn under the old regime). A drafter right for 300 rounds and then wrong stopped being
+drafted after ~250 rounds, the trust's memory (TRUST_DECAY), and now after ~25-30; a calibrated
+drafter at the break-even acceptance, whose outcomes scatter around the trust, is decided exactly as
+without the test on the recorded GPU curves (the Poisson deviation is wider than the binomial scatter
+of a few trees a round).
 
 The outcome is read in hindsight: the target's own tokens, emitted in this round and the next ones, say
 how deep they follow a root path of the drafted tree, whatever depth was verified. So a policy that
@@ -325,36 +349,36 @@ class GoodputDepth:
         # too: a call to either cost more than the rest of the arithmetic)
         decay, recent, weight, z, zr, sqrt = (self.TRUST_DECAY, self.RECENT_DECAY, self.TRUST_PRIOR, self.TRUST_Z,
                                               self.RECENT_Z, math.sqrt)
-
-        def read(a, p, n, above):  # (the trust, the plain ratio) from sums A, P, N, the prior at ratio `above`
-            prior = weight * p / (1e-9 if 1e-9 > n else n)  # prior trees' claims
-            top, bottom = a + above * prior, p + prior
-            bottom = 1e-9 if 1e-9 > bottom else bottom
-            ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
-            optimistic = 1.0 if 1.0 < optimistic else optimistic
-            return (optimistic if optimistic > ratio else ratio), ratio
-
-        sums = [[] for _ in range(6)]
-        trust, path, running, above, changed = [], [], None, 1.0, False
+        deep = self.DEEP_PRIOR
+        sum_a, sum_p, sum_n, recent_a, recent_p, recent_n = sums = [[] for _ in range(6)]
+        trust, path, running, above, changed = [], [], 1.0, 1.0, False
         for a, p, n, ar, pr, nr, da, dp, dn in zip(*self._sums, reached, promised, seen):
             a, p, n = decay * a + da, decay * p + dp, decay * n + dn
             ar, pr, nr = recent * ar + da, recent * pr + dp, recent * nr + dn
             if changed:  # the path changed below a depth above: what this depth saw before says nothing now
                 a = p = n = ar = pr = nr = 0.0
-            if n <= 0:
-                t = above
-            else:
-                t, ratio = read(a, p, n, above)
+            t = above
+            while n > 0:
+                prior = weight * p / (1e-9 if 1e-9 > n else n)  # the prior trees' claims, at the depth above's ratio
+                top, bottom = a + above * prior, p + prior
+                bottom = 1e-9 if 1e-9 > bottom else bottom
+                ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
+                optimistic = 1.0 if 1.0 < optimistic else optimistic
+                t = optimistic if optimistic > ratio else ratio
                 expect = ratio * pr  # what the recent trees would have reached at the trust's own ratio
-                if not changed and expect - ar > zr * sqrt(expect):  # they fell short: forget the older trees
-                    changed, a, p, n = True, ar, pr, nr
-                    t, _ = read(a, p, n, above)
-            for into, x in zip(sums, (a, p, n, ar, pr, nr)):
-                into.append(x)
+                if changed or expect - ar <= zr * sqrt(expect):
+                    break
+                changed, a, p, n = True, ar, pr, nr  # they fell short: the older trees forgotten, t read again
+            sum_a.append(a)
+            sum_p.append(p)
+            sum_n.append(n)
+            recent_a.append(ar)
+            recent_p.append(pr)
+            recent_n.append(nr)
             trust.append(t)
-            running = t if running is None else running * t
+            running *= t
             path.append(running)
-            above = t if self.DEEP_PRIOR else 1.0
+            above = t if deep else 1.0
         self._sums, self._trust, self._trust_path = sums, trust, path
 
     def _expected(self) -> torch.Tensor:
