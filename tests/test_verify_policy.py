@@ -8,8 +8,7 @@ import torch
 
 from eagle_export.errors import EagleExportError
 from eagle_export.runtime.costs import CostCache, CostCurves
-from eagle_export.runtime.replay import (RECORDED, compare, recorded_costs, recorded_drafts, replay,
-                                         sample_cpu_costs)
+from eagle_export.runtime.replay import RECORDED, compare, recorded_costs, recorded_drafts, replay, sample_cpu_costs
 from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth, break_even_acceptance, make_policy
 from eagle_export.speculation.tree import chain_reach, nested_subtrees
 

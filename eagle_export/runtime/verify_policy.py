@@ -166,7 +166,7 @@ class GoodputDepth:
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
-    TRUST_PRIOR = 2.0    # each depth's trust starts at 1 with the weight of this many trees seen
+    TRUST_PRIOR = 2.0    # each depth's trust starts at the depth above's (the first at 1), weighing this many trees
     TRUST_Z = 1.0        # trust is read optimistically up to face value (see the module)
     RECENT_DECAY = 0.9   # the recent sums, which say when the drafter stopped delivering: about 10 rounds
     RECENT_Z = 2.0       # ... when they fall this many deviations short of what the trust expects (see the module)
@@ -336,9 +336,9 @@ class GoodputDepth:
     @property
     def trust(self) -> list[float]:
         """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
-        would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
-        where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
-        as Poisson) of at most 1 (`_learn`)."""
+        would (greedy; see the module), with TRUST_PRIOR observations at the depth above's trust mixed
+        in: the ratio where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached
+        count taken as Poisson) of at most 1; over the recent trees alone where they fell short (`_learn`)."""
         return self._trust
 
     def _learn(self, reached: list[float], promised: list[float], seen: list[float]) -> None:
@@ -408,7 +408,7 @@ class GoodputDepth:
             return
         probe = self._probing()
         self.since_draft = 0
-        d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
+        d = self._past_weight(probe, j)  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
             accepted = torch.tensor(accepted)
             for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
@@ -421,7 +421,6 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
-        d = self._past_weight(probe, j)
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
 
