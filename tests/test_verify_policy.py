@@ -265,12 +265,13 @@ def test_an_overconfident_drafter_is_read_through_its_measured_calibration():
     """The sample drafter's case: its probabilities say 0.9 per draft, it delivers 0.28, below this
     machine's break-even. Read at face value it drafts every round (1 + 0.9 + ... promises ~4 tokens
     for a round of ~1.5 steps) and loses 10%; through trust (reached / promised, per depth, in
-    hindsight) it settles to about plain decoding's speed. A drafter as good as it says keeps drafting
-    every round. Planted: trust held at 1 (face value)."""
+    hindsight, the deep depths' prior at the depth above's trust) it settles to 0.97x of plain decoding
+    (0.94x with the prior at 1). A drafter as good as it says keeps drafting every round. Planted: trust
+    held at 1 (face value)."""
     costs = curves(draft=0.3, verify_slope=0.1)
     policy = GoodputDepth(K, costs)
     overconfident = replay(policy, costs, 1, (0.28,) * K, (0.9,) * K, prompts=2, new_tokens=512)
-    assert overconfident["speedup"] > 0.93 and overconfident["drafted"] < overconfident["rounds"] / 3
+    assert overconfident["speedup"] > 0.96 and overconfident["drafted"] < overconfident["rounds"] / 3
     assert policy.trust[0] < 0.5
 
     class FaceValue(GoodputDepth):

@@ -63,9 +63,10 @@ machine (the cost curves, which the runtime keeps) carries. Carried, a request's
 the one before (`run --chat A --chat B`: B drafted in 1 of 22 rounds after A's failed probe, in 10 of 10
 alone), and the drafter's calibration is no constant to carry either: it follows the text (the sample
 drafter kept 0.84-0.95 of its promise on humaneval, 0.73-0.87 on MT-bench). The price is that every
-request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.95x of plain decoding over
-512-token requests, replayed); a calibration measured once per build on fixed prompts, as the costs are
-once per machine, would be an order-independent prior.
+request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.97x of plain decoding over
+512-token requests, replayed; 0.94x before the deep depths' prior was the depth above's trust); a
+calibration measured once per build on fixed prompts, as the costs are once per machine, would be an
+order-independent prior.
 
 Greedy, the drafter's estimates are read through its measured calibration, per depth. With A_d and P_d
 the decayed sums (TRUST_DECAY a round), over the drafted trees whose outcome is known and whose path
