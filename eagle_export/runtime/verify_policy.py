@@ -84,16 +84,18 @@ build's CPU costs, `replay.SAMPLE_CPU`: 0.861x -> 0.918x of plain decoding at ba
 at batch 4, drafted rounds 80 -> 52 and 10 -> 7 a request).
 
 The same sums decayed by RECENT_DECAY (~10 rounds: A_r, P_r, N_r) say when the drafter stopped
-delivering: where they fall short of what the trust's own ratio expects of them by RECENT_Z deviations,
+delivering: where they fall RECENT_Z deviations short of what the older trees' ratio expects of them
+(A - A_r, P - P_r: each tree weighed TRUST_DECAY^age - RECENT_DECAY^age, so the recent ones hardly),
 
-    A' / P' * P_r - A_r  >  RECENT_Z sqrt(A' / P' * P_r),
+    r_o P_r - A_r  >  RECENT_Z sqrt(r_o P_r),   r_o = (A - A_r + TRUST_PRIOR m t_{d-1}) / (P - P_r + TRUST_PRIOR m),
 
 the older trees are forgotten (A, P, N := A_r, P_r, N_r, and every deeper depth's sums cleared: its
-trees were drawn under the old regime). A drafter right for 300 rounds and then wrong stopped being
-drafted after ~250 rounds, the trust's memory (TRUST_DECAY), and now after ~25-30; a calibrated
-drafter at the break-even acceptance, whose outcomes scatter around the trust, is decided exactly as
-without the test on the recorded GPU curves (the Poisson deviation is wider than the binomial scatter
-of a few trees a round).
+trees were drawn under the old regime). A drafter right for 20 / 60 / 300 rounds and then wrong in
+every draft stopped being drafted after ~125 / ~190 / ~250 rounds, the trust's memory (TRUST_DECAY),
+and now after ~30-35 / ~25-30 / ~25-30 (unit costs with a drafter of 0.2 steps, and the sample build's
+CPU costs); a calibrated drafter near the break-even acceptance, whose outcomes scatter around the
+trust, is decided exactly as without the test on the recorded GPU curves (18 of 18 replays: the
+Poisson deviation is wider than the binomial scatter of the few trees of a round).
 
 The outcome is read in hindsight: the target's own tokens, emitted in this round and the next ones, say
 how deep they follow a root path of the drafted tree, whatever depth was verified. So a policy that
@@ -366,8 +368,11 @@ class GoodputDepth:
                 ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
                 optimistic = 1.0 if 1.0 < optimistic else optimistic
                 t = optimistic if optimistic > ratio else ratio
-                expect = ratio * pr  # what the recent trees would have reached at the trust's own ratio
-                if changed or expect - ar <= zr * sqrt(expect):
+                if changed:
+                    break
+                older = p - pr + prior  # the older trees (each weighed TRUST_DECAY^age - RECENT_DECAY^age)
+                expect = (a - ar + above * prior) / (1e-9 if 1e-9 > older else older) * pr  # at their ratio
+                if expect - ar <= zr * sqrt(expect):
                     break
                 changed, a, p, n = True, ar, pr, nr  # they fell short: the older trees forgotten, t read again
             sum_a.append(a)
