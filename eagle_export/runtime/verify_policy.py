@@ -91,8 +91,8 @@ delivering: where they fall RECENT_Z deviations short of what the older trees' r
 
 the older trees are forgotten (A, P, N := A_r, P_r, N_r, and every deeper depth's sums cleared: its
 trees were drawn under the old regime). A drafter right for 20 / 60 / 300 rounds and then wrong in
-every draft stopped being drafted after ~125 / ~190 / ~250 rounds, the trust's memory (TRUST_DECAY),
-and now after ~30-35 / ~25-30 / ~25-30 (unit costs with a drafter of 0.2 steps, and the sample build's
+every draft stopped being drafted after 106-126 / 167-191 / 227-254 rounds, the trust's memory
+(TRUST_DECAY), and now after 28-36 / 24-28 / 24-28 (unit costs with a drafter of 0.2 steps, and the sample build's
 CPU costs); a calibrated drafter near the break-even acceptance, whose outcomes scatter around the
 trust, is decided exactly as without the test on the recorded GPU curves (18 of 18 replays: the
 Poisson deviation is wider than the binomial scatter of the few trees of a round).
