@@ -12,12 +12,16 @@ the same positions at the build's measured cost curves:
                  reading the drafter at face value (trust 1), and hindsight (draft exactly where it paid)
 
 Run: python scripts/drafter_calibration.py BUILD [--dataset humaneval] [--num-prompts 16] [--max-new-tokens 128]
-A chain drafter; ONNX Runtime (or --backend torch).
+     [--save ROUNDS.json]
+A chain drafter; ONNX Runtime (or --backend torch). --save writes the recorded rounds (per prompt, `record`'s
+list) for `runtime.replay.recorded_drafts`, which replays any policy over them at any costs and batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -96,7 +100,7 @@ def replay(prompts_rounds, costs, depth, policy=None) -> float:
                 j = policy.choose(torch.tensor([r["reach"]]), live, list(range(1, depth + 2)), drafts) if drafted else 0
             accepted = min(r["right"], j, r["end"] - n - 1) if drafted else 0
             if policy is not None:  # tokens as their positions, as the drafts above are
-                policy.observe(j, torch.tensor([accepted]), live, drafted, [list(range(n + 1, n + accepted + 2))])
+                policy.observe(j, [accepted], live, drafted, [list(range(n + 1, n + accepted + 2))])
             spent += draft + verify[j] if drafted else verify[0]
             plain += (accepted + 1) * verify[0]
             n += accepted + 1
@@ -110,12 +114,15 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--backend", default="onnxruntime")
+    parser.add_argument("--save", help="write the recorded rounds here (JSON)")
     args = parser.parse_args()
     opened = open_build(args.build, backend=args.backend)
     runtime, depth = opened.runtime, opened.runtime.depth
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_ids=opened.eos_ids)
     prompts_rounds = [record(runtime, p, config)
                       for p in chat_prompts(opened.chat_template(), args.dataset, args.num_prompts)]
+    if args.save:
+        Path(args.save).write_text(json.dumps(prompts_rounds))
     rounds = [r for rs in prompts_rounds for r in rs]
     print(f"{args.dataset}: {len(rounds)} positions, drafts right in a row {sum(r['right'] for r in rounds) / len(rounds):.3f}")
     for j in range(1, depth + 1):
@@ -134,7 +141,8 @@ def main():
     costs = runtime.cost_curves(1)
 
     class FaceValue(GoodputDepth):
-        trust = torch.ones(depth)  # the drafter read at face value
+        def _learn(self, reached, promised, seen):  # the trust held at 1: the drafter read at face value
+            pass
 
     print(f"  replayed at the measured costs (plain step {1e3 * costs.verify(1, 1):.1f} ms, drafter "
           f"{1e3 * costs.draft(1):.1f} ms): goodput {replay(prompts_rounds, costs, depth, GoodputDepth(depth, costs)):.3f}x, "

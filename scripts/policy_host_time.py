@@ -147,7 +147,7 @@ def random_decisions(classes, rounds: int, seed: int = 0) -> tuple[int, int]:
                     j = policy.choose_chain(reach[:, -1].tolist(), live.tolist(), widths, nodes.tolist())
                 else:
                     j = policy.choose(reach, live, widths, (nodes, parents)) if drafted else 0
-                policy.observe(j, accepted.clamp(max=j), live, drafted, [e if a else [] for e, a in zip(emitted, live)])
+                policy.observe(j, accepted.clamp(max=j).tolist(), live, drafted, [e if a else [] for e, a in zip(emitted, live)])
                 seen.append((drafted, j, policy.trust, policy.expected, policy.interval))
             differ += seen[0] != seen[1]
             done += 1

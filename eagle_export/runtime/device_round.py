@@ -151,7 +151,7 @@ class DeviceRounds:
             state.record(alive, counts, [j] * b, j + 1, drafted)
         events = state.emit(emitted, alive)
         if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
-            policy.observe(j, torch.tensor(counts) if drafted else state.none_accepted, live, drafted, emitted)
+            policy.observe(j, counts, live, drafted, emitted)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events

@@ -58,6 +58,20 @@ RECORDED = {
 }
 
 
+# The sample build on a shared 2-core CPU (ONNX Runtime; its costs.json): verify ms by tokens T, the
+# drafter at K+1 rows, the drafter catching up over CATCH_UP_ROWS rows, at batch 1 and 4. Its drafter
+# runs below break-even on humaneval at batch 4 (fixed K = 4 0.65x of plain decoding there).
+SAMPLE_CPU = {1: ({1: 39.2, 2: 44.1, 3: 44.6, 4: 49.0, 5: 49.0}, 9.7, 15.1),
+              4: ({1: 49.5, 2: 64.4, 3: 65.1, 4: 72.3, 5: 82.1}, 12.9, 31.0)}
+
+
+def sample_cpu_costs() -> CostCurves:
+    """`SAMPLE_CPU` as the policy reads it (seconds), catching up measured."""
+    return CostCurves({b: {t: ms / 1e3 for t, ms in verify.items()} for b, (verify, _, _) in SAMPLE_CPU.items()},
+                      {b: {w: draft / 1e3 for w in range(1, DEPTH + 2)} for b, (_, draft, _) in SAMPLE_CPU.items()},
+                      {b: {CATCH_UP_ROWS: ms / 1e3} for b, (_, _, ms) in SAMPLE_CPU.items()})
+
+
 def row_ms(name: str) -> float:
     """The drafter's cost per input row on a card (ms): the steepest rise between its recorded batch
     sizes per row added, b (K+1) rows at batch b (see the module); at one batch size, every card's steepest."""
@@ -92,58 +106,79 @@ def _right_in_a_row(true: tuple[float, ...], sequences: int, positions: int, see
     return right.tolist()
 
 
-def replay(policy, costs: CostCurves, batch: int, true, claimed=None, prompts: int = 32, new_tokens: int = 128,
-           prompt_rows: int = 64, seed: int = 0) -> dict:
+def recorded_drafts(prompts_rounds: list[list[dict]], new_tokens: int | None = None) -> list[dict]:
+    """A real drafter's rounds as `replay` reads them, from `scripts/drafter_calibration.py --save`: per
+    prompt, at every position n its plain decoding reached (from the first after the prompt's token), the
+    chain's reach p_1 ... p_d its probabilities said ("reach": the whole chain's entry) and how many of its
+    drafts were the target's own tokens ("right"); "end": the tokens plain decoding emitted. `new_tokens`
+    cuts each to its first ones. -> [{"start", "end", "joint": {n: [D]}, "right": {n: int}}]."""
+    drafts = []
+    for rounds in prompts_rounds:
+        start = min(r["n"] for r in rounds)
+        end = min(rounds[0]["end"], start + new_tokens) if new_tokens else rounds[0]["end"]
+        drafts.append({"start": start, "end": end, "joint": {r["n"]: r["reach"][-1] for r in rounds},
+                       "right": {r["n"]: min(r["right"], end - r["n"] - 1) for r in rounds}})
+    return drafts
+
+
+def replay(policy, costs: CostCurves, batch: int, true=None, claimed=None, prompts: int = 32, new_tokens: int = 128,
+           prompt_rows: int = 64, seed: int = 0, recorded: list[dict] | None = None) -> dict:
     """One policy ("goodput", "fixed", or a policy object; None: plain decoding) over `prompts` sequences
     of `new_tokens` tokens, `batch` at a time, at per-depth acceptance `true` with probabilities saying
-    `claimed` (None: calibrated). -> {speedup over plain decoding, tau, drafted rounds, rounds}."""
-    true = tuple(true)
-    claimed = torch.tensor(claimed if claimed is not None else true)
-    right = _right_in_a_row(true, prompts, new_tokens + DEPTH + 1, seed)
+    `claimed` (None: calibrated); or over a real drafter's `recorded` rounds (`recorded_drafts`: each
+    sequence its prompt's positions, claims and drafts right, as recorded). -> {speedup over plain
+    decoding, tau, drafted rounds, rounds}."""
+    if recorded is None:
+        joint = torch.cumprod(torch.tensor(claimed if claimed is not None else tuple(true)), 0).tolist()
+        right = _right_in_a_row(tuple(true), prompts, new_tokens + DEPTH + 1, seed)
+        sequences = [(0, new_tokens, dict.fromkeys(range(len(r)), joint), dict(enumerate(r))) for r in right]
+    else:
+        sequences = [(s["start"], s["end"], s["joint"], s["right"]) for s in recorded]
     if isinstance(policy, str):
         policy = make_policy(policy, DEPTH, costs)
-    reach_full = torch.cumprod(claimed, 0)                                   # [D] P(path reaches depth d)
-    joint = reach_full.tolist()                                              # the chain's, as `choose_chain` reads it
-    menu = reach_full * (torch.arange(DEPTH)[None] < torch.arange(DEPTH + 1)[:, None])  # [J+1, D]: S_j keeps d <= j
+    first_drafts = (torch.arange(DEPTH)[None] < torch.arange(DEPTH + 1)[:, None]).float()  # [J+1, D]: S_j keeps d <= j
     widths, parents = list(range(1, DEPTH + 2)), torch.arange(-1, DEPTH - 1).expand(batch, -1)
-    spent = rounds = drafted_rounds = tokens = sequence_rounds = 0
-    for first in range(0, prompts, batch):
-        rows = right[first:first + batch]
-        b = len(rows)
-        n, pending = [0] * b, [prompt_rows] * b
+    spent = plain = rounds = drafted_rounds = tokens = sequence_rounds = 0
+    for first in range(0, len(sequences), batch):
+        group = sequences[first:first + batch]
+        b = len(group)
+        n, pending, ends = [s[0] for s in group], [prompt_rows] * b, [s[1] for s in group]
+        plain += max(e - s[0] for e, s in zip(ends, group)) * costs.verify(batch, 1)
         if policy is not None:
             policy.start(b)
-        while min(n) < new_tokens:
-            alive = [m < new_tokens for m in n]
+        while any(m < e for m, e in zip(n, ends)):
+            alive = [m < e for m, e in zip(n, ends)]
             live = torch.tensor(alive)
             drafted = policy is not None and policy.should_draft(live)
             j, accepted, caught_up = 0, [0] * b, 0
             if drafted:
                 caught_up = max(p for p, a in zip(pending, alive) if a)
-                nodes = [[m + d + 1 if d < r[m] else -1 for d in range(DEPTH)] for m, r in zip(n, rows)]
+                right = [s[3].get(m, 0) for s, m in zip(group, n)]  # (a finished sequence's: none)
+                joint = [s[2].get(m, [0.0] * DEPTH) for s, m in zip(group, n)]
+                nodes = [[m + d + 1 if d < r else -1 for d in range(DEPTH)] for m, r in zip(n, right)]
                 if policy.verifies_whole_tree:
                     j = DEPTH
                 elif hasattr(policy, "choose_chain"):  # as the device round asks it (`runtime._chosen`)
-                    j = policy.choose_chain([joint] * b, alive, widths, nodes)
+                    j = policy.choose_chain(joint, alive, widths, nodes)
                 else:
-                    j = policy.choose(menu.expand(b, -1, -1), live, widths, (torch.tensor(nodes), parents[:b]))
-                accepted = [min(r[m], j) if a else 0 for m, r, a in zip(n, rows, alive)]
+                    menu = torch.tensor(joint)[:, None, :] * first_drafts  # [B, J+1, D]
+                    j = policy.choose(menu, live, widths, (torch.tensor(nodes), parents[:b]))
+                accepted = [min(r, j) if a else 0 for r, a in zip(right, alive)]
                 drafted_rounds += 1
             spent += round_cost(costs, b, caught_up, j + 1)
             rounds += 1
             sequence_rounds += sum(alive)
             emitted = [list(range(m + 1, m + c + 2)) if a else [] for m, c, a in zip(n, accepted, alive)]
             if policy is not None:
-                policy.observe(j, torch.tensor(accepted), live, drafted, emitted)
+                policy.observe(j, accepted, live, drafted, emitted)
             pending = [c + 1 if drafted else p + 1 for p, c in zip(pending, accepted)]
             tokens += sum(len(e) for e in emitted)
             n = [m + len(e) for m, e in zip(n, emitted)]
-    plain = len(range(0, prompts, batch)) * new_tokens * costs.verify(batch, 1)
     return {"speedup": plain / spent, "tau": tokens / max(1, sequence_rounds), "drafted": drafted_rounds,
             "rounds": rounds}
 
 
-def compare(costs: CostCurves, batch: int, true, claimed=None, goodput="goodput", **kw) -> dict:
+def compare(costs: CostCurves, batch: int, true=None, claimed=None, goodput="goodput", **kw) -> dict:
     """goodput's speedup, fixed K's, and goodput over the better of fixed and plain decoding."""
     good, fixed = replay(goodput, costs, batch, true, claimed, **kw), replay("fixed", costs, batch, true, claimed, **kw)
     return {"goodput": good["speedup"], "fixed": fixed["speedup"],

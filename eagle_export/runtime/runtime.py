@@ -492,7 +492,7 @@ class SpeculativeRuntime(DeviceRounds):
             state.pending.append(tokens, out[C.AUX_HIDDEN], rows, taken)
             state.pending.added([c + 1 if a else 0 for c, a in zip(counts, alive)])
         if policy is not None:
-            policy.observe(j, accepted, live, drafted, emitted)
+            policy.observe(j, counts, live, drafted, emitted)
         state.lens = state.lens + taken
         state.host_lens = [n + c + 1 if a else n for n, c, a in zip(state.host_lens, counts, alive)]
         state.last_token = torch.where(live, next_token, state.last_token)

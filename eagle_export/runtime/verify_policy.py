@@ -15,7 +15,12 @@ With the measured costs (`costs.CostCurves`):
 
 So a wide tree on a machine where verify cost grows with width keeps its few likeliest nodes, and
 keeps all of them where a wide call costs what a narrow one does. The quantity before the call is a
-decayed running estimate of what drafted rounds promised. When drafting stops paying, the policy
+decayed running estimate of what drafted rounds promised (DECAY), replaced by a probe's promise and by
+that of a round whose drafts, read through the trust, were worth verifying none (j = 0): that is the
+text at hand saying drafting does not pay, and blending it in over ~3 rounds cost a drafter call
+each (the sample drafter on humaneval knows a request's opening, then not: replayed over its recorded
+claims at batch 4, 25 -> 12 drafter calls in 500 rounds, 0.993x -> 1.002x of plain decoding; batch 1
+1.022x -> 1.037x). When drafting stops paying, the policy
 probes: a drafter call after `interval` plain rounds, which first catches up on every row those
 rounds added (c_draft(rows), measured beyond K+1 rows too) and verifies one draft at least. The
 interval is the shortest I (at least PROBE_EVERY; PROBE_CEILING where none up to it is) whose failed
@@ -58,17 +63,39 @@ machine (the cost curves, which the runtime keeps) carries. Carried, a request's
 the one before (`run --chat A --chat B`: B drafted in 1 of 22 rounds after A's failed probe, in 10 of 10
 alone), and the drafter's calibration is no constant to carry either: it follows the text (the sample
 drafter kept 0.84-0.95 of its promise on humaneval, 0.73-0.87 on MT-bench). The price is that every
-request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.95x of plain decoding over
-512-token requests, replayed); a calibration measured once per build on fixed prompts, as the costs are
-once per machine, would be an order-independent prior.
+request learns it afresh (a drafter that says 0.9 and delivers 0.28: 0.97x of plain decoding over
+512-token requests, replayed; 0.94x before the deep depths' prior was the depth above's trust); a
+calibration measured once per build on fixed prompts, as the costs are once per machine, would be an
+order-independent prior.
 
 Greedy, the drafter's estimates are read through its measured calibration, per depth. With A_d and P_d
-the decayed sums, over the drafted trees whose outcome is known and whose path reached depth d - 1, of
-[the path reached depth d] and of the conditional probability the drafter gave that (reach_d / reach_{d-1};
-for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at ratio 1 mixed in (m = P_d / N_d):
+the decayed sums (TRUST_DECAY a round), over the drafted trees whose outcome is known and whose path
+reached depth d - 1, of [the path reached depth d] and of the conditional probability the drafter gave
+that (reach_d / reach_{d-1}; for a chain, draft d's own), N_d their count, and TRUST_PRIOR trees at the
+depth above's trust mixed in (m = P_d / N_d, t_0 = 1):
 
-    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m,  P' = P_d + TRUST_PRIOR m
-    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d].
+    t_d = max(A' / P', min(1, (A' + Z sqrt(A_d + 1)) / P')),   A' = A_d + TRUST_PRIOR m t_{d-1},  P' = P_d + TRUST_PRIOR m
+    reach'[S_j, d] = min(1, t_1 ... t_d reach[S_j, d]),         E'[tokens | S_j] = 1 + sum over d of reach'[S_j, d]
+
+(t_d = t_{d-1} where no tree reached depth d - 1). The prior was at ratio 1: the path seldom reaches the
+deep depths of a drafter that over-promises, so their claims were read at face value while the first
+depth's were already discounted (a drafter saying 0.9 per draft and delivering 0.2, at the sample
+build's CPU costs, `replay.SAMPLE_CPU`: 0.861x -> 0.918x of plain decoding at batch 1, 0.949x -> 0.972x
+at batch 4, drafted rounds 80 -> 52 and 10 -> 7 a request).
+
+The same sums decayed by RECENT_DECAY (~10 rounds: A_r, P_r, N_r) say when the drafter stopped
+delivering: where they fall RECENT_Z deviations short of what the older trees' ratio expects of them
+(A - A_r, P - P_r: each tree weighed TRUST_DECAY^age - RECENT_DECAY^age, so the recent ones hardly),
+
+    r_o P_r - A_r  >  RECENT_Z sqrt(r_o P_r),   r_o = (A - A_r + TRUST_PRIOR m t_{d-1}) / (P - P_r + TRUST_PRIOR m),
+
+the older trees are forgotten (A, P, N := A_r, P_r, N_r, and every deeper depth's sums cleared: its
+trees were drawn under the old regime). A drafter right for 20 / 60 / 300 rounds and then wrong in
+every draft stopped being drafted after 106-126 / 167-191 / 227-254 rounds, the trust's memory
+(TRUST_DECAY), and now after 28-36 / 24-28 / 24-28 (unit costs with a drafter of 0.2 steps, and the sample build's
+CPU costs); a calibrated drafter near the break-even acceptance, whose outcomes scatter around the
+trust, is decided exactly as without the test on the recorded GPU curves (18 of 18 replays: the
+Poisson deviation is wider than the binomial scatter of the few trees of a round).
 
 The outcome is read in hindsight: the target's own tokens, emitted in this round and the next ones, say
 how deep they follow a root path of the drafted tree, whatever depth was verified. So a policy that
@@ -127,7 +154,7 @@ class FixedDepth:
     def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
         return len(widths) - 1
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
         pass
 
@@ -142,8 +169,11 @@ class GoodputDepth:
     MARGIN = 1.03        # drafting must promise 3% more tokens/s than plain decoding (estimates run high)
     PRIOR = 0.5          # per-depth acceptance before any round was verified (sampling only)
     TRUST_DECAY = 0.99   # the drafter's calibration changes slowly: about 100 drafted rounds of memory
-    TRUST_PRIOR = 2.0    # each depth's trust starts at 1 with the weight of this many trees seen
+    TRUST_PRIOR = 2.0    # each depth's trust starts at the depth above's (the first at 1), weighing this many trees
     TRUST_Z = 1.0        # trust is read optimistically up to face value (see the module)
+    RECENT_DECAY = 0.9   # the recent sums, which say when the drafter stopped delivering: about 10 rounds
+    RECENT_Z = 2.0       # ... when they fall this many deviations short of what the trust expects (see the module)
+    DEEP_PRIOR = True    # a depth's prior trees at the depth above's trust (False: at 1, kept for the tests)
     HINDSIGHT = True     # calibrate every drafted depth against the tokens emitted later (see the module)
 
     def __init__(self, depth: int, costs: CostCurves):
@@ -168,7 +198,7 @@ class GoodputDepth:
         # Python floats, D of each, as everything the policy works from them is (the trust, the menu
         # read through it, the round's value: a torch call per step of that arithmetic on a few numbers
         # was host time in every drafted round).
-        self._sums = [[0.0] * self.depth for _ in range(3)]
+        self._sums = [[0.0] * self.depth for _ in range(6)]
         self._trust = [1.0] * self.depth
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
@@ -309,47 +339,64 @@ class GoodputDepth:
     @property
     def trust(self) -> list[float]:
         """[D]: per depth, how often the path reached it per time the drafter's probabilities promised it
-        would (greedy; see the module), with TRUST_PRIOR observations at ratio 1 mixed in: the ratio
-        where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached count taken
-        as Poisson) of at most 1 (`_learn`)."""
+        would (greedy; see the module), with TRUST_PRIOR observations at the depth above's trust mixed
+        in: the ratio where it exceeds 1, else an upper bound (TRUST_Z standard deviations, the reached
+        count taken as Poisson) of at most 1; over the recent trees alone where they fell short (`_learn`)."""
         return self._trust
 
     def _learn(self, reached: list[float], promised: list[float], seen: list[float]) -> None:
-        """The decayed sums A, P, N (see the module) take one round's outcomes, and the trust per depth
-        and its running product t_1 ... t_d are worked from them, in one pass over the depths (each
-        step of it is host time in every drafted round)."""
+        """The decayed sums A, P, N and the recent ones A_r, P_r, N_r (see the module) take one round's
+        outcomes, and the trust per depth and its running product t_1 ... t_d are worked from them, in
+        one pass over the depths (each step of it is host time in every drafted round)."""
         # (max(a, b) written `b if b > a else a` and min(a, b) `b if b < a else a`, the same values, NaN
         # too: a call to either cost more than the rest of the arithmetic)
-        decay, weight, z, sqrt = self.TRUST_DECAY, self.TRUST_PRIOR, self.TRUST_Z, math.sqrt
-        sum_a, sum_p, sum_n, trust, path, running = [], [], [], [], [], None
-        for a, p, n, da, dp, dn in zip(*self._sums, reached, promised, seen):
+        decay, recent, weight, z, zr, sqrt = (self.TRUST_DECAY, self.RECENT_DECAY, self.TRUST_PRIOR, self.TRUST_Z,
+                                              self.RECENT_Z, math.sqrt)
+        deep = self.DEEP_PRIOR
+        sum_a, sum_p, sum_n, recent_a, recent_p, recent_n = sums = [[] for _ in range(6)]
+        trust, path, running, above, changed = [], [], 1.0, 1.0, False
+        for a, p, n, ar, pr, nr, da, dp, dn in zip(*self._sums, reached, promised, seen):
             a, p, n = decay * a + da, decay * p + dp, decay * n + dn
-            sum_a.append(a)
-            sum_p.append(p)
-            sum_n.append(n)
-            if n <= 0:
-                t = 1.0
-            else:
-                prior = weight * p / (1e-9 if 1e-9 > n else n)  # prior observations' claims
-                top, bottom = a + prior, p + prior
+            ar, pr, nr = recent * ar + da, recent * pr + dp, recent * nr + dn
+            if changed:  # the path changed below a depth above: what this depth saw before says nothing now
+                a = p = n = ar = pr = nr = 0.0
+            t = above
+            while n > 0:
+                prior = weight * p / (1e-9 if 1e-9 > n else n)  # the prior trees' claims, at the depth above's ratio
+                top, bottom = a + above * prior, p + prior
                 bottom = 1e-9 if 1e-9 > bottom else bottom
                 ratio, optimistic = top / bottom, (top + z * sqrt(a + 1)) / bottom
                 optimistic = 1.0 if 1.0 < optimistic else optimistic
                 t = optimistic if optimistic > ratio else ratio
+                if changed:
+                    break
+                older = p - pr + prior  # the older trees (each weighed TRUST_DECAY^age - RECENT_DECAY^age)
+                expect = (a - ar + above * prior) / (1e-9 if 1e-9 > older else older) * pr  # at their ratio
+                if expect - ar <= zr * sqrt(expect):
+                    break
+                changed, a, p, n = True, ar, pr, nr  # they fell short: the older trees forgotten, t read again
+            sum_a.append(a)
+            sum_p.append(p)
+            sum_n.append(n)
+            recent_a.append(ar)
+            recent_p.append(pr)
+            recent_n.append(nr)
             trust.append(t)
-            running = t if running is None else running * t
+            running *= t
             path.append(running)
-        self._sums, self._trust, self._trust_path = [sum_a, sum_p, sum_n], trust, path
+            above = t if deep else 1.0
+        self._sums, self._trust, self._trust_path = sums, trust, path
 
     def _expected(self) -> torch.Tensor:
         """[B,K+1]: expected tokens when verifying to depth k, from the running per-depth acceptance."""
         reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
         return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
-    def observe(self, j: int, accepted: torch.Tensor, live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
-        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted`,
-        each sequence having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
+        """After a round that verified menu entry j (a depth when sampling) and accepted `accepted[b]`
+        drafts of sequence b (Python ints, as the round read them: no torch call to make them), each
+        having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
         if not drafted and not any(self._waiting):  # a plain round with nothing to learn: nothing changes
             self.since_draft += 1
             return
@@ -367,8 +414,9 @@ class GoodputDepth:
             return
         probe = self._probing()
         self.since_draft = 0
-        d = 0.0 if probe else self.DECAY  # a probe replaces the stale estimates; other rounds blend in
+        d = self._past_weight(probe, j)  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
+            accepted = torch.tensor(accepted)
             for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
                 checked = live & (accepted >= i)
                 hit = (accepted > i).float()
@@ -382,6 +430,13 @@ class GoodputDepth:
         self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
 
+    def _past_weight(self, probe: bool, j: int) -> float:
+        """The weight of the past in what a drafted round promises (`expected`) and costs: none after a
+        probe (its estimates are stale) or, greedy, after a round whose drafts, read through the trust,
+        were worth verifying none (j = 0: the text at hand says drafting does not pay, and blending it
+        in over ~3 rounds cost a drafter call each; see the module); else DECAY."""
+        return 0.0 if probe or (j == 0 and not self._sampling) else self.DECAY
+
     def _calibrate(self, j, accepted, alive, drafted, emitted) -> bool:
         """Greedy: update the per-depth trust from the drafted trees whose outcome is now known (True
         when one was). In
@@ -394,7 +449,7 @@ class GoodputDepth:
         outcomes = []  # (a tree's reach per depth, how deep the target's path followed it, depths checked)
         if not self.HINDSIGHT:
             if drafted and self._drafts is not None:
-                claims, counts = self._entry(self._verified), accepted.tolist()
+                claims, counts = self._entry(self._verified), accepted
                 for b in (b for b in range(self.batch) if alive[b]):
                     verified = sum(c > 0 for c in claims[b])
                     outcomes.append((claims[b], counts[b], min(counts[b] + 1, verified)))
