@@ -121,6 +121,7 @@ def share_except(root: Path, hostile: Path, state: str) -> None:
         hostile.chmod(0)
 
 
+@pytest.mark.slow  # ~20 s of cases after its fixture's build, on 2 cores
 def test_every_command_refuses_every_hostile_file_state_cleanly(pristine, tmp_path):
     failures, seconds = [], {}
     for i, (command, path, state) in enumerate(cases()):
