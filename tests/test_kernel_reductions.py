@@ -93,6 +93,7 @@ def reduction_mismatches(dtype, plants=None) -> list:
     return found
 
 
+@pytest.mark.slow  # (19-26 s a dtype through the interpreter)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_reduction_by_the_last_program_is_the_two_kernel_path_bit_for_bit(dtype):
     assert reduction_mismatches(dtype) == []
