@@ -266,8 +266,9 @@ def check_bound_names(path, session, role: str, outputs=()) -> None:
     """Refuse a graph (a hand-made or foreign one) without an input or output the runtime binds for
     `role` (contract.BOUND_NAMES, and `outputs`), naming what is missing, before any call fails on it."""
     inputs, needed = C.BOUND_NAMES[role]
-    missing = ([f"input {n}" for n in inputs if n not in {i.name for i in session.get_inputs()}]
-               + [f"output {n}" for n in (*needed, *outputs) if n not in {o.name for o in session.get_outputs()}])
+    has_inputs, has_outputs = {i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()}
+    missing = ([f"input {n}" for n in inputs if n not in has_inputs]
+               + [f"output {n}" for n in (*needed, *outputs) if n not in has_outputs])
     if missing:
         raise EagleExportError(f"{Path(path).name} is not a {role} graph eagle-export can run: it has no "
                                + ", ".join(missing), f"export it again: {REBUILD} (or `eagle-export export`)")
@@ -291,9 +292,9 @@ class OnnxRuntimeBackend(Backend):
         self.target_session, self.drafter_session = session(target_onnx), session(drafter_onnx)
         self.drafter_sampling_session = session(drafter_sampling_onnx) if drafter_sampling_onnx else None
         check_bound_names(target_onnx, self.target_session, "target")
+        tree = speculation is not None and not as_tree(speculation).is_chain
         for path, graph in ((drafter_onnx, self.drafter_session), (drafter_sampling_onnx, self.drafter_sampling_session)):
             if graph is not None:
-                tree = speculation is not None and not as_tree(speculation).is_chain
                 check_bound_names(path, graph, "drafter", (C.DRAFT_PARENTS,) if tree else ())  # (else read as a chain)
         for path, graph, sampling in ((drafter_onnx, self.drafter_session, False),
                                       (drafter_sampling_onnx, self.drafter_sampling_session, True)):
