@@ -792,9 +792,10 @@ def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask
     """At acceptance 0 goodput settles on plain steps (k = 0 rounds) between probes; in those rounds
     nothing it knows changes, so they must cost what a plain step does: its whole work is one read of
     which sequences are live (torch calls counted, each one host time, and each working-out of what a
-    drafted round is worth). Counted: the plain rounds after
-    a plain round, neither resolving a probe's tree in hindsight (learning: what drafting promises is
-    re-read then, once). Planted: the drafting rate recomputed every round."""
+    drafted round is worth). Counted: the plain rounds after a plain round, neither learning from an
+    outcome (`learn`, which the replay runs after should_draft: a probe's tree resolved in hindsight
+    re-reads what drafting promises, once, and the next round's should_draft works the rate out again).
+    Planted: the drafting rate recomputed every round."""
     from torch.overrides import TorchFunctionMode
 
     class Counting(TorchFunctionMode):
@@ -810,9 +811,13 @@ def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask
         def should_draft(self, live):  # (a probe's observe asks too: counted with that round)
             if self.counter is not None:
                 return super().should_draft(live)
-            self.learning, self.counter = any(self._waiting), Counting()
+            self.learning, self.counter = False, Counting()
             with self.counter:
                 return super().should_draft(live)
+
+        def learn(self):
+            self.learning = self.learning or self._pending is not None
+            super().learn()
 
         def observe(self, j, accepted, live, drafted, emitted=None):
             with self.counter:

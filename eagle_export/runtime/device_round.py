@@ -120,8 +120,11 @@ class DeviceRounds:
         buffers.set_live(alive, state)
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         drafter_rows, j = None, 0
+        learn = state.learn if policy is not None else None  # the policy's learning from the last round
         if drafted:
             out, drafter_rows = self._device_draft(state, alive)
+            if learn is not None:  # (while the drafter runs: before the read of its drafts)
+                learn()
             j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
         elif pending is not None:
             if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
@@ -132,6 +135,8 @@ class DeviceRounds:
         ids, positions = buffers.views[j + 1]
         out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False,
                            bound=TARGET_BOUND)
+        if learn is not None and not drafted:  # (while the target runs: before the round's read)
+            learn()
         settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
         if defer:
             buffers.deferred.append((out[C.GREEDY_IDS], out[C.AUX_HIDDEN]))

@@ -146,10 +146,13 @@ def replay(policy, costs: CostCurves, batch: int, true=None, claimed=None, promp
         plain += max(e - s[0] for e, s in zip(ends, group)) * costs.verify(batch, 1)
         if policy is not None:
             policy.start(b)
+        learn = getattr(policy, "learn", None)
         while any(m < e for m, e in zip(n, ends)):
             alive = [m < e for m, e in zip(n, ends)]
             live = torch.tensor(alive)
             drafted = policy is not None and policy.should_draft(live)
+            if learn is not None:  # (where the runtime runs it: after the round's first launch)
+                learn()
             j, accepted, caught_up = 0, [0] * b, 0
             if drafted:
                 caught_up = max(p for p, a in zip(pending, alive) if a)

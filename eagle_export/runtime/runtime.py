@@ -363,6 +363,9 @@ class SpeculativeRuntime(DeviceRounds):
         # Bound once: a policy that verifies whole trees (fixed) skips the menu every round, and a chain's
         # menu is the first j drafts, in closed form (`_draft` says whether the drafter gave a chain).
         state.whole_tree = getattr(policy, "verifies_whole_tree", False)
+        # The policy's learning from a round's outcome, run after the next round's first launch (the device
+        # works meanwhile): goodput's `learn`; None for a policy that learns in `observe` or not at all.
+        state.learn = getattr(policy, "learn", None)
         state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
         b = len(prompts)
         state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
@@ -456,6 +459,8 @@ class SpeculativeRuntime(DeviceRounds):
         if plain:
             verify_ids, rows = state.last_token[:, None], None
             out = self._target(state, verify_ids, state.lens[:, None], state.lens, state.plain_mask, need_logits=False)
+            if not drafted and policy is not None and state.learn is not None:
+                state.learn()
             accepted, next_token = state.none_accepted, out[C.GREEDY_IDS][:, 0]
             taken = live.long()                                                # rows each sequence keeps
         else:
@@ -552,6 +557,8 @@ class SpeculativeRuntime(DeviceRounds):
         under its parent's distribution, and the distributions when sampling."""
         alive = live.tolist()
         out, _ = self._call_drafter(state, alive, state.on_device(alive))
+        if state.learn is not None:  # (while the drafter runs)
+            state.learn()
         start = time.perf_counter()
         nodes = out[C.DRAFT_IDS].cpu()  # (waits for a GPU's queued work: timed with the call)
         self.timings.draft += time.perf_counter() - start

@@ -203,6 +203,7 @@ class GoodputDepth:
         self._trust_path = [1.0] * self.depth  # t_1 ... t_d, updated with the trust
         self._waiting = [[] for _ in range(batch)]  # per sequence: drafted trees whose outcome is not yet known
         self._drafts = self._promised_from = None
+        self._pending = None  # the last round's outcome, not yet learned from (`learn`)
 
     def _probe_interval(self) -> int:
         """The shortest interval I (at least PROBE_EVERY) whose failed probe costs at most PROBE_BUDGET of
@@ -303,7 +304,10 @@ class GoodputDepth:
         return self._choose_greedy(joint, alive, widths, (nodes, None), True)
 
     def _choose_greedy(self, reach: list, alive: list[bool], widths: list[int], drafts, chain: bool) -> int:
-        """`choose`, greedy: reach [B][J+1][D] (a chain's: [B][D]), drafts (nodes, parents) as lists or None."""
+        """`choose`, greedy: reach [B][J+1][D] (a chain's: [B][D]), drafts (nodes, parents) as lists or None.
+        The last round's outcome is learned from first, where the caller has not (`learn`)."""
+        if self._pending is not None:
+            self.learn()
         self.widths, self._sampling = widths, False
         at_least = int(self._probing())  # (see choose)
         self._drafts, self._chain, self._reach = drafts, chain, reach
@@ -396,22 +400,19 @@ class GoodputDepth:
                 emitted: list[list[int]] | None = None) -> None:
         """After a round that verified menu entry j (a depth when sampling) and accepted `accepted[b]`
         drafts of sequence b (Python ints, as the round read them: no torch call to make them), each
-        having emitted `emitted[b]` (its accepted drafts and the target's next token)."""
-        if not drafted and not any(self._waiting):  # a plain round with nothing to learn: nothing changes
-            self.since_draft += 1
-            return
-        alive = live.tolist()
-        if not self._sampling and self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
-            # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
-            # arrives in the plain rounds after it, and waiting for the next probe would waste it.
-            if self._promised_from != (self._trust_path, alive):  # (a trust pinned at 1 changes nothing)
-                _, self._promised = self._best(self._calibrated(), alive)
-                self._promised_from = (self._trust_path, alive)
-            if not drafted:
-                self.expected = [p if a else e for p, e, a in zip(self._promised, self.expected, alive)]
+        having emitted `emitted[b]` (its accepted drafts and the target's next token): what the next
+        decision needs, at once (the rounds since the last drafter call; a drafted round's `expected`,
+        blended with what the choice promised, and `round_cost`). The learning from the outcome waits
+        (`learn`): the caller runs it while the device works on the next round, else the next choose or
+        observe runs it first. `emitted`, `accepted` and `live` are kept until then, unchanged."""
+        if self._pending is not None:
+            self.learn()
         if not drafted:
             self.since_draft += 1
+            if any(self._waiting):  # its tokens may resolve the trees waiting in hindsight
+                self._pending = (j, accepted, live, False, emitted, None, 0.0)
             return
+        alive = live.tolist()
         probe = self._probing()
         self.since_draft = 0
         d = self._past_weight(probe, j)  # a probe replaces the stale estimates; other rounds blend in
@@ -427,8 +428,41 @@ class GoodputDepth:
                 self.acceptance[:, j] = torch.where(full, self.DECAY * self.acceptance[:, j]
                                                     + (1 - self.DECAY) * self.PRIOR, self.acceptance[:, j])
             _, self._promised = self._best(self._expected().tolist(), alive)  # what drafting promises now
-        self.expected = [d * e + (1 - d) * p if a else e for e, p, a in zip(self.expected, self._promised, alive)]
+        else:  # (the estimates before this round kept: `learn` blends them again if the promise moves)
+            self._pending = (j, accepted, alive, True, emitted, self.expected, d)
+        self.expected = self._blended(self.expected, d, alive)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
+
+    def learn(self) -> None:
+        """Greedy: learn from the last observed round's outcome (hindsight over the trees waiting, the
+        trust per depth), re-read what drafting promises through the new trust, and correct `expected`
+        by it: in a drafted round the blend of the estimates before it (kept by `observe`) with the new
+        promise, as `observe` would have made it had it learned first (the same numbers, to the bit);
+        in a plain round that resolved a tree, the promise itself. Nothing when there is nothing to learn
+        (a plain round with no tree waiting; sampling, whose estimates `observe` updates at once). The
+        device round calls it right after the next round's first launch (see the module)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        j, accepted, alive, drafted, emitted, before, d = pending
+        if not drafted:
+            alive = alive.tolist()
+        if not self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
+            return
+        # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
+        # arrives in the plain rounds after it, and waiting for the next probe would waste it.
+        if self._promised_from != (self._trust_path, alive):  # (a trust pinned at 1 changes nothing)
+            _, self._promised = self._best(self._calibrated(), alive)
+            self._promised_from = (self._trust_path, alive)
+            if drafted:
+                self.expected = self._blended(before, d, alive)
+        if not drafted:
+            self.expected = [p if a else e for p, e, a in zip(self._promised, self.expected, alive)]
+
+    def _blended(self, before: list, d: float, alive: list[bool]) -> list:
+        """A drafted round's `expected`: the estimates before it (weight d) and what drafting promises, per
+        live sequence."""
+        return [d * e + (1 - d) * p if a else e for e, p, a in zip(before, self._promised, alive)]
 
     def _past_weight(self, probe: bool, j: int) -> float:
         """The weight of the past in what a drafted round promises (`expected`) and costs: none after a
