@@ -384,6 +384,83 @@ def test_a_goodput_device_round_reads_the_device_twice_at_most(pair, cls, batch)
         assert max(drafted) == 2 and max(plain) == 1, runtime.rounds
 
 
+class _LoggedLaunches(_RightOnDevice):
+    """`_RightOnDevice` logging each graph call as it starts, with the device reads so far (`_OnDevice.syncs`)."""
+
+    def target(self, feeds, need_logits=False, bound=()):
+        self.log.append(("target", _OnDevice.syncs))
+        return super().target(feeds, need_logits, bound)
+
+    def drafter(self, feeds, sampling=False, bound=()):
+        self.log.append(("drafter", _OnDevice.syncs))
+        return super().drafter(feeds, sampling, bound)
+
+
+class _LoggedLearning(Goodput):
+    """`Goodput` logging each learning from an outcome (a `learn` with one pending: the runtime's call, or
+    the one choose or observe makes where the runtime has not), with the device reads so far."""
+
+    def learn(self):
+        if self._pending is not None:
+            self.log.append(("learn", _OnDevice.syncs))
+        super().learn()
+
+
+class _LoggedRounds(SpeculativeRuntime):
+    def _round(self, state, live, policy=None, drafted=False):
+        self.log.append(("round", _OnDevice.syncs))
+        yield from super()._round(state, live, policy, drafted)
+
+
+class _LearnsFirst(_LoggedRounds):  # planted: the learning before the round's first launch (the critical path)
+    def _device_round(self, state, live, policy=None, drafted=False):
+        if policy is not None:
+            state.learn()
+        yield from super()._device_round(state, live, policy, drafted)
+
+
+class _NeverCallsLearn(_LoggedRounds):  # planted: learn never called (choose and observe learn, after a read)
+    def _start(self, *args, **kw):
+        state = super()._start(*args, **kw)
+        state.learn = None
+        return state
+
+
+@pytest.mark.parametrize("cls", [_LoggedRounds, _LearnsFirst, _NeverCallsLearn],
+                         ids=["goodput", "planted: learning first", "planted: never called"])
+def test_the_device_round_learns_after_its_first_launch_and_before_its_read(pair, cls):
+    """On a GPU the host's work between a round's read and its next launch leaves the device idle: the goodput
+    policy learns from a round's outcome (`learn`) in the next round, right after its first launch (the
+    drafter's; the target's in a k = 0 round) and before any read of the device. Logged in order over a
+    goodput stream (the confidence profile: drafted rounds, k = 0 rounds, probes): each round's start,
+    each graph call, each learning from an outcome, with the device reads so far (the graphs' outputs
+    stand for a GPU's, `_OnDevice`). Planted: the learning before the round's first launch; never called by
+    the runtime (the next choice learns after the read of the drafts, observe after the round's read)."""
+    target, drafter = pair
+    prompts, log = [PROMPTS[1]], []
+    backend = _LoggedLaunches(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                              continuations=[PROMPTS[1] + greedy(target, PROMPTS[1], 64)], confident=confident)
+    policy = _LoggedLearning(DEPTH, costs(1))
+    backend.log = policy.log = log
+    runtime = cls.for_models(backend, target, drafter, max_context=96, verify_policy=policy)
+    runtime.log = log
+    results = runtime.generate(prompts, GenerationConfig(max_new_tokens=36))
+    assert [r.tokens for r in results] == [greedy(target, p, 36) for p in prompts]
+    rounds = []
+    for event in log:
+        if event[0] == "round":
+            rounds.append([])
+        elif rounds:
+            rounds[-1].append(event)
+    learning = [r for r in rounds if any(kind == "learn" for kind, _ in r)]
+    launched_first = {r[0][0] for r in learning}
+    placed = all(r[0][0] in ("drafter", "target") and r[1] == ("learn", r[0][1]) for r in learning)
+    if cls is not _LoggedRounds:
+        assert not placed
+        return
+    assert placed and launched_first == {"drafter", "target"} and len(learning) > 5, rounds
+
+
 # ------------------------------------------------------------ the bookkeeping, captured
 
 _SETTLE_CALLS = {}

@@ -1,7 +1,9 @@
 """The goodput verify policy's decisions on given costs, and the cost model's cache."""
 
+import contextlib
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -525,6 +527,71 @@ def test_sampling_depth_comes_from_earlier_rounds_only():
     # Depths never verified recover too: from estimates of ~0 at every depth, a good drafter is found.
     policy.acceptance.fill_(0.01)
     assert run_rounds(policy, None, accepted=K, rounds=150)[-3:] == [K] * 3
+
+
+def learning_state(policy) -> tuple:
+    """Everything the goodput policy learns and decides from (compared with ==: to the bit)."""
+    return (policy.trust, policy._trust_path, policy._sums, policy.expected, getattr(policy, "_promised", None),
+            policy.round_cost,
+            policy.since_draft, policy._waiting)
+
+
+class _Uncorrected(GoodputDepth):  # planted: `expected` left as observe blended it (the promise before learning)
+    def learn(self):
+        expected = self.expected
+        super().learn()
+        self.expected = expected
+
+
+class _PlainRoundsUntold(GoodputDepth):  # planted: a plain round's tokens not kept for the learning
+    def observe(self, j, accepted, live, drafted, emitted=None):
+        super().observe(j, accepted, live, drafted, emitted)
+        if not drafted:
+            self._pending = None
+
+
+@pytest.mark.parametrize("planted", [None, _Uncorrected, _PlainRoundsUntold],
+                         ids=["goodput", "expected uncorrected", "plain rounds untold"])
+def test_deferred_learning_learns_what_learning_at_once_learns(planted):
+    """The same outcomes (batch 3, random chains, claims, drafts right and rounds drafted or not, a
+    sequence finishing) to two policies: one learning right after each observe (`learn`, as observe did
+    before it was split), one as the device round drives it, learning after the next round's should_draft.
+    After the deferred one's learning, everything the two learned and decide from (trust, sums, the
+    promise, `expected`, the round cost, the trees waiting) is the same to the bit, and so is every choice.
+    Planted: the deferred learning leaving `expected` as observe blended it; a plain round's tokens (which
+    resolve a probe's tree in hindsight) not kept for it."""
+    rng = torch.Generator().manual_seed(4)
+    costs = curves(draft=0.1, verify_slope=0.25, batch=3)
+    at_once, deferred = GoodputDepth(K, costs), (planted or GoodputDepth)(K, costs)
+    for policy in (at_once, deferred):
+        policy.start(3)
+    live, positions, learned, drafted = torch.ones(3, dtype=torch.bool), [0, 0, 0], Counter(), True
+    with pytest.raises(AssertionError) if planted else contextlib.nullcontext():
+        for r in range(80):
+            for policy in (at_once, deferred):
+                policy.should_draft(live)
+            learned[drafted] += deferred._pending is not None  # (what the last round left to learn)
+            deferred.learn()
+            assert learning_state(deferred) == learning_state(at_once), r
+            drafted = r % 9 < 5  # (rounds drafted and plain: trees resolved in the plain rounds after)
+            claims = (0.2 + 0.8 * torch.rand(3, K, generator=rng)).cumprod(1).tolist()
+            right = torch.randint(K + 1, (3,), generator=rng).tolist()
+            nodes = [[n + d + 1 if d < ok else 0 for d in range(K)] for n, ok in zip(positions, right)]
+            alive = live.tolist()
+            chosen = [policy.choose_chain(claims, alive, CHAIN, nodes) if drafted else 0 for policy in (at_once, deferred)]
+            assert chosen[0] == chosen[1], r
+            accepted = [min(ok, chosen[0]) if a else 0 for ok, a in zip(right, alive)]
+            emitted = [list(range(n + 1, n + c + 2)) if a else [] for n, c, a in zip(positions, accepted, alive)]
+            for policy in (at_once, deferred):
+                policy.observe(chosen[0], accepted, live, drafted, emitted)
+            at_once.learn()
+            positions = [n + len(e) for n, e in zip(positions, emitted)]
+            if r == 50:
+                live = torch.tensor([True, False, True])
+    if planted:
+        return
+    # (not vacuous: drafted rounds' outcomes and plain rounds' tokens learned from, the trust moved)
+    assert learned[True] > 40 and learned[False] > 3 and min(at_once.trust) < 1.0, (learned, at_once.trust)
 
 
 def test_policy_names():
