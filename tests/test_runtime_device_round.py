@@ -398,11 +398,21 @@ class _LoggedLaunches(_RightOnDevice):
 
 class _LoggedLearning(Goodput):
     """`Goodput` logging each learning from an outcome (a `learn` with one pending: the runtime's call, or
-    the one choose or observe makes where the runtime has not), with the device reads so far."""
+    the one choose or observe makes where the runtime has not), with the device reads so far; a probe's,
+    learned at once in its own observe, apart."""
+
+    def start(self, batch):
+        super().start(batch)
+        self.probe = False
+
+    def observe(self, j, accepted, live, drafted, emitted=None):
+        self.probe = drafted and self._probing()
+        super().observe(j, accepted, live, drafted, emitted)
+        self.probe = False
 
     def learn(self):
         if self._pending is not None:
-            self.log.append(("learn", _OnDevice.syncs))
+            self.log.append(("probe learned" if self.probe else "learn", _OnDevice.syncs))
         super().learn()
 
 
@@ -429,13 +439,14 @@ class _NeverCallsLearn(_LoggedRounds):  # planted: learn never called (choose an
 @pytest.mark.parametrize("cls", [_LoggedRounds, _LearnsFirst, _NeverCallsLearn],
                          ids=["goodput", "planted: learning first", "planted: never called"])
 def test_the_device_round_learns_after_its_first_launch_and_before_its_read(pair, cls):
-    """On a GPU the host's work between a round's read and its next launch leaves the device idle: the goodput
-    policy learns from a round's outcome (`learn`) in the next round, right after its first launch (the
-    drafter's; the target's in a k = 0 round) and before any read of the device. Logged in order over a
-    goodput stream (the confidence profile: drafted rounds, k = 0 rounds, probes): each round's start,
+    """On a GPU the host's work between a round's read and its next launch leaves the device idle: the
+    goodput policy learns from a round's outcome (`learn`) in the next round, right after its first launch
+    (the drafter's; the target's in a k = 0 round) and before any read of the device. Logged in order over
+    a goodput stream (the confidence profile: drafted rounds, k = 0 rounds, probes): each round's start,
     each graph call, each learning from an outcome, with the device reads so far (the graphs' outputs
-    stand for a GPU's, `_OnDevice`). Planted: the learning before the round's first launch; never called by
-    the runtime (the next choice learns after the read of the drafts, observe after the round's read)."""
+    stand for a GPU's, `_OnDevice`; a probe's outcome is learned at once, by design, and logged apart).
+    Planted: the learning before the round's first launch; never called by the runtime (the next choice
+    learns after the read of the drafts, observe after the round's read)."""
     target, drafter = pair
     prompts, log = [PROMPTS[1]], []
     backend = _LoggedLaunches(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
@@ -459,6 +470,7 @@ def test_the_device_round_learns_after_its_first_launch_and_before_its_read(pair
         assert not placed
         return
     assert placed and launched_first == {"drafter", "target"} and len(learning) > 5, rounds
+    assert any(kind == "probe learned" for kind, _ in log)
 
 
 # ------------------------------------------------------------ the bookkeeping, captured

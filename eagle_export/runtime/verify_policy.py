@@ -403,8 +403,9 @@ class GoodputDepth:
         having emitted `emitted[b]` (its accepted drafts and the target's next token): what the next
         decision needs, at once (the rounds since the last drafter call; a drafted round's `expected`,
         blended with what the choice promised, and `round_cost`). The learning from the outcome waits
-        (`learn`): the caller runs it while the device works on the next round, else the next choose or
-        observe runs it first. `emitted`, `accepted` and `live` are kept until then, unchanged."""
+        (`learn`; a probe's is learned at once): the caller runs it while the device works on the next
+        round, else the next choose or observe runs it first. `emitted`, `accepted` and `live` are kept
+        until then, unchanged."""
         if self._pending is not None:
             self.learn()
         if not drafted:
@@ -432,6 +433,8 @@ class GoodputDepth:
             self._pending = (j, accepted, alive, True, emitted, self.expected, d)
         self.expected = self._blended(self.expected, d, alive)
         self.round_cost = d * self.round_cost + (1 - d) * self._round_costs()[j]
+        if probe:  # (learned at once: whether the stream drafts again; probes are rare, see the module)
+            self.learn()
 
     def learn(self) -> None:
         """Greedy: learn from the last observed round's outcome (hindsight over the trees waiting, the
