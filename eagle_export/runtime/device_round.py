@@ -20,6 +20,16 @@ probabilities, [B, 2K] numbers in one transfer (`_drafts_read`), from which `cho
 Why: on a GPU every read waits for the queued work and every torch call is host time (5-10 us a launch),
 so the host's work a round is kept to the calls themselves.
 
+When the policy learns: what the host does between a round's read and the next round's first launch
+leaves the device idle, so the policy's `observe` does there only what the next decision needs, and its
+learning from the outcome (`learn`: hindsight over the drafted trees, the trust, what drafting promises
+re-read through it) runs in the next round right after its first launch (the drafter call, or the target
+call of a k = 0 round), before that round's read: on a GPU it overlaps the device's work. The choice
+(`choose_chain`, after the read of the drafts) then sees the fresh trust; only `should_draft` of the
+round right after is one round stale (a probe's outcome is learned at once: `verify_policy`). A policy
+without `learn` (fixed, a user's object) learns in `observe` or not at all; the general round calls
+`learn` at the same point of its round, so the two rounds drive a policy alike.
+
 Invariants:
   - the round's state lives in tensors of fixed shapes made once (per batch size in static mode),
     `_RoundBuffers`, which the graphs read and `_settle_round` writes in place: a CUDA graph replays the

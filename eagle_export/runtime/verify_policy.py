@@ -112,6 +112,25 @@ drafter's, replayed at every position of 16 prompts: accepted / promised 0.84-0.
 0.73-0.87 on MT-bench; a quantized or off-domain drafter's can be far lower), and read at face value they
 make it draft in rounds that lose.
 
+When it learns: on a GPU whatever the host does between a round's read and the next round's first
+launch leaves the device idle. So `observe` does only what the next decision needs (the rounds since the
+last drafter call; a drafted round's `expected`, blended with what its choice promised, and its cost),
+and keeps the outcome; `learn` does the rest (the trees resolved in hindsight, the trust, what drafting
+promises re-read through it and `expected` blended again from the estimates before the round: the same
+numbers as learning at once, to the bit). The runtime calls it right after the next round's first launch
+(the drafter call, or the target call of a k = 0 round; `device_round`), so it overlaps the device's
+work; where a caller does not, the next choose or observe runs it first, so the outcomes are learned in
+order whoever drives the policy, and `start` drops one still waiting. The choice always sees the fresh
+trust; only should_draft of the round right after is one round stale, which on its own drafted a second
+round after probes whose outcome said stop (replayed on the recorded GPU curves: H200 exact bf16 batch 16
+at 0.6, 1.000x -> 0.976x of the better of fixed K and plain decoding), so a probe's outcome is learned at
+once: probes are at least PROBE_EVERY rounds apart. Replayed so (`scripts/policy_host_time.py
+--replays`), the sweep's 110 cells average 1.0075x as before, the least is 0.972x as before, the largest
+drop 0.987x -> 0.975x (the same card and batch at 0.5, near break-even); a drafter that turns wrong is
+stopped after as many rounds. The host's work between a drafted round's read and the next launch
+(should_draft, choose, observe) on the replay: 32.9 -> 12.7 us at batch 1, 56.3 -> 22.8 at batch 4,
+103.2 -> 38.2 at batch 16 (the deferred learning 23-69 us; shared 2-core VM).
+
 Sampling: what is verified must not depend on the drafts being verified (rejection sampling stays
 exact only if the decision to check a draft is made before it is seen), so the menu is by depth
 (S_k = the nodes of depth <= k) and E[tokens | S_k] comes from the running per-depth acceptance of
@@ -256,7 +275,7 @@ class GoodputDepth:
         """(the menu entry j maximizing the round's expected tokens per second, each sequence's
         expected tokens at j) from expected[b][j]."""
         totals, costs = self._batch_tokens(expected, alive), self._round_costs()
-        rates = [t / c for t, c in zip(totals, costs)]
+        rates = list(map(operator.truediv, totals, costs))  # (mapped: host time in every choice)
         j = rates.index(max(rates[at_least:]), at_least)  # the first of the best, as a max over j takes it
         return j, [e[j] for e in expected]
 
