@@ -149,6 +149,7 @@ def drive(policy, phases):
         joint = [math.prod(claims[:d + 1]) for d in range(K)]
         for _ in range(rounds):
             drafted = policy.should_draft(live)
+            policy.learn()  # (after the round's first launch)
             nodes = [position + d + 1 if d < right else 0 for d in range(K)]
             j = policy.choose_chain([joint], [True], CHAIN, [nodes]) if drafted else 0
             accepted = min(j, right)

@@ -653,7 +653,8 @@ def check_policy(name) -> None:
 def make_policy(name, depth: int, costs: CostCurves | None):
     """A policy by name; an object with the same methods (start, should_draft, choose, observe) is
     used as it is (tests drive the loop with random ones). One that also has `choose_chain` (goodput)
-    has a greedy chain's rounds run on the device (`runtime._device_round`)."""
+    has a greedy chain's rounds run on the device (`runtime._device_round`); one that has `learn` (goodput)
+    is asked to learn from a round's outcome right after the next round's first launch."""
     check_policy(name)
     if not isinstance(name, str):
         return name
