@@ -19,13 +19,14 @@ policy older than `learn`: the same decisions to the bit). --replays: what each 
 worth (the sweep test's cells, a drafter that turns wrong, over-confident drafters).
 
 Run: PYTHONPATH=. python scripts/policy_host_time.py [--against REV] [--new REV] [--repeat 5] [--general]
-     [--decisions [--undeferred] [--random 4000]] [--replays]
+     [--decisions [--undeferred] [--random 4000]] [--replays [--recorded ROUNDS.json ...]]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import statistics
 import subprocess
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from eagle_export.runtime.costs import CostCurves
-from eagle_export.runtime.replay import DEPTH, RECORDED, compare, recorded_costs, replay, sample_cpu_costs
+from eagle_export.runtime.replay import DEPTH, RECORDED, compare, recorded_costs, recorded_drafts, replay, sample_cpu_costs
 from eagle_export.speculation.tree import nested_subtrees
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,11 +207,20 @@ def unit_costs(draft: float, slope: float) -> CostCurves:
     return CostCurves({1: {t: 1 + slope * (t - 1) for t in range(1, DEPTH + 2)}}, {1: dict.fromkeys(range(1, DEPTH + 2), draft)})
 
 
-def replays(classes) -> None:
+def replays(classes, recorded: list[str]) -> None:
     """What the two policies' decisions are worth, each driven as the runtime drives it: goodput over the
     better of fixed K and plain decoding on every recorded card and batch (catch-up priced) and the
     sample build's CPU costs, at the acceptances of the sweep test; how many rounds a drafter that
-    turns wrong after N right ones keeps being drafted (no probe counted); over-confident drafters."""
+    turns wrong after N right ones keeps being drafted (no probe counted); over-confident drafters; a real
+    drafter's `recorded` rounds (`scripts/drafter_calibration.py --save` files) at the sample build's CPU
+    costs, batch 1 and 4."""
+    for path in recorded:
+        rounds = recorded_drafts(json.loads(Path(path).read_text()))
+        costs = sample_cpu_costs()
+        for batch in (1, 4):
+            got = [replay(cls(DEPTH, costs), costs, batch, recorded=rounds) for cls in classes.values()]
+            print(f"{path}, batch {batch}, speedup over plain decoding (drafted / rounds), old / new: "
+                  + " / ".join(f"{r['speedup']:.3f} ({r['drafted']}/{r['rounds']})" for r in got))
     sweep = {**{f"{a}": ((a,) * DEPTH, None) for a in (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.9)},
              "0.73/0.52/0.35/0.25": ((0.73, 0.52, 0.35, 0.25), None),
              "H200 run": ((0.71, 0.60, 0.44, 0.40), (0.73, 0.52, 0.35, 0.25)),
@@ -273,6 +283,7 @@ def main():
                         help="with --decisions: learn right after observe (else as the runtime: after should_draft)")
     parser.add_argument("--random", type=int, default=4000, help="random rounds for --decisions")
     parser.add_argument("--replays", action="store_true", help="what the decisions are worth, replayed, old and new")
+    parser.add_argument("--recorded", nargs="*", default=[], help="with --replays: recorded rounds files to replay too")
     args = parser.parse_args()
     costs = recorded_costs(args.card)
     from eagle_export.runtime.verify_policy import FixedDepth, GoodputDepth
@@ -282,7 +293,7 @@ def main():
         print("random rounds whose decisions differ: %d of %d" % random_decisions(classes, args.random, args.undeferred))
         return
     if args.replays:
-        replays(classes)
+        replays(classes, args.recorded)
         return
     path = "choose (tensors, the general round)" if args.general else "choose_chain (lists, the device round)"
     print(f"{args.card}, old = {args.against}, new = {args.new or 'the working tree'}, a chain's round through {path}; "
