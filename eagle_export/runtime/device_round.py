@@ -176,8 +176,9 @@ class DeviceRounds:
         is committed here, as `_settle_round` commits a K+1-row call's (`_commit_drafter`): a settle graph
         per catch-up width would be captured for one use."""
         buffers, pending = state.buffers, state.pending
+        into = buffers.into if state.synthetic is None else ()  # (synthetic drafts are the host's: `_chosen`)
         if not buffers.adopted:
-            out, _ = self._call_drafter(state, alive, buffers.live)
+            out, _ = self._call_drafter(state, alive, buffers.live, into)
             buffers.draft_lens.copy_(state.draft_lens)
             state.draft_lens = buffers.draft_lens
             buffers.adopt(pending)
@@ -191,7 +192,7 @@ class DeviceRounds:
                  C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: buffers.draft_lens}
         start = time.perf_counter()
-        out = self.backend.drafter(feeds, bound=DRAFTER_BOUND[same])
+        out = self.backend.drafter(feeds, bound=DRAFTER_BOUND[same], into=into)
         self.timings.draft += time.perf_counter() - start
         pending.taken(alive)
         if width > self.depth + 1:
@@ -202,22 +203,22 @@ class DeviceRounds:
         return out, buffers.new_rows(out, width)
 
     def _chosen(self, state, out, policy, alive: list[bool], replayed: bool) -> int:
-        """A drafted device round's drafts into the verify call's ids -> j, how many it verifies: all K
-        under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K] numbers read in
-        one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on the device) and
-        the drafts, as float64 (float32 values and ids below 2^53: both exact). The read waits for the
-        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is).
-        Its few ops are replayed from a graph of their own over the outputs of a drafter call of at most
-        K+1 rows (`replayed`: the same static tensors every round), eagerly after a wider call (the
-        first, a catch-up: fresh tensors a graph would copy in) and over synthetic drafts (the host's)."""
-        nodes = out[C.DRAFT_IDS]
+        """A drafted device round's drafts, in the verify call's ids (`_RoundBuffers.drafts`: the drafter
+        call wrote them there, `into`; synthetic drafts, the host's, are copied in here) -> j, how many it
+        verifies: all K under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K]
+        numbers read in one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on
+        the device) and the drafts, as float64 (float32 values and ids below 2^53: both exact). The read
+        waits for the drafter's work, and is timed as the drafter's (as the general round's read of its
+        drafts is). Its few ops are replayed from a graph of their own over the drafts' buffer and the
+        probabilities a drafter call of at most K+1 rows outputs (`replayed`: the same static tensors every
+        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in)
+        and over synthetic drafts (on the host already)."""
         if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
-            depths = torch.arange(1, nodes.shape[1] + 1).expand(len(nodes), -1)
+            depths = torch.arange(1, self.depth + 1).expand(len(alive), -1)
             nodes, probs = self._synthetic(state, depths - 2, depths)
             state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
-        else:
-            probs = out[C.DRAFT_TOKEN_PROBS]
-            state.buffers.drafts.copy_(nodes)
+        else:  # (the drafter call wrote its drafts there: `_RoundBuffers.into`)
+            nodes, probs = state.buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
         if state.whole_tree:
             return self.depth
         start = time.perf_counter()
@@ -307,6 +308,7 @@ class _RoundBuffers:
         self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
         self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
+        self.into = ((C.DRAFT_IDS, self.drafts),)  # a drafter call's drafts, written here (`Backend.drafter`)
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
         # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
         # the drafter's rows by theirs.
