@@ -512,8 +512,9 @@ def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path
     assert (runtime.backend.model_dtype, runtime.backend.drafter_dtype) == (torch.float32, torch.float16)
     seen = []
     drafter_call = runtime.backend.drafter
-    runtime.backend.drafter = lambda feeds, sampling=False, bound=(): seen.append(
-        {n: feeds[n].dtype for n in (C.AUX_HIDDEN, C.PAST_KEY, C.PAST_VALUE)}) or drafter_call(feeds, sampling, bound)
+    runtime.backend.drafter = lambda feeds, sampling=False, bound=(), into=(): seen.append(
+        {n: feeds[n].dtype for n in (C.AUX_HIDDEN, C.PAST_KEY, C.PAST_VALUE)}) or drafter_call(feeds, sampling, bound,
+                                                                                              into)
     config = GenerationConfig(max_new_tokens=12)
     results = runtime.generate(PROMPTS[:2], config)
     assert seen and all(set(s.values()) == {torch.float16} for s in seen)

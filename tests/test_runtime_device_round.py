@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from planting import plant
-from test_cuda_graphs import _bound_never_copied, replay_eagerly
+from test_cuda_graphs import _bound_never_copied, _epilogue_skipped, replay_eagerly
 from test_runtime import PROMPTS, _DeviceOutputs, _OnDevice
 from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
@@ -26,6 +26,7 @@ from eagle_export.runtime.costs import CostCurves
 from eagle_export.runtime.cuda_graphs import ShapeGraphs, check_capturable
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.runtime.verify_policy import GoodputDepth
+from eagle_export.speculation.synthetic import SyntheticDrafts
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH, NEW = 3, 24
@@ -652,6 +653,55 @@ def test_two_runtimes_over_one_backend_copy_their_own_buffers_in(pair, monkeypat
         return
     assert tokens == expected
     assert all(g.copied_bound > 0 for g in backend.captured.values())
+
+
+def test_a_drafter_graph_that_leaves_the_verify_ids_stale_fails_the_drafts_check(pair, monkeypatch):
+    """The captured streams above (`run` with graphs) check at every drafter call that the verify call's ids
+    hold the drafter graph's drafts (`RightDrafts`): stale drafts would still decode the target's tokens (a
+    wrong draft is rejected), so the check is what sees them. Planted: the graph's copy into them not
+    captured: the check fails at the first replay."""
+    monkeypatch.setattr(ShapeGraphs, "_capture", _epilogue_skipped(ShapeGraphs._capture))
+    prompts = prompts_for("fixed", 3)
+    with pytest.raises(AssertionError, match="did not write"):
+        run(pair, prompts, eos_config(pair, prompts), graphs=True)
+
+
+def _drafts_detached(monkeypatch):
+    """Planted: the host's drafts copied where the verify call does not read them."""
+    original = device_round._RoundBuffers.__init__
+
+    def init(self, *args):
+        original(self, *args)
+        self.drafts = self.drafts.clone()
+    monkeypatch.setattr(device_round._RoundBuffers, "__init__", init)
+
+
+@pytest.mark.parametrize("plant", [None, _drafts_detached], ids=["synthetic", "planted: drafts detached"])
+def test_captured_rounds_verify_the_hosts_synthetic_drafts(pair, monkeypatch, plant):
+    """Synthetic drafts are the host's: with the graphs captured, the drafter's call writes nothing into the
+    verify call's ids (no `into`), the host's drafts are copied there and goodput reads its choice from
+    them on the host: every round accepts all the oracle's drafts it verifies (K under the fixed policy),
+    none of anti's, and the tokens are plain decoding's. Planted: the host's drafts copied elsewhere."""
+    if plant is not None:
+        plant(monkeypatch)
+    target, drafter = pair
+    prompts, config = [PROMPTS[1], PROMPTS[0]], GenerationConfig(max_new_tokens=16)
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False), cuda_graphs=True,
+                           capture=replay_eagerly)
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=96, verify_policy="fixed")
+    runtime.costs.verify_s[2], runtime.costs.draft_s[2] = ({n: cost for n in range(1, DEPTH + 2)} for cost in (1, 0.1))
+    plain = [greedy(target, p, 16) for p in prompts]
+    accepted = {}
+    for mode, policy in (("oracle", "fixed"), ("anti", "fixed"), ("oracle", "goodput")):
+        drafts = SyntheticDrafts.for_prompts(runtime, prompts, config, mode)
+        results = runtime.generate(prompts, config, verify_policy=policy, synthetic=drafts)
+        assert [r.tokens for r in results] == plain
+        accepted[mode, policy] = [(a, d) for r in results for a, d in zip(r.stats.accepted, r.stats.depths)]
+    if plant is not None:
+        assert {a for a, _ in accepted["oracle", "fixed"]} != {DEPTH}
+        return
+    assert {a for a, _ in accepted["oracle", "fixed"]} == {DEPTH} and {a for a, _ in accepted["anti", "fixed"]} == {0}
+    assert all(a == d for a, d in accepted["oracle", "goodput"]) and max(accepted["oracle", "goodput"])[0] > 1
 
 
 @pytest.mark.cuda
