@@ -759,8 +759,9 @@ class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general 
 def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
     """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
     (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
-    read of its drafts for the choice, the live mask the policy is told; 18 against 15 at batch 1,
-    219 on the general round); a k = 0 round (the confidence profile) a plain decoding step's (12).
+    read of its drafts for the choice, from the verify call's ids, the live mask the policy is told; 18
+    against 15 at batch 1, 219 on the general round); a k = 0 round (the confidence profile) a plain
+    decoding step's (12).
     Medians over the rounds that captured nothing. Planted: goodput on the general round."""
     target, drafter = pair
     prompts = [PROMPTS[1]]
@@ -775,6 +776,9 @@ def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls
         runtime.rounds = []
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
         assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
+        read = [inputs[0] for g in runtime._read_graphs.values() for inputs, *_ in g.graphs.values()]
+        if isinstance(policy, Goodput) and runtime_cls is _CountingCalls:  # (the drafts in the verify ids)
+            assert read and all(nodes is runtime._round_buffers[1].drafts for nodes in read)
         return runtime.rounds
 
     def median(rounds, drafted):

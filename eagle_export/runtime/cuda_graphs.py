@@ -69,20 +69,21 @@ class CudaGraphCapture:
 
 
 class ShapeGraphs:
-    """A module called by input name, one captured graph per (inputs bound by reference, input shapes,
-    the bound inputs' strides, the outputs a call writes `into` its own tensors). `bound` names the inputs every call binds (the caches); a call may bind
-    more of its own (`__call__`). A bound input is captured as the caller's tensor itself, which the
-    graph holds (so its memory is never freed while the graph lives) and reads in place at every replay;
-    every other input is the graph's own clone, copied into at every call. The invariant: a bound
-    input's address at every replay of a graph is the one it was captured with, or the call's tensor is
-    copied in there (another tensor of the same layout than at capture: correct, counted as
-    `copied_bound`). The bound inputs' strides are part of the key because the graph reads them in
-    place: buffers regrown with another row stride (`device_round._RoundBuffers.fit`) get a graph of their
-    own. `warmup` maps a capture's inputs to those its warm-up calls get (None: the same; see
-    CudaGraphCapture). `by_address`: the bound inputs' addresses are part of the key too, so a bound
-    input is never copied in (another tensor gets a graph of its own): for a function that writes its
-    bound inputs in place (a device round's bookkeeping), whose writes would otherwise land in the
-    captured tensor and not in the caller's. `output_names`: what a call's `into` names the outputs by."""
+    """A module called by input name, one captured graph per (inputs bound by reference, input shapes, the
+    bound inputs' strides, the outputs a call writes `into` its own tensors). `bound` names the inputs
+    every call binds (the caches); a call may bind more of its own (`__call__`). A bound input is
+    captured as the caller's tensor itself, which the graph holds (so its memory is never freed while
+    the graph lives) and reads in place at every replay; every other input is the graph's own clone,
+    copied into at every call. The invariant: a bound input's address at every replay of a graph is the
+    one it was captured with, or the call's tensor is copied in there (another tensor of the same layout
+    than at capture: correct, counted as `copied_bound`). The bound inputs' strides are part of the key
+    because the graph reads them in place: buffers regrown with another row stride
+    (`device_round._RoundBuffers.fit`) get a graph of their own. `warmup` maps a capture's inputs to
+    those its warm-up calls get (None: the same; see CudaGraphCapture). `by_address`: the bound inputs'
+    addresses are part of the key too, so a bound input is never copied in (another tensor gets a graph
+    of its own): for a function that writes its bound inputs in place (a device round's bookkeeping),
+    whose writes would otherwise land in the captured tensor and not in the caller's. `output_names`:
+    what a call's `into` names the outputs by."""
 
     def __init__(self, fn: Callable, input_names: list[str], bound: tuple[str, ...], capture: Callable,
                  warmup: Callable | None = None, by_address: bool = False, output_names: list[str] = ()):
@@ -92,8 +93,7 @@ class ShapeGraphs:
         # the destinations captured)
         self.graphs: dict[tuple, tuple] = {}
         self.copied_bound = 0  # bound inputs (destinations) copied in (out): another tensor than at capture
-        self._recent = {}  # the last calls' (names bound, `into`, inputs by their ids) -> (those inputs, `into`,
-        # their graph, which are bound)
+        self._recent = {}  # the last calls' (names bound, id of `into`, ids of inputs) -> (inputs, `into`, graph, refs)
 
     def keys(self) -> set[tuple[int, int]]:
         """(batch, width) of every captured graph: the first input's shape (input_ids [B, T])."""

@@ -7,11 +7,12 @@ drafter call (`choose_chain`: goodput). Sampling, trees and other policy objects
 (`runtime.SpeculativeRuntime._round`), and the device round gives its tokens, statistics, policy decisions,
 drafts and caches bit for bit (tests/test_runtime_device_round.py).
 
-What runs on the device: the drafter call, the target call over [last token, d_1..d_j], and the round's
-bookkeeping, `_settle_round`: acceptance (a = the leading i <= j with d_i == g_{i-1}, g the target's
-argmax at the call's rows), the target's cache commit of rows 0..a at each sequence's length, the
-drafter's commit of the rows it consumed, the drafter's next rows (g_0..g_a beside the call's aux states,
-as they are: a + 1 of them valid), the lengths, the next root g_a and the next positions.
+What runs on the device: the drafter call (which writes its drafts into the verify call's ids), the target
+call over [last token, d_1..d_j], and the round's bookkeeping, `_settle_round`: acceptance (a = the leading
+i <= j with d_i == g_{i-1}, g the target's argmax at the call's rows), the target's cache commit of rows
+0..a at each sequence's length, the drafter's commit of the rows it consumed, the drafter's next rows
+(g_0..g_a beside the call's aux states, as they are: a + 1 of them valid), the lengths, the next root g_a
+and the next positions.
 What the host reads, per round: ONE transfer, [accepted count, the target's greedy ids] per sequence,
 which it needs to emit tokens and test EOS, stop strings and the limits (a finished sequence changes the
 live mask, the only host value the device round is given back, copied only when it changes). A goodput
@@ -26,9 +27,10 @@ Invariants:
     addresses it was captured with;
   - `_settle_round` is tensor ops of fixed shapes with no host read, no host data and no data-dependent
     shape (`cuda_graphs.check_capturable` proves it on CPU), so where the backend captures CUDA graphs it
-    is one more graph beside the target's and the drafter's: a drafted round costs the host three replays,
-    one copy (the drafts into the verify call's ids: the graphs read every other input of theirs in
-    place, `TARGET_BOUND`, `DRAFTER_BOUND`), and the read;
+    is one more graph beside the target's and the drafter's: a drafted round costs the host three replays
+    and the read, no copy (the graphs read their inputs in place, `TARGET_BOUND`, `DRAFTER_BOUND`, and
+    the drafter's writes its drafts into the verify call's ids, `_RoundBuffers.into`: the copy captured
+    with the call; a backend that replays nothing copies them after its call);
   - a sequence not live changes nothing that is read later (its rows write back what their slots held,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
@@ -100,9 +102,10 @@ class DeviceRounds:
         length, its next root is g_a, and the drafter's next rows are (g_i, the call's aux state at row
         i) for i <= a: the call's outputs as they are, a + 1 rows valid. The state lives in buffers of
         fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
-        host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
-        graph calls (which read the buffers in place: `TARGET_BOUND`), and the read. Near the context
-        limit the stream's plain steps come here too (those sequences never draft again).
+        host's work a round is the calls themselves: the graph calls (which read the buffers in place,
+        `TARGET_BOUND`, the drafter's writing its drafts into the verify call's ids, `_RoundBuffers.into`),
+        and the read. Near the context limit the stream's plain steps come here too (those sequences never
+        draft again).
         The goodput policy decides on this round's drafts, so its drafted round reads the device twice:
         right after the drafter call, the drafts and their joint probabilities p_1 ... p_d (`_chosen`), from
         which `choose_chain` picks j in 0..K; the target call is then over [last token, d_1..d_j] (width
