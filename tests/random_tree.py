@@ -3,6 +3,7 @@
 import torch
 
 from eagle_export.models import contract as C
+from eagle_export.runtime.backends import write_into
 from eagle_export.speculation.tree import TreeShape
 
 
@@ -38,7 +39,7 @@ class RandomTrees:
             depths.append(1 if p < 0 else depths[p] + 1)
         return TreeShape(tuple(parents))
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         out = super().drafter(feeds, sampling, bound)
         batch = len(feeds[C.INPUT_IDS])
         n = int(torch.randint(1, self.max_nodes + 1, (1,), generator=self.rng))
@@ -54,4 +55,4 @@ class RandomTrees:
         out[C.DRAFT_IDS] = ids.to(out[C.DRAFT_IDS].device)
         out[C.DRAFT_PARENTS] = torch.stack([s.parent_tensor() for s in shapes]).to(out[C.DRAFT_IDS].device)
         out[C.DRAFT_TOKEN_PROBS] = torch.rand(batch, n, generator=self.rng).to(out[C.DRAFT_IDS].device)
-        return out
+        return write_into(out, into)

@@ -68,7 +68,7 @@ def _bound_never_copied(self, inputs, given, refs):  # planted: a bound input gi
 
 
 def _binding_ignored(original):  # planted: the caller's bound names dropped, its buffers copied in every call
-    return lambda self, feeds, bound=(): original(self, feeds)
+    return lambda self, feeds, bound=(), into=(): original(self, feeds, (), into)
 
 
 @pytest.mark.parametrize("plant", [None, _bound_never_copied, _binding_ignored],
@@ -112,6 +112,39 @@ def test_a_callers_own_buffers_are_bound_in_graphs_of_their_own(monkeypatch, pla
     strided = torch.full((2, 2), 7.0)[:, 0]  # another layout: a graph of its own, read in place
     assert graphs({"x": strided, "n": n, "cache": cache}, ("x", "n"))[0].tolist() == [14, 14]
     assert len(captures) == 3 and captures[2][0] is strided and graphs.copied_bound == 1
+
+
+def _epilogue_skipped(original):  # planted: the copies `into` not captured with the call
+    return lambda self, key, given, refs, into: (*original(self, key, given, refs, ())[:3], [d for _, d in into])
+
+
+@pytest.mark.parametrize("plant", [None, _epilogue_skipped], ids=["into", "planted: epilogue skipped"])
+def test_outputs_written_into_a_callers_tensors_are_copied_inside_the_graph(monkeypatch, plant):
+    """A call's `into` ((output name, destination), ...): the graph copies the output into the caller's tensor
+    (a strided view of its buffer here) at every replay, the copy captured after the function's work (the
+    fake capture replays it: no copy of the host's); a graph of its own beside the one without (a call
+    without `into` writes nothing of the caller's); another destination of the same layout is copied out of
+    the captured one (counted); a name that is no output is refused. Planted: the copy not captured."""
+    if plant is not None:
+        monkeypatch.setattr(ShapeGraphs, "_capture", plant(ShapeGraphs._capture))
+    graphs = ShapeGraphs(lambda x, cache: (x * 2 + cache.sum(), x + 1), ["x", "cache"], ("cache",), replay_eagerly,
+                         output_names=["y", "z"])
+    cache, x, buffer = torch.zeros(3), torch.ones(2), torch.zeros(2, 3)
+    into = (("z", buffer[:, 1]),)
+    graphs({"x": x, "cache": cache}, into=into)
+    x.fill_(4)
+    graphs({"x": x, "cache": cache}, into=into)
+    if plant is not None:
+        assert buffer[:, 1].tolist() != [5, 5]
+        return
+    assert buffer.tolist() == [[0, 5, 0], [0, 5, 0]]
+    assert graphs({"x": torch.full((2,), 7.0), "cache": cache})[1].tolist() == [8, 8]  # (its own graph)
+    assert buffer.tolist() == [[0, 5, 0], [0, 5, 0]] and len(graphs.graphs) == 2
+    other = torch.zeros(2, 3)
+    graphs({"x": x, "cache": cache}, into=(("z", other[:, 1]),))
+    assert other[:, 1].tolist() == [5, 5] and graphs.copied_bound == 1 and len(graphs.graphs) == 2
+    with pytest.raises(ValueError, match="not outputs"):
+        graphs({"x": x, "cache": cache}, into=(("w", other[:, 1]),))
 
 
 @pytest.mark.parametrize("by_address", [True, False], ids=["by address", "planted: copied in"])
@@ -222,7 +255,7 @@ def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, draf
         assert keys(runtime.backend) == {"target": {(batch, t) for t in range(1, depth + 2)},
                                          "drafter": {(batch, depth + 1)}}
         for graph in runtime.backend.captured.values():
-            for inputs, _, _ in graph.graphs.values():  # caches bound by reference, never copied
+            for inputs, *_ in graph.graphs.values():  # caches bound by reference, never copied
                 bound = [inputs[graph.input_names.index(name)] for name in (C.PAST_KEY, C.PAST_VALUE)]
                 assert {t.data_ptr() for t in bound} <= {c.data_ptr() for c in first_caches}
             assert graph.copied_bound == 0
@@ -230,7 +263,7 @@ def test_static_mode_is_lossless_and_keeps_one_cache_per_batch_size(target, draf
         # the same widths (fresh tensors) replayed graphs of their own.
         buffers, verify = runtime._round_buffers[batch], runtime.backend.captured[None]
         ids = verify.input_names.index(C.INPUT_IDS)
-        in_place = [inputs[ids].shape[1] for inputs, _, _ in verify.graphs.values()
+        in_place = [inputs[ids].shape[1] for inputs, *_ in verify.graphs.values()
                     if inputs[ids].data_ptr() == buffers.verify_ids.data_ptr()]
         assert in_place and len(verify.graphs) == depth + 1 + len(in_place)
 
@@ -245,10 +278,10 @@ def test_static_caches_are_seen_through_views_growing_in_power_of_two_buckets(ta
     assert result.tokens == target.generate_greedy(prompt, 24)
     graphs = runtime.backend.captured[None]
     past = graphs.input_names.index(C.PAST_KEY)
-    assert {inputs[past].shape[3] for inputs, _, _ in graphs.graphs.values()} == {256, 512}
+    assert {inputs[past].shape[3] for inputs, *_ in graphs.graphs.values()} == {256, 512}
     full = runtime._static_caches[1][0]
     assert full.shape[3] == 1024 and all(inputs[past].data_ptr() == full.data_ptr()
-                                         for inputs, _, _ in graphs.graphs.values())
+                                         for inputs, *_ in graphs.graphs.values())
     assert graphs.copied_bound == 0
 
 

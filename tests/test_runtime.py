@@ -15,7 +15,7 @@ from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target
-from eagle_export.runtime.backends import TensorRTBackend, TorchBackend
+from eagle_export.runtime.backends import TensorRTBackend, TorchBackend, write_into
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.speculation.eager import speculative_generate
 from eagle_export.speculation.tree import TreeShape
@@ -52,7 +52,7 @@ class PlantedDrafts(TorchBackend):
         self.rng = torch.Generator().manual_seed(seed)
         self.cache_slots = set()  # the cache sizes the drafter was given
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         self.cache_slots.add(feeds[C.PAST_KEY].shape[3])
         out = super().drafter(feeds, sampling, bound)
         first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # position of draft 1
@@ -63,7 +63,7 @@ class PlantedDrafts(TorchBackend):
                 if pos < len(full) and torch.rand(1, generator=self.rng) > self.error_rate:
                     drafts[b, i] = full[pos]
         out[C.DRAFT_IDS] = drafts
-        return out
+        return write_into(out, into)  # (its own drafts: the caller's copy of them, `Backend.drafter`)
 
 
 class RecordedDrafts(TorchBackend):
@@ -73,8 +73,8 @@ class RecordedDrafts(TorchBackend):
         super().__init__(*graphs, **kw)
         self.calls = []
 
-    def drafter(self, feeds, sampling=False, bound=()):
-        out = super().drafter(feeds, sampling, bound)
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        out = super().drafter(feeds, sampling, bound, into)
         self.calls.append(out[C.DRAFT_IDS].cpu().clone())
         return out
 
@@ -222,9 +222,9 @@ class ProfileChecked(TorchBackend):
         self._check("target", feeds)
         return super().target(feeds, need_logits, bound)
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         self._check("drafter", feeds)
-        return super().drafter(feeds, sampling, bound)
+        return super().drafter(feeds, sampling, bound, into)
 
 
 @pytest.mark.parametrize("max_context", [40, 70])  # below and above one cache_step (64)
@@ -401,7 +401,7 @@ class SampledTrees(TorchBackend):
         self.max_nodes, self.rng = max_nodes, torch.Generator().manual_seed(seed)
         self.verify_width = max_nodes + 1
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         out = super().drafter(feeds, sampling, bound)
         batch, vd = out[C.DRAFT_PROBS].shape[0], out[C.DRAFT_PROBS].shape[2]
         parents, depths = [], []
@@ -417,7 +417,7 @@ class SampledTrees(TorchBackend):
         out[C.DRAFT_PARENTS] = torch.tensor(parents).expand(batch, -1)
         out[C.DRAFT_TOKEN_PROBS] = q.gather(2, index[..., None])[..., 0]
         out[C.DRAFT_PROBS] = q
-        return out
+        return write_into(out, into)
 
 
 def sample_pairs(runtime_cls, target, drafter, prompt, n, temperature, verify_policy="fixed", backend_cls=TorchBackend,
@@ -512,8 +512,9 @@ def test_a_drafter_of_another_dtype_gets_caches_and_aux_rows_in_its_own(tmp_path
     assert (runtime.backend.model_dtype, runtime.backend.drafter_dtype) == (torch.float32, torch.float16)
     seen = []
     drafter_call = runtime.backend.drafter
-    runtime.backend.drafter = lambda feeds, sampling=False, bound=(): seen.append(
-        {n: feeds[n].dtype for n in (C.AUX_HIDDEN, C.PAST_KEY, C.PAST_VALUE)}) or drafter_call(feeds, sampling, bound)
+    runtime.backend.drafter = lambda feeds, sampling=False, bound=(), into=(): seen.append(
+        {n: feeds[n].dtype for n in (C.AUX_HIDDEN, C.PAST_KEY, C.PAST_VALUE)}) or drafter_call(feeds, sampling, bound,
+                                                                                              into)
     config = GenerationConfig(max_new_tokens=12)
     results = runtime.generate(PROMPTS[:2], config)
     assert seen and all(set(s.values()) == {torch.float16} for s in seen)
@@ -579,8 +580,8 @@ class _DeviceOutputs(TorchBackend):
     def target(self, feeds, need_logits=False, bound=()):
         return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits, bound).items()}
 
-    def drafter(self, feeds, sampling=False, bound=()):
-        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling, bound).items()}
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling, bound, into).items()}
 
 
 class _CountingSyncs(SpeculativeRuntime):

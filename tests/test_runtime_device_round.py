@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from planting import plant
-from test_cuda_graphs import _bound_never_copied, replay_eagerly
+from test_cuda_graphs import _bound_never_copied, _epilogue_skipped, replay_eagerly
 from test_runtime import PROMPTS, _DeviceOutputs, _OnDevice
 from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
@@ -21,11 +21,12 @@ from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
 from eagle_export.models.checkpoint import load_drafter, load_target
-from eagle_export.runtime.backends import TorchBackend
+from eagle_export.runtime.backends import TorchBackend, write_into
 from eagle_export.runtime.costs import CostCurves
 from eagle_export.runtime.cuda_graphs import ShapeGraphs, check_capturable
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.runtime.verify_policy import GoodputDepth
+from eagle_export.speculation.synthetic import SyntheticDrafts
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 DEPTH, NEW = 3, 24
@@ -48,16 +49,20 @@ class RightDrafts(TorchBackend):
     (`continuations`), wrong at every seventh position, so rounds accept 0..K drafts; each call's
     drafts (as verified) and input width are recorded. `confident`: the drafter's probability of each
     draft replaced too, 0.9 where confident(position) holds, else 0.02 (a synthetic profile that makes
-    the goodput policy verify fewer drafts, stop drafting and probe again)."""
+    the goodput policy verify fewer drafts, stop drafting and probe again). A call given tensors to write
+    its drafts `into` (`Backend.drafter`) is checked to have written the drafter graph's own there (from
+    the captured graph's epilogue, or eagerly), which are then replaced there too."""
 
     def __init__(self, *graphs, continuations, confident=None, **kw):
         super().__init__(*graphs, **kw)
         self.continuations, self.confident, self.calls, self.widths = continuations, confident, [], []
 
-    def drafter(self, feeds, sampling=False, bound=()):
-        return self._replace(super().drafter(feeds, sampling, bound), feeds)
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        return self._replace(super().drafter(feeds, sampling, bound, into), feeds, into)
 
-    def _replace(self, out, feeds):
+    def _replace(self, out, feeds, into=()):
+        for name, dest in into:
+            assert torch.equal(dest, out[name]), f"the drafter call did not write its {name} into the given tensor"
         out = dict(out)
         first = feeds[C.CACHE_LENS] + feeds[C.NUM_VALID] + 1  # the position of draft 1
         drafts, probs = out[C.DRAFT_IDS].clone(), out[C.DRAFT_TOKEN_PROBS].clone()
@@ -71,7 +76,7 @@ class RightDrafts(TorchBackend):
         out[C.DRAFT_IDS], out[C.DRAFT_TOKEN_PROBS] = drafts, probs
         self.calls.append(drafts.clone())
         self.widths.append(feeds[C.INPUT_IDS].shape[1])
-        return out
+        return write_into(out, into)
 
 
 class KeepsCaches(SpeculativeRuntime):
@@ -320,8 +325,8 @@ class _CountingReads(SpeculativeRuntime):
 
 
 class _ReadsTheDrafts(_CountingReads):  # planted: the drafts read on the host, as the general round does
-    def _call_drafter(self, state, alive, live):
-        out, num_valid = super()._call_drafter(state, alive, live)
+    def _call_drafter(self, state, alive, live, into=()):
+        out, num_valid = super()._call_drafter(state, alive, live, into)
         out[C.DRAFT_IDS].tolist()
         return out, num_valid
 
@@ -353,8 +358,8 @@ class _RightOnDevice(RightDrafts):
     def target(self, feeds, need_logits=False, bound=()):
         return {name: t.as_subclass(_OnDevice) for name, t in super().target(feeds, need_logits, bound).items()}
 
-    def drafter(self, feeds, sampling=False, bound=()):
-        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling, bound).items()}
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        return {name: t.as_subclass(_OnDevice) for name, t in super().drafter(feeds, sampling, bound, into).items()}
 
 
 class _ReadsTheProbabilities(_CountingReads):  # planted: the probabilities read apart from the drafts
@@ -634,10 +639,11 @@ class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly
             self.backend.capture = capture
 
 
-# Measured: 1 copy (the drafts into the verify call's ids), 3 replays, the read, the live mask's, 10 attribute
-# reads; a round that finishes a sequence 2 more (the live mask cloned and written, `_State.emit`). Was 24-25,
-# with 9 copies, before the graphs read the round's buffers in place (`device_round.TARGET_BOUND`).
-CALLS_PER_DRAFTED_ROUND = 16
+# Measured: 3 replays, the read, the live mask's, 10 attribute reads, no copy; a round that finishes a sequence 2
+# more (the live mask cloned and written, `_State.emit`). Was 24-25, with 9 copies, before the graphs read the
+# round's buffers in place (`device_round.TARGET_BOUND`); 16, with 1 copy, before the drafter's graph wrote its
+# drafts into the verify call's ids (`_RoundBuffers.into`).
+CALLS_PER_DRAFTED_ROUND = 15
 # Measured: what a drafted goodput round adds to a fixed one: the replay and the read of its drafts for
 # the choice (`_chosen`), the live mask as the policy is told it (its accepted counts are the read's list).
 GOODPUT_EXTRA_CALLS = 3
@@ -647,21 +653,37 @@ def _first_capture_binds(monkeypatch):
     """Planted: every call binds all its inputs, so the graphs read whatever tensors their first call had (the
     cost measurement's) and the round's buffers are copied into them."""
     original = ShapeGraphs.__call__
-    monkeypatch.setattr(ShapeGraphs, "__call__", lambda self, feeds, bound=(): original(self, feeds,
-                                                                                        tuple(self.input_names)))
+    monkeypatch.setattr(ShapeGraphs, "__call__", lambda self, feeds, bound=(), into=(): original(
+        self, feeds, tuple(self.input_names), into))
+
+
+def _copied_after_the_replay(monkeypatch):
+    """Planted: the drafts copied into the verify call's ids by the host after the drafter's replay, as before."""
+    original = ShapeGraphs.__call__
+
+    def call(self, feeds, bound=(), into=()):
+        outputs = original(self, feeds, bound)
+        for name, dest in into:
+            dest.copy_(outputs[self.output_names.index(name)])
+        return outputs
+    monkeypatch.setattr(ShapeGraphs, "__call__", call)
 
 
 @pytest.mark.parametrize(("cls", "batch", "plant"), [(_CountingCalls, 1, None), (_CountingCalls, 3, None),
-                                                     (_EagerBookkeeping, 1, None), (_CountingCalls, 1, _first_capture_binds)],
-                         ids=["batch 1", "batch 3", "planted eager bookkeeping", "planted first capture binds"])
+                                                     (_EagerBookkeeping, 1, None), (_CountingCalls, 1, _first_capture_binds),
+                                                     (_CountingCalls, 1, _copied_after_the_replay)],
+                         ids=["batch 1", "batch 3", "planted eager bookkeeping", "planted first capture binds",
+                              "planted drafts copied after the replay"])
 def test_a_captured_device_round_costs_the_host_a_few_calls(pair, monkeypatch, cls, batch, plant):
     """Host work of a drafted device round with its graphs captured, counted as torch calls at the Python
-    level: three replays (drafter, target, bookkeeping), one copy (the drafts into the verify call's ids:
-    the graphs read the round's buffers in place, bound by reference, even where the cost measurement's
-    calls of the same shapes were captured first), one read, and attribute reads; at most
-    CALLS_PER_DRAFTED_ROUND, whatever the batch (171 before the bookkeeping was captured, 24 before the
-    buffers were bound). Rounds that captured a graph are not counted. Planted: the bookkeeping run
-    eagerly; every call binding all its inputs (the first capture's tensors win: the measurement's)."""
+    level: three replays (drafter, target, bookkeeping), no copy (the drafter's graph writes its drafts
+    into the verify call's ids, `_RoundBuffers.into`; the graphs read the round's buffers in place, bound
+    by reference, even where the cost measurement's calls of the same shapes were captured first), one
+    read, and attribute reads; at most CALLS_PER_DRAFTED_ROUND, whatever the batch (171 before the
+    bookkeeping was captured, 24 before the buffers were bound, 16 with the drafts' copy). Rounds that
+    captured a graph are not counted. Planted: the bookkeeping run eagerly; every call binding all its
+    inputs (the first capture's tensors win: the measurement's); the drafts copied by the host after the
+    drafter's replay."""
     if plant is not None:
         plant(monkeypatch)
     target, drafter = pair
@@ -681,12 +703,21 @@ def test_a_captured_device_round_costs_the_host_a_few_calls(pair, monkeypatch, c
     if cls is _EagerBookkeeping:
         assert sum(worst.values()) > 2 * CALLS_PER_DRAFTED_ROUND
         return
-    if plant is not None:
+    if plant is _first_capture_binds:
         assert totals[len(totals) // 2] > CALLS_PER_DRAFTED_ROUND + 2 and backend.captured[None].copied_bound, totals
         return
-    assert totals[len(totals) // 2] <= CALLS_PER_DRAFTED_ROUND and totals[-1] <= CALLS_PER_DRAFTED_ROUND + 2, worst
-    assert worst["replay"] == 3 and worst["tolist"] == 2 and worst["copy_"] == 1, worst  # (the read, the live mask's)
+
+    def few_calls():
+        assert totals[len(totals) // 2] <= CALLS_PER_DRAFTED_ROUND and totals[-1] <= CALLS_PER_DRAFTED_ROUND + 2, worst
+        assert worst["replay"] == 3 and worst["tolist"] == 2 and worst["copy_"] == 0, worst  # (the read, the live mask's)
+    if plant is _copied_after_the_replay:
+        with pytest.raises(AssertionError, match="copy_"):
+            few_calls()
+        return
+    few_calls()
     assert all(g.copied_bound == 0 for g in backend.captured.values())
+    writing = [dests for *_, dests in backend.captured[False].graphs.values() if dests]  # (the measurement's: none)
+    assert len(writing) == 1 and writing[0][0] is runtime._round_buffers[batch].drafts
 
 
 @pytest.mark.parametrize("plant", [None, _bound_never_copied], ids=["copied in", "planted: not copied in"])
@@ -711,6 +742,56 @@ def test_two_runtimes_over_one_backend_copy_their_own_buffers_in(pair, monkeypat
         return
     assert tokens == expected
     assert all(g.copied_bound > 0 for g in backend.captured.values())
+
+
+def test_a_drafter_graph_that_leaves_the_verify_ids_stale_fails_the_drafts_check(pair, monkeypatch):
+    """The captured streams above (`run` with graphs) check at every drafter call that the verify call's ids
+    hold the drafter graph's drafts (`RightDrafts`): stale drafts would still decode the target's tokens (a
+    wrong draft is rejected), so the check is what sees them. Planted: the graph's copy into them not
+    captured: the check fails at the first replay."""
+    monkeypatch.setattr(ShapeGraphs, "_capture", _epilogue_skipped(ShapeGraphs._capture))
+    prompts = prompts_for("fixed", 3)
+    with pytest.raises(AssertionError, match="did not write"):
+        run(pair, prompts, eos_config(pair, prompts), graphs=True)
+
+
+def _drafts_detached(monkeypatch):
+    """Planted: the host's drafts copied where the verify call does not read them."""
+    original = device_round._RoundBuffers.__init__
+
+    def init(self, *args):
+        original(self, *args)
+        self.drafts = self.drafts.clone()
+    monkeypatch.setattr(device_round._RoundBuffers, "__init__", init)
+
+
+@pytest.mark.parametrize("plant", [None, _drafts_detached], ids=["synthetic", "planted: drafts detached"])
+def test_captured_rounds_verify_the_hosts_synthetic_drafts(pair, monkeypatch, plant):
+    """Synthetic drafts are the host's: with the graphs captured, the drafter's call writes nothing into the
+    verify call's ids (no `into`), the host's drafts are copied there and goodput reads its choice from
+    them on the host: every round accepts all the oracle's drafts it verifies (K under the fixed policy),
+    and the tokens are plain decoding's. Planted: the host's drafts copied elsewhere."""
+    if plant is not None:
+        plant(monkeypatch)
+    target, drafter = pair
+    prompts, config = [PROMPTS[1], PROMPTS[0]], GenerationConfig(max_new_tokens=12)
+    backend = TorchBackend(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False), cuda_graphs=True,
+                           capture=replay_eagerly)
+    runtime = SpeculativeRuntime.for_models(backend, target, drafter, max_context=96, verify_policy="fixed")
+    runtime.costs.verify_s[2], runtime.costs.draft_s[2] = ({n: cost for n in range(1, DEPTH + 2)} for cost in (1, 0.1))
+    plain = [greedy(target, p, 12 + DEPTH + 1) for p in prompts]  # (the continuations: fp32, exact at any width)
+    for policy in ("fixed", "goodput"):
+        results = runtime.generate(prompts, config, verify_policy=policy,
+                                   synthetic=SyntheticDrafts("oracle", plain, runtime.vocab_size))
+        assert [r.tokens for r in results] == [tokens[:12] for tokens in plain]
+        accepted = [(a, d) for r in results for a, d in zip(r.stats.accepted, r.stats.depths)]
+        if plant is not None:
+            assert {a for a, _ in accepted} != {DEPTH}
+            return
+        if policy == "fixed":
+            assert {a for a, _ in accepted} == {DEPTH}
+        else:  # (goodput drafts: the oracle's drafts pay on these costs)
+            assert all(a == d for a, d in accepted) and max(accepted)[0] > 1
 
 
 @pytest.mark.cuda
@@ -751,9 +832,9 @@ class _UncountedDrafts(RightDrafts):
     and writes into the graph's own outputs (a captured drafter returns the same tensors every call);
     the drafter call itself is counted."""
 
-    def _replace(self, out, feeds):
+    def _replace(self, out, feeds, into=()):
         with torch._C.DisableTorchFunction(), torch.inference_mode():  # (the backend's outputs are inference tensors)
-            replaced = super()._replace(out, feeds)
+            replaced = super()._replace(out, feeds, into)
             for name in (C.DRAFT_IDS, C.DRAFT_TOKEN_PROBS):
                 out[name].copy_(replaced[name])
         return out
@@ -768,8 +849,9 @@ class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general 
 def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
     """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
     (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
-    read of its drafts for the choice, the live mask the policy is told; 19 against 16 at batch 1,
-    219 on the general round); a k = 0 round (the confidence profile) a plain decoding step's (12).
+    read of its drafts for the choice, from the verify call's ids, the live mask the policy is told; 18
+    against 15 at batch 1, 219 on the general round); a k = 0 round (the confidence profile) a plain
+    decoding step's (12).
     Medians over the rounds that captured nothing. Planted: goodput on the general round."""
     target, drafter = pair
     prompts = [PROMPTS[1]]
@@ -784,6 +866,9 @@ def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls
         runtime.rounds = []
         results = runtime.generate(prompts, GenerationConfig(max_new_tokens=40), speculative=speculative)
         assert [r.tokens for r in results] == [greedy(target, p, 40) for p in prompts]
+        read = [inputs[0] for g in runtime._read_graphs.values() for inputs, *_ in g.graphs.values()]
+        if isinstance(policy, Goodput) and runtime_cls is _CountingCalls:  # (the drafts in the verify ids)
+            assert read and all(nodes is runtime._round_buffers[1].drafts for nodes in read)
         return runtime.rounds
 
     def median(rounds, drafted):

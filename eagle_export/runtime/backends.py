@@ -190,11 +190,22 @@ class Backend:
         The other backends read every input in place at every call and ignore it."""
         raise NotImplementedError
 
-    def drafter(self, feeds: dict[str, torch.Tensor], sampling: bool = False,
-                bound: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def drafter(self, feeds: dict[str, torch.Tensor], sampling: bool = False, bound: tuple[str, ...] = (),
+                into: tuple[tuple[str, torch.Tensor], ...] = ()) -> dict[str, torch.Tensor]:
         """The drafter graph (the sampling one with `sampling`) on `feeds`; `bound` as in `target`
-        (`device_round.DRAFTER_BOUND`)."""
+        (`device_round.DRAFTER_BOUND`). `into`: ((output name, tensor), ...), outputs the call also
+        writes into tensors the caller keeps as it keeps its bound inputs (a tuple made once: the device
+        round's drafts into its verify call's ids, `device_round._RoundBuffers.into`). A backend replaying
+        CUDA graphs captures the copies with the call (`cuda_graphs.ShapeGraphs`: no launch of the host's);
+        the others copy after the call (`write_into`)."""
         raise NotImplementedError
+
+
+def write_into(out: dict[str, torch.Tensor], into: tuple[tuple[str, torch.Tensor], ...]) -> dict[str, torch.Tensor]:
+    """A call's outputs `out`, those named in `into` copied into its tensors (`Backend.drafter`, eagerly)."""
+    for name, dest in into:
+        dest.copy_(out[name])
+    return out
 
 
 class TorchBackend(Backend):
@@ -240,26 +251,25 @@ class TorchBackend(Backend):
                 raise EagleExportError(f"CUDA graphs need a CUDA device, the torch backend runs on {device}",
                                        "run on a machine with a CUDA GPU, or without --cuda-graphs")
             capture = self.capture = capture or CudaGraphCapture()
-            self.captured = {key: ShapeGraphs(graph, spec.input_names, self.CACHES, capture)
+            self.captured = {key: ShapeGraphs(graph, spec.input_names, self.CACHES, capture,
+                                              output_names=spec.output_names)
                              for key, (graph, spec) in self.graphs.items()}
 
     CACHES = (C.PAST_KEY, C.PAST_VALUE)  # bound in every call: the runtime's static caches (see `Backend.target`)
 
-    def _run(self, key, feeds, bound):
+    def _run(self, key, feeds, bound, into=()):
         graph, spec = self.graphs[key]
         if key in self.captured and feeds[C.INPUT_IDS].shape[1] <= self.depth + 1:
-            outputs = self.captured[key](feeds, bound)
-        else:
-            outputs = graph(*[feeds[name] for name in spec.input_names])
-        return dict(zip(spec.output_names, outputs))
+            return dict(zip(spec.output_names, self.captured[key](feeds, bound, into)))
+        return write_into(dict(zip(spec.output_names, graph(*[feeds[name] for name in spec.input_names]))), into)
 
     @torch.inference_mode()
     def target(self, feeds, need_logits=False, bound=()):
         return self._run(None, feeds, bound)
 
     @torch.inference_mode()
-    def drafter(self, feeds, sampling=False, bound=()):
-        return self._run(sampling, feeds, bound)
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        return self._run(sampling, feeds, bound, into)
 
 
 def check_bound_names(path, session, role: str, outputs=()) -> None:
@@ -326,10 +336,10 @@ class OnnxRuntimeBackend(Backend):
         names = [o.name for o in self.target_session.get_outputs() if need_logits or o.name != C.LOGITS]
         return run_bound(self.target_session, feeds, names, self.step_rows, self.num_nodes, self.device)
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         session = self.drafter_sampling_session if sampling else self.drafter_session
-        return run_bound(session, feeds, [o.name for o in session.get_outputs()], self.step_rows, self.num_nodes,
-                         self.device)
+        return write_into(run_bound(session, feeds, [o.name for o in session.get_outputs()], self.step_rows,
+                                    self.num_nodes, self.device), into)
 
 
 def provider_device(providers: list[str]) -> str:
@@ -359,5 +369,5 @@ class TensorRTBackend(Backend):
     def target(self, feeds, need_logits=False, bound=()):
         return self.target_session.run(dict(feeds), self._profile(feeds, "target"))
 
-    def drafter(self, feeds, sampling=False, bound=()):
-        return self.drafter_session.run(dict(feeds), self._profile(feeds, "drafter"))
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
+        return write_into(self.drafter_session.run(dict(feeds), self._profile(feeds, "drafter")), into)

@@ -16,7 +16,10 @@ gpt-fast do. A graph replays the memory it was captured with, so:
     the graph was captured over: callers sharing one backend's graphs (two runtimes over one backend)
     take turns, a stream at a time;
   - outputs are static buffers too, overwritten by the next replay of the same graph: the runtime
-    consumes them (commits K/V rows, copies ids to the host) before that.
+    consumes them (commits K/V rows, copies ids to the host) before that, or has the graph copy one into
+    a tensor of its own (`into`: the copy is captured with the call, so it costs the host no launch; a
+    device round's drafts into its verify call's ids), a destination bound like an input: the captured
+    one at every replay, or copied out of it (counted as `copied_bound`).
 The capture itself is the only CUDA-only code (`CudaGraphCapture`, written against the documented
 torch.cuda.CUDAGraph API: warm-up on a side stream, then capture, all graphs in one memory pool);
 the bookkeeping above is tested on CPU with a capture that replays eagerly into the same buffers.
@@ -66,61 +69,78 @@ class CudaGraphCapture:
 
 
 class ShapeGraphs:
-    """A module called by input name, one captured graph per (inputs bound by reference, input shapes,
-    the bound inputs' strides). `bound` names the inputs every call binds (the caches); a call may bind
-    more of its own (`__call__`). A bound input is captured as the caller's tensor itself, which the
-    graph holds (so its memory is never freed while the graph lives) and reads in place at every replay;
-    every other input is the graph's own clone, copied into at every call. The invariant: a bound
-    input's address at every replay of a graph is the one it was captured with, or the call's tensor is
-    copied in there (another tensor of the same layout than at capture: correct, counted as
-    `copied_bound`). The bound inputs' strides are part of the key because the graph reads them in
-    place: buffers regrown with another row stride (`device_round._RoundBuffers.fit`) get a graph of their
-    own. `warmup` maps a capture's inputs to those its warm-up calls get (None: the same; see
-    CudaGraphCapture). `by_address`: the bound inputs' addresses are part of the key too, so a bound
-    input is never copied in (another tensor gets a graph of its own): for a function that writes its
-    bound inputs in place (a device round's bookkeeping), whose writes would otherwise land in the
-    captured tensor and not in the caller's."""
+    """A module called by input name, one captured graph per (inputs bound by reference, input shapes, the
+    bound inputs' strides, the outputs a call writes `into` its own tensors). `bound` names the inputs
+    every call binds (the caches); a call may bind more of its own (`__call__`). A bound input is
+    captured as the caller's tensor itself, which the graph holds (so its memory is never freed while
+    the graph lives) and reads in place at every replay; every other input is the graph's own clone,
+    copied into at every call. The invariant: a bound input's address at every replay of a graph is the
+    one it was captured with, or the call's tensor is copied in there (another tensor of the same layout
+    than at capture: correct, counted as `copied_bound`). The bound inputs' strides are part of the key
+    because the graph reads them in place: buffers regrown with another row stride
+    (`device_round._RoundBuffers.fit`) get a graph of their own. `warmup` maps a capture's inputs to
+    those its warm-up calls get (None: the same; see CudaGraphCapture). `by_address`: the bound inputs'
+    addresses are part of the key too, so a bound input is never copied in (another tensor gets a graph
+    of its own): for a function that writes its bound inputs in place (a device round's bookkeeping),
+    whose writes would otherwise land in the captured tensor and not in the caller's. `output_names`:
+    what a call's `into` names the outputs by."""
 
     def __init__(self, fn: Callable, input_names: list[str], bound: tuple[str, ...], capture: Callable,
-                 warmup: Callable | None = None, by_address: bool = False):
+                 warmup: Callable | None = None, by_address: bool = False, output_names: list[str] = ()):
         self.fn, self.input_names, self.bound, self.capture, self.warmup = fn, input_names, bound, capture, warmup
-        self.by_address = by_address
-        self.graphs: dict[tuple, tuple] = {}  # (which are bound, shapes, bound layouts) -> (static inputs, replay, outputs)
-        self.copied_bound = 0  # bound inputs that had to be copied in (another tensor than at capture)
-        self._recent = {}  # the last calls' (names bound, inputs by their ids) -> (those inputs, their graph, which are bound)
+        self.by_address, self.output_names = by_address, list(output_names)
+        # (which are bound, shapes, bound layouts, `into`'s names and layouts) -> (static inputs, replay, outputs,
+        # the destinations captured)
+        self.graphs: dict[tuple, tuple] = {}
+        self.copied_bound = 0  # bound inputs (destinations) copied in (out): another tensor than at capture
+        self._recent = {}  # the last calls' (names bound, id of `into`, ids of inputs) -> (inputs, `into`, graph, refs)
 
     def keys(self) -> set[tuple[int, int]]:
         """(batch, width) of every captured graph: the first input's shape (input_ids [B, T])."""
-        return {tuple(shapes[0]) for _, shapes, _ in self.graphs}
+        return {tuple(key[1][0]) for key in self.graphs}
 
-    def __call__(self, feeds: dict[str, torch.Tensor], bound: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
+    def __call__(self, feeds: dict[str, torch.Tensor], bound: tuple[str, ...] = (),
+                 into: tuple[tuple[str, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, ...]:
         """Copy the inputs not bound into the graph's clones, and replay. `bound`: the inputs the caller
         binds beside the graphs' own `bound`, tensors it keeps at fixed addresses (it writes them only
-        between calls and never frees them while the graphs live). The same tensors as one of the last
-        RECENT calls' with the same names bound (a device round's buffers and views, the caches: the same
-        few sets of tensors at every width a stream alternates between) are known to have its key: every
-        torch call here, a tensor's shape or address included, is host time in every round."""
+        between calls and never frees them while the graphs live). `into`: ((output name, destination),
+        ...), outputs the replay also writes into tensors the caller keeps as it keeps its bound inputs
+        (a tuple made once: it is known by its id), the copies captured in the graph after the function's
+        own work (an epilogue: a graph per set of destination names and layouts, beside the graph without
+        them). The same tensors as one of the last RECENT calls' with the same names bound and the same
+        `into` (a device round's buffers and views, the caches: the same few sets of tensors at every
+        width a stream alternates between) are known to have its key: every torch call here, a tensor's
+        shape or address included, is host time in every round."""
         given = [feeds[name] for name in self.input_names]
-        ids = (bound, *map(id, given))
+        ids = (bound, id(into), *map(id, given))
         recent = self._recent.get(ids)
         if recent is not None:
-            (inputs, replay, outputs), refs = recent[1:]
+            (inputs, replay, outputs, dests), refs = recent[2:]
         else:
             names = set(self.bound) | set(bound)
             if not names <= set(self.input_names):
                 raise ValueError(f"bound inputs {sorted(names - set(self.input_names))} are not inputs of this "
                                  f"graph ({self.input_names})")
+            if not {name for name, _ in into} <= set(self.output_names):
+                raise ValueError(f"outputs {sorted({n for n, _ in into} - set(self.output_names))} written `into` "
+                                 f"are not outputs of this graph ({self.output_names})")
             refs = tuple(name in names for name in self.input_names)
             key = (refs, tuple(tuple(t.shape) for t in given),
-                   tuple((t.stride(), t.data_ptr() if self.by_address else None) for t, r in zip(given, refs) if r))
+                   tuple((t.stride(), t.data_ptr() if self.by_address else None) for t, r in zip(given, refs) if r),
+                   tuple((name, tuple(t.shape), t.stride(), t.data_ptr() if self.by_address else None)
+                         for name, t in into))
             if key not in self.graphs:
-                self.graphs[key] = self._capture(key, given, refs)
-            inputs, replay, outputs = self.graphs[key]
+                self.graphs[key] = self._capture(key, given, refs, into)
+            inputs, replay, outputs, dests = self.graphs[key]
             if len(self._recent) >= RECENT:  # (the oldest goes: an eager call's fresh outputs are seen once)
                 del self._recent[next(iter(self._recent))]
-            self._recent[ids] = (given, self.graphs[key], refs)  # (holding the tensors keeps their ids unique)
+            self._recent[ids] = (given, into, self.graphs[key], refs)  # (holding them keeps their ids unique)
         self._feed(inputs, given, refs)
         replay()
+        for static, (_, dest) in zip(dests, into):  # (a destination other than the captured one: copied out)
+            if static is not dest and static.data_ptr() != dest.data_ptr():
+                dest.copy_(static)
+                self.copied_bound += 1
         return outputs
 
     def _feed(self, inputs, given, refs) -> None:
@@ -136,14 +156,24 @@ class ShapeGraphs:
                 static.copy_(tensor)
                 self.copied_bound += 1
 
-    def _capture(self, key, given, refs):
+    def _capture(self, key, given, refs, into):
+        """A graph of the function over the call's inputs (its bound ones by reference, the others cloned),
+        followed by the copies of its outputs `into` the call's destinations (the graph holds them)."""
         inputs = [t if ref else t.clone() for ref, t in zip(refs, given)]
+        dests = [(self.output_names.index(name), dest) for name, dest in into]
+        fn = self.fn
+        if dests:
+            def fn(*args):
+                outputs = self.fn(*args)
+                for i, dest in dests:
+                    dest.copy_(outputs[i])
+                return outputs
         try:
-            replay, outputs = self.capture(self.fn, inputs, None if self.warmup is None else self.warmup(inputs))
+            replay, outputs = self.capture(fn, inputs, None if self.warmup is None else self.warmup(inputs))
         except RuntimeError as e:  # an op that syncs with the host or allocates on the CPU inside the graph
             raise EagleExportError(f"CUDA graph capture failed for input shapes {key[1]}: {str(e).splitlines()[0]}",
                                    "run without CUDA graphs (--no-cuda-graphs, or cuda_graphs=False)") from e
-        return inputs, replay, tuple(outputs)
+        return inputs, replay, tuple(outputs), [dest for _, dest in dests]
 
 
 # Ops a CUDA graph cannot hold: a read of a value on the host (a sync, refused while capturing), or an

@@ -7,11 +7,12 @@ drafter call (`choose_chain`: goodput). Sampling, trees and other policy objects
 (`runtime.SpeculativeRuntime._round`), and the device round gives its tokens, statistics, policy decisions,
 drafts and caches bit for bit (tests/test_runtime_device_round.py).
 
-What runs on the device: the drafter call, the target call over [last token, d_1..d_j], and the round's
-bookkeeping, `_settle_round`: acceptance (a = the leading i <= j with d_i == g_{i-1}, g the target's
-argmax at the call's rows), the target's cache commit of rows 0..a at each sequence's length, the
-drafter's commit of the rows it consumed, the drafter's next rows (g_0..g_a beside the call's aux states,
-as they are: a + 1 of them valid), the lengths, the next root g_a and the next positions.
+What runs on the device: the drafter call (which writes its drafts into the verify call's ids), the target
+call over [last token, d_1..d_j], and the round's bookkeeping, `_settle_round`: acceptance (a = the leading
+i <= j with d_i == g_{i-1}, g the target's argmax at the call's rows), the target's cache commit of rows
+0..a at each sequence's length, the drafter's commit of the rows it consumed, the drafter's next rows
+(g_0..g_a beside the call's aux states, as they are: a + 1 of them valid), the lengths, the next root g_a
+and the next positions.
 What the host reads, per round: ONE transfer, [accepted count, the target's greedy ids] per sequence,
 which it needs to emit tokens and test EOS, stop strings and the limits (a finished sequence changes the
 live mask, the only host value the device round is given back, copied only when it changes). A goodput
@@ -36,9 +37,10 @@ Invariants:
     addresses it was captured with;
   - `_settle_round` is tensor ops of fixed shapes with no host read, no host data and no data-dependent
     shape (`cuda_graphs.check_capturable` proves it on CPU), so where the backend captures CUDA graphs it
-    is one more graph beside the target's and the drafter's: a drafted round costs the host three replays,
-    one copy (the drafts into the verify call's ids: the graphs read every other input of theirs in
-    place, `TARGET_BOUND`, `DRAFTER_BOUND`), and the read;
+    is one more graph beside the target's and the drafter's: a drafted round costs the host three replays
+    and the read, no copy (the graphs read their inputs in place, `TARGET_BOUND`, `DRAFTER_BOUND`, and
+    the drafter's writes its drafts into the verify call's ids, `_RoundBuffers.into`: the copy captured
+    with the call; a backend that replays nothing copies them after its call);
   - a sequence not live changes nothing that is read later (its rows write back what their slots held,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
@@ -110,9 +112,10 @@ class DeviceRounds:
         length, its next root is g_a, and the drafter's next rows are (g_i, the call's aux state at row
         i) for i <= a: the call's outputs as they are, a + 1 rows valid. The state lives in buffers of
         fixed shapes (`_RoundBuffers`) that the graphs read and the bookkeeping writes in place, so the
-        host's work a round is the calls themselves: the drafts copied into the verify call's ids, the
-        graph calls (which read the buffers in place: `TARGET_BOUND`), and the read. Near the context
-        limit the stream's plain steps come here too (those sequences never draft again).
+        host's work a round is the calls themselves: the graph calls (which read the buffers in place,
+        `TARGET_BOUND`, the drafter's writing its drafts into the verify call's ids, `_RoundBuffers.into`),
+        and the read. Near the context limit the stream's plain steps come here too (those sequences never
+        draft again).
         The goodput policy decides on this round's drafts, so its drafted round reads the device twice:
         right after the drafter call, the drafts and their joint probabilities p_1 ... p_d (`_chosen`), from
         which `choose_chain` picks j in 0..K; the target call is then over [last token, d_1..d_j] (width
@@ -191,8 +194,9 @@ class DeviceRounds:
         is committed here, as `_settle_round` commits a K+1-row call's (`_commit_drafter`): a settle graph
         per catch-up width would be captured for one use."""
         buffers, pending = state.buffers, state.pending
+        into = buffers.into if state.synthetic is None else ()  # (synthetic drafts are the host's: `_chosen`)
         if not buffers.adopted:
-            out, _ = self._call_drafter(state, alive, buffers.live)
+            out, _ = self._call_drafter(state, alive, buffers.live, into)
             buffers.draft_lens.copy_(state.draft_lens)
             state.draft_lens = buffers.draft_lens
             buffers.adopt(pending)
@@ -206,7 +210,7 @@ class DeviceRounds:
                  C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: buffers.draft_lens}
         start = time.perf_counter()
-        out = self.backend.drafter(feeds, bound=DRAFTER_BOUND[same])
+        out = self.backend.drafter(feeds, bound=DRAFTER_BOUND[same], into=into)
         self.timings.draft += time.perf_counter() - start
         pending.taken(alive)
         if width > self.depth + 1:
@@ -217,22 +221,22 @@ class DeviceRounds:
         return out, buffers.new_rows(out, width)
 
     def _chosen(self, state, out, policy, alive: list[bool], replayed: bool) -> int:
-        """A drafted device round's drafts into the verify call's ids -> j, how many it verifies: all K
-        under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K] numbers read in
-        one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on the device) and
-        the drafts, as float64 (float32 values and ids below 2^53: both exact). The read waits for the
-        drafter's work, and is timed as the drafter's (as the general round's read of its drafts is).
-        Its few ops are replayed from a graph of their own over the outputs of a drafter call of at most
-        K+1 rows (`replayed`: the same static tensors every round), eagerly after a wider call (the
-        first, a catch-up: fresh tensors a graph would copy in) and over synthetic drafts (the host's)."""
-        nodes = out[C.DRAFT_IDS]
+        """A drafted device round's drafts, in the verify call's ids (`_RoundBuffers.drafts`: the drafter
+        call wrote them there, `into`; synthetic drafts, the host's, are copied in here) -> j, how many it
+        verifies: all K under the fixed policy; else the policy's choice (`choose_chain`), from [B, 2K]
+        numbers read in one transfer: the joint probabilities p_1 ... p_d (`tree.chain_joint`, computed on
+        the device) and the drafts, as float64 (float32 values and ids below 2^53: both exact). The read
+        waits for the drafter's work, and is timed as the drafter's (as the general round's read of its
+        drafts is). Its few ops are replayed from a graph of their own over the drafts' buffer and the
+        probabilities a drafter call of at most K+1 rows outputs (`replayed`: the same static tensors every
+        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in)
+        and over synthetic drafts (on the host already)."""
         if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
-            depths = torch.arange(1, nodes.shape[1] + 1).expand(len(nodes), -1)
+            depths = torch.arange(1, self.depth + 1).expand(len(alive), -1)
             nodes, probs = self._synthetic(state, depths - 2, depths)
             state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
-        else:
-            probs = out[C.DRAFT_TOKEN_PROBS]
-            state.buffers.drafts.copy_(nodes)
+        else:  # (the drafter call wrote its drafts there: `_RoundBuffers.into`)
+            nodes, probs = state.buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
         if state.whole_tree:
             return self.depth
         start = time.perf_counter()
@@ -322,6 +326,7 @@ class _RoundBuffers:
         self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
         self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
+        self.into = ((C.DRAFT_IDS, self.drafts),)  # a drafter call's drafts, written here (`Backend.drafter`)
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
         # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
         # the drafter's rows by theirs.

@@ -531,9 +531,9 @@ class SpeculativeRuntime(DeviceRounds):
         setattr(self.timings, phase, getattr(self.timings, phase) + time.perf_counter() - start)
         return out
 
-    def _call_drafter(self, state, alive: list[bool], live):
+    def _call_drafter(self, state, alive: list[bool], live, into=()):
         """The drafter over every pending row of the live sequences (`live` on the device), its new
-        K/V rows committed -> (its outputs, num_valid [B])."""
+        K/V rows committed -> (its outputs, num_valid [B]); `into` as in `Backend.drafter`."""
         ids, aux, num_valid = state.pending.take(alive, live, self.drafter_width)
         # The target's aux states, in the drafter's dtype when the two graphs differ (a quantized target
         # on an fp16 base beside an fp32 drafter).
@@ -545,7 +545,7 @@ class SpeculativeRuntime(DeviceRounds):
             feeds[C.TEMPERATURE] = torch.full((len(ids),), state.config.temperature, device=self.device)
             feeds[C.UNIFORM_NOISE] = torch.rand(len(ids), self.backend.num_nodes, generator=state.rng).to(self.device)
         start = time.perf_counter()
-        out = self.backend.drafter(feeds, sampling=state.sampling)
+        out = self.backend.drafter(feeds, sampling=state.sampling, into=into)
         self.timings.draft += time.perf_counter() - start
         state.write_drafter(out, num_valid, live, ids.shape[1])
         state.draft_lens = torch.where(live, state.draft_lens + num_valid, state.draft_lens)
