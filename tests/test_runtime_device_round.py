@@ -396,9 +396,9 @@ class _LoggedLaunches(_RightOnDevice):
         self.log.append(("target", _OnDevice.syncs))
         return super().target(feeds, need_logits, bound)
 
-    def drafter(self, feeds, sampling=False, bound=()):
+    def drafter(self, feeds, sampling=False, bound=(), into=()):
         self.log.append(("drafter", _OnDevice.syncs))
-        return super().drafter(feeds, sampling, bound)
+        return super().drafter(feeds, sampling, bound, into)
 
 
 class _LoggedLearning(Goodput):
