@@ -17,6 +17,7 @@ from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
 
 import eagle_export.runtime.device_round as device_round
+import eagle_export.runtime.rows as rows
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
@@ -484,6 +485,60 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
                 capturable(plant, feeds)
 
 
+def _commit_one_slot_late(keys, values, out, starts, counts, live):  # planted: every row one slot late
+    rows._write_rows(keys, values, out, starts + 1, counts, live)
+
+
+def _commit_the_dead(keys, values, out, starts, counts, live):  # planted: a sequence not live written too
+    rows._write_rows(keys, values, out, starts, counts, torch.ones_like(live))
+
+
+def _commit_every_row(keys, values, out, starts, counts, live):  # planted: the uncommitted rows written too
+    rows._write_rows(keys, values, out, starts, torch.full_like(counts, out[C.NEW_KEY].shape[3]), live)
+
+
+def _commit_per_row(keys, values, out, starts, counts, live):
+    """The commit's semantics, row by row on the host: row r < counts[b] of each live sequence b at starts[b] + r."""
+    for b in range(len(starts)):
+        for r in range(int(counts[b]) if live[b] else 0):
+            for cache, name in ((keys, C.NEW_KEY), (values, C.NEW_VALUE)):
+                cache[:, b, :, int(starts[b]) + r] = out[name][:, b, :, r]
+
+
+@pytest.mark.parametrize("plant", [None, _commit_one_slot_late, _commit_the_dead, _commit_every_row],
+                         ids=["commit", "planted: one slot late", "planted: a dead sequence written",
+                              "planted: uncommitted rows written"])
+@pytest.mark.parametrize("static", [False, True], ids=["contiguous", "view along S"])
+def test_the_cache_commit_writes_the_committed_rows_and_nothing_else(static, plant):
+    """`_write_rows` into caches made by the runtime (contiguous, or a view along S of a longer buffer as
+    the static caches are), of new rows given as a view (as the drafter's are), equals the row-by-row
+    commit bit for bit: rows < counts[b] of the live sequences at starts[b] on, every other slot as it was,
+    slots past the view included, those of a dead sequence whose rows would run past the view too; and it
+    runs the same ops, none a host read, whatever the data (a CUDA graph holds it). A cache without the
+    sink row is refused before anything is written. Planted: a row one slot late, a dead sequence's rows
+    or the uncommitted rows written; each fails the comparison."""
+    g = torch.Generator().manual_seed(0)
+    slots, width = 12, 5
+    buffers = [_new_cache((2, 4, 3, 2 * slots if static else slots, 8), torch.float32, "cpu") for _ in "kv"]
+    for full in buffers:
+        full.normal_(generator=g)
+    caches = [full[:, :, :, :slots] for full in buffers]
+    out = {name: torch.randn(2, 4, 3, width + 3, 8, generator=g)[:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
+    starts, counts = torch.tensor([0, slots - width, 3, slots - 2]), torch.tensor([width, 2, 0, 3])
+    live = torch.tensor([True, True, True, False])  # the dead one's rows would run past the view
+    want = [full.clone() for full in buffers]
+    _commit_per_row(*(w[:, :, :, :slots] for w in want), out, starts, counts, live)
+    (plant or rows._write_rows)(*caches, out, starts, counts, live)
+    assert all(torch.equal(full, w) for full, w in zip(buffers, want)) is (plant is None)
+    if plant is None:
+        check_capturable(rows._write_rows, [*caches, out, starts, counts, live],
+                         [[*caches, out, starts, counts.flip(0), torch.tensor([False, True, True, False])]])
+        plain = [torch.zeros(2, 4, 3, slots, 8) for _ in "kv"]
+        with pytest.raises(EagleExportError, match="sink row"):
+            rows._write_rows(*plain, out, starts, counts, live)
+        assert not any(cache.any() for cache in plain)
+
+
 def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host
     out = device_round._drafts_read(nodes, token_probs)
     return out, int(nodes[0, 0])
@@ -791,11 +846,11 @@ def _accepting_over_no_drafts(monkeypatch):
     monkeypatch.setattr(device_round, "_settle_round", settle)
 
 
-# Measured: an eager plain step's bookkeeping at batch 3, 47 (48 the first): the feeds' attribute reads, the
-# target's commit (_write_rows: 37 calls, 7 of them ops, the others views and reads of the caches' layout; its
+# Measured: an eager plain step's bookkeeping at batch 3, 49 (50 the first): the feeds' attribute reads, the
+# target's commit (_write_rows: 39 calls, 8 of them ops, the others views and reads of the caches' layout; its
 # gather + where + scatter form made 26, 12 of them ops, and took longer: scripts/bench_write_rows.py), lens,
-# the next root and positions; 62 with acceptance's ops over no drafts and the concatenated read, as before.
-PLAIN_SETTLE_CALLS = 48
+# the next root and positions; 64 with acceptance's ops over no drafts and the concatenated read, as before.
+PLAIN_SETTLE_CALLS = 50
 
 
 @pytest.mark.parametrize("plant", [None, _accepting_over_no_drafts], ids=["plain step", "planted"])

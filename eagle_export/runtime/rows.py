@@ -105,16 +105,18 @@ def _write_rows(keys, values, out, starts, counts, live):
     of its memory (`_rows`: slot s of (l, b, h) is row ((l B + b) H + h) step + s), new row r of
     (l, b, h) to the row of slot starts[b] + r where r < counts[b] and b is live, and every other new
     row (not committed, or of a sequence not live) to the sink, a row past the cache (`_new_cache`)
-    that nothing reads. So no other slot is touched and no cache row is read back; a committed row
-    lies inside the cache view (`_State.reserve`). The bits are copied: the commit is exact."""
+    that nothing reads. So no other slot is touched and no cache row is read back. The bits are
+    copied: the commit is exact. A live sequence's rows lie inside the cache view (`_State.reserve`);
+    a slot past it is clamped to its last (a caller's bug then stays in the sequence's own rows)."""
     device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
-    (key_rows, step, sink), (value_rows, *layout) = _rows(keys), _rows(values)
+    key_rows, step, sink = _rows(keys)
+    value_rows, *layout = _rows(values)
     if layout != [step, sink]:
         raise EagleExportError("the K and V caches differ in layout", "allocate caches with the runtime (`_new_cache`)")
     rows = _arange(r, device)
     keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r)
     layers, _, heads = keys.shape[:3]
-    slot = torch.add((_to(starts, device).view(b, 1) + rows).view(1, b, 1, r),
+    slot = torch.add((_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r),
                      _arange(layers * b * heads, device).view(layers, b, heads, 1), alpha=step)
     index = torch.where(keep, slot, sink).view(-1)
     for memory, new in ((key_rows, out[C.NEW_KEY]), (value_rows, out[C.NEW_VALUE])):
