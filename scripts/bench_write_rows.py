@@ -14,18 +14,31 @@ Printed: the median microseconds of --repeat calls of each (interleaved, so load
 each over `gather`, for the sample target's shape (L=30, H=3, D=64) and the Llama-3.1-8B shape's
 (L=32, H=8, D=128), batch 1/4/16, R = 1 and 5, 1 and 2 torch threads.
 
+--build BUILD instead runs generation on a build (ONNX Runtime), with the commit as it was (gather) and as
+it is (sink) bound in turn in one process: plain decoding and the goodput policy (greedy), --repeat runs of
+each at each batch, in rotating order; printed: tokens/s (median), goodput over plain per commit, sink over
+gather per mode, and the commits' own time per call and share of the run (each call timed in place).
+Every run's tokens must equal plain decoding's under the gather commit.
+
 Run: PYTHONPATH=. python scripts/bench_write_rows.py [--repeat 30] [--threads 1 2] [--batch 1 4 16]
+     PYTHONPATH=. python scripts/bench_write_rows.py --build BUILD [--repeat 4] [--batch 1 4] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import statistics
 import time
 
 import torch
 
+import eagle_export.runtime.device_round as device_round
+import eagle_export.runtime.rows as rows_module
+import eagle_export.runtime.runtime as runtime_module
 from eagle_export.models import contract as C
+from eagle_export.runtime.generation import GenerationConfig
 from eagle_export.runtime.rows import _arange, _new_cache, _rows, _write_rows
 
 SHAPES = {"sample": (30, 3, 64, 512), "8B": (32, 8, 128, 256)}  # L, H, D, the slots a view shows
@@ -100,13 +113,82 @@ def check(heads, dim, slots, batch, rows, static):
             raise SystemExit(f"{name} differs from the per-row commit at batch {batch}, R = {rows}")
 
 
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Write a haiku about the sea at night.",
+           "def is_palindrome(text: str) -> bool:\n",
+           "Name three primary colors and say why they are called primary."]
+
+
+def bind(commit) -> None:
+    """`commit` as the runtime's `_write_rows` wherever a runtime module binds it (as tests/planting.py)."""
+    for module in (rows_module, runtime_module, device_round):
+        module._write_rows = commit
+
+
+def on_build(path, batches, repeat, tokens) -> None:
+    from eagle_export.builder.build_dir import open_build
+
+    opened = open_build(path, backend="onnxruntime")
+    runtime, config = opened.runtime, GenerationConfig(max_new_tokens=tokens)
+    prompts = [opened.encode(p) for p in PROMPTS]
+    spent = {"s": 0.0, "calls": 0}
+
+    def timed(fn):
+        def commit(*args):
+            start = time.perf_counter()
+            fn(*args)
+            spent["s"] += time.perf_counter() - start
+            spent["calls"] += 1
+        return commit
+
+    commits = {"gather": timed(gather), "sink": timed(_write_rows)}
+    modes = ("plain", "goodput")
+    print(f"{path}, ONNX Runtime, {tokens} new tokens, {repeat} runs of each, load {os.getloadavg()[0]:.1f}")
+    print("| batch | mode | commit | tokens/s | commit us/call | commit share | over gather | goodput/plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        chunk = (prompts * batch)[:batch]
+        runs = list(itertools.product(modes, commits))
+        rates, per_call, share, want = {run: [] for run in runs}, {run: [] for run in runs}, {run: [] for run in runs}, None
+        for mode, name in runs:  # warm-up (the goodput policy's costs, the graphs' first calls)
+            bind(commits[name])
+            runtime.generate(chunk, config, speculative=mode != "plain")
+        for r in range(repeat):
+            for mode, name in runs[r % len(runs):] + runs[:r % len(runs)]:
+                bind(commits[name])
+                spent.update(s=0.0, calls=0)
+                start = time.perf_counter()
+                out = runtime.generate(chunk, config, speculative=mode != "plain")
+                wall = time.perf_counter() - start
+                got = [o.tokens for o in out]
+                want = want or got
+                if got != want:
+                    raise SystemExit(f"batch {batch}: {mode} with the {name} commit differs from plain decoding")
+                rates[mode, name].append(sum(map(len, got)) / wall)
+                per_call[mode, name].append(spent["s"] / spent["calls"] * 1e6)
+                share[mode, name].append(spent["s"] / wall)
+        bind(_write_rows)
+        med = {run: statistics.median(v) for run, v in rates.items()}
+        for mode, name in runs:
+            print(f"| {batch} | {mode} | {name} | {med[mode, name]:.2f} | {statistics.median(per_call[mode, name]):.0f} | "
+                  f"{statistics.median(share[mode, name]) * 100:.2f}% | {med[mode, name] / med[mode, 'gather']:.3f}x | "
+                  f"{med[mode, name] / med['plain', name]:.3f}x |", flush=True)
+    print(f"load at the end {os.getloadavg()[0]:.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=None, help="calls (default 30), or generations with --build (4)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 4 16, or 1 4 with --build")
+    ap.add_argument("--build", help="a build directory: generation A/B instead of the commit alone")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens a sequence (with --build)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    if args.build:
+        on_build(args.build, args.batch or [1, 4], args.repeat or 4, args.tokens)
+        return
+    args.repeat, args.batch = args.repeat or 30, args.batch or [1, 4, 16]
     print(f"median us of {args.repeat} calls (K and V), fp32; ratio: over gather")
     print("| threads | shape | batch | R | layout | " + " | ".join(VARIANTS) + " | " +
           " | ".join(f"{v}/gather" for v in VARIANTS if v != "gather") + " |")
