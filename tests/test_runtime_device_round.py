@@ -6,6 +6,7 @@ bookkeeping run eagerly or replayed from a captured graph (on CPU, a capture tha
 the same buffers); the bookkeeping is capturable (no host read, no data-dependent shape), and a captured
 round's host work is a few calls."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -537,6 +538,23 @@ def test_the_cache_commit_writes_the_committed_rows_and_nothing_else(static, pla
         with pytest.raises(EagleExportError, match="sink row"):
             rows._write_rows(*plain, out, starts, counts, live)
         assert not any(cache.any() for cache in plain)
+
+
+def _keeps_its_ranges(arange) -> bool:
+    """Whether [0, 5) stays the same tensor (the same memory) after 64 other lengths were asked for."""
+    device = torch.device("cpu")
+    first = arange(5, device)
+    for n in range(1000, 1064):
+        arange(n, device)
+    return arange(5, device) is first
+
+
+def test_the_ranges_a_captured_graph_reads_stay_alive():
+    """A CUDA graph reads `_arange`'s tensors (the commit's rows, the next positions) by address without
+    holding them, and eager calls (a drafter call over a prompt) ask for other lengths between its
+    replays: every range stays made, at its address. Planted: a bounded cache (as before) lets one go."""
+    assert _keeps_its_ranges(rows._arange)
+    assert not _keeps_its_ranges(functools.lru_cache(maxsize=32)(lambda n, device: torch.arange(n, device=device)))
 
 
 def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host

@@ -86,10 +86,22 @@ def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-@functools.lru_cache(maxsize=32)
+_RANGES: dict = {}  # device -> the longest arange made there; (n, device) -> its view [0, n)
+
+
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """[0, n) on `device`, made once: callers must not write into it."""
-    return torch.arange(n, device=device)
+    """[0, n) on `device`, made once and kept for the process: a CUDA graph captured over it reads its
+    memory at every replay without holding it (one evicted from a bounded cache would be freed and
+    its memory reused under the graph). Views of one arange a device, regrown by doubling, so all of
+    them take at most four times the longest. Callers must not write into it."""
+    key = (n, device)
+    if key not in _RANGES:
+        longest = _RANGES.get(device)
+        if longest is None or len(longest) < n:
+            longest = _RANGES[device] = torch.arange(max(n, 2 * len(longest) if longest is not None else n),
+                                                     device=device)
+        _RANGES[key] = longest[:n]
+    return _RANGES[key]
 
 
 def _new_cache(shape, dtype, device) -> torch.Tensor:
