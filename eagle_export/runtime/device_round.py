@@ -29,7 +29,7 @@ Invariants:
     is one more graph beside the target's and the drafter's: a drafted round costs the host three replays,
     one copy (the drafts into the verify call's ids: the graphs read every other input of theirs in
     place, `TARGET_BOUND`, `DRAFTER_BOUND`), and the read;
-  - a sequence not live changes nothing that is read later (its rows write back what their slots held,
+  - a sequence not live changes nothing that is read later (its rows go to the caches' sink row,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
     makes room) for the next drafter call, which catches up on all of them (`_device_draft`); where the
@@ -400,7 +400,7 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
       the target's rows 0..accepted committed at lens; the drafter's next rows (greedy, aux) appended,
       accepted + 1 of them valid; lens += accepted + 1; the root becomes greedy[accepted]; positions
       and num_valid made for the next round.
-    A sequence not live changes nothing that is read later (its rows write back what their slots held,
+    A sequence not live changes nothing that is read later (its rows go to the caches' sink row,
     its appended rows are padding past its count): the capture's warm-up runs with no sequence live
     (`_dry`)."""
     b, width = greedy.shape
