@@ -6,6 +6,7 @@ bookkeeping run eagerly or replayed from a captured graph (on CPU, a capture tha
 the same buffers); the bookkeeping is capturable (no host read, no data-dependent shape), and a captured
 round's host work is a few calls."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -17,6 +18,7 @@ from tiny_models import write_tiny_drafter, write_tiny_target
 from torch.overrides import TorchFunctionMode
 
 import eagle_export.runtime.device_round as device_round
+import eagle_export.runtime.rows as rows
 from eagle_export.errors import EagleExportError
 from eagle_export.export.unrolled import TargetGraph, UnrolledDrafter
 from eagle_export.models import contract as C
@@ -24,6 +26,7 @@ from eagle_export.models.checkpoint import load_drafter, load_target
 from eagle_export.runtime.backends import TorchBackend, write_into
 from eagle_export.runtime.costs import CostCurves
 from eagle_export.runtime.cuda_graphs import ShapeGraphs, check_capturable
+from eagle_export.runtime.rows import _new_cache
 from eagle_export.runtime.runtime import GenerationConfig, SpeculativeRuntime
 from eagle_export.runtime.verify_policy import GoodputDepth
 from eagle_export.speculation.synthetic import SyntheticDrafts
@@ -489,7 +492,16 @@ def settle_calls(pair, prompts, max_context=28):
     key = (id(pair[1]), tuple(map(tuple, prompts)))
     if key not in _SETTLE_CALLS:
         _SETTLE_CALLS[key] = _settle_calls(pair, prompts, max_context)
-    return [{name: t.clone() for name, t in feeds.items()} for feeds in _SETTLE_CALLS[key]]
+    return [cloned(feeds) for feeds in _SETTLE_CALLS[key]]
+
+
+CACHES = ("target_k", "target_v", "draft_k", "draft_v")
+
+
+def cloned(feeds):
+    """Copies of `_settle_round`'s feeds, the caches with the sink row a commit writes past them."""
+    return {name: _new_cache(t.shape, t.dtype, t.device).copy_(t) if name in CACHES else t.clone()
+            for name, t in feeds.items()}
 
 
 def _settle_calls(pair, prompts, max_context):
@@ -497,7 +509,7 @@ def _settle_calls(pair, prompts, max_context):
     original = device_round._settle_round
 
     def recording(**feeds):
-        calls.append({name: t.clone() for name, t in feeds.items()})
+        calls.append(cloned(feeds))
         return original(**feeds)
 
     target, drafter = pair
@@ -516,7 +528,7 @@ def _settle_calls(pair, prompts, max_context):
 def other_data(feeds, seed):
     """The same inputs with other values where a round's data varies: which drafts match, who is live."""
     g = torch.Generator().manual_seed(seed)
-    feeds = {name: t.clone() for name, t in feeds.items()}
+    feeds = cloned(feeds)
     feeds["greedy"] = torch.where(torch.rand(feeds["greedy"].shape, generator=g) < 0.5, feeds["greedy"], 0)
     feeds["live"] = torch.rand(feeds["live"].shape, generator=g) < 0.5
     return feeds
@@ -561,11 +573,82 @@ def test_the_round_bookkeeping_is_capturable(pair, batch, plant):
     for feeds in settle_calls(pair, PROMPTS[:batch]):
         if plant is None:
             ops = capturable(device_round._settle_round, feeds)
-            assert {"scatter_", "gather", "add_"} <= set(ops)  # it ran the real bookkeeping
+            assert {"index_copy_", "scatter_", "add_"} <= set(ops)  # it ran the real bookkeeping (commits, appends)
             assert ("cumprod" in ops) is ("draft_new_key" in feeds)  # (a plain step accepts no draft)
         else:
             with pytest.raises(EagleExportError, match="cannot be captured in a CUDA graph"):
                 capturable(plant, feeds)
+
+
+def _commit_one_slot_late(keys, values, out, starts, counts, live):  # planted: every row one slot late
+    rows._write_rows(keys, values, out, starts + 1, counts, live)
+
+
+def _commit_the_dead(keys, values, out, starts, counts, live):  # planted: a sequence not live written too
+    rows._write_rows(keys, values, out, starts, counts, torch.ones_like(live))
+
+
+def _commit_every_row(keys, values, out, starts, counts, live):  # planted: the uncommitted rows written too
+    rows._write_rows(keys, values, out, starts, torch.full_like(counts, out[C.NEW_KEY].shape[3]), live)
+
+
+def _commit_per_row(keys, values, out, starts, counts, live):
+    """The commit's semantics, row by row on the host: row r < counts[b] of each live sequence b at starts[b] + r."""
+    for b in range(len(starts)):
+        for r in range(int(counts[b]) if live[b] else 0):
+            for cache, name in ((keys, C.NEW_KEY), (values, C.NEW_VALUE)):
+                cache[:, b, :, int(starts[b]) + r] = out[name][:, b, :, r]
+
+
+@pytest.mark.parametrize("plant", [None, _commit_one_slot_late, _commit_the_dead, _commit_every_row],
+                         ids=["commit", "planted: one slot late", "planted: a dead sequence written",
+                              "planted: uncommitted rows written"])
+@pytest.mark.parametrize("static", [False, True], ids=["contiguous", "view along S"])
+def test_the_cache_commit_writes_the_committed_rows_and_nothing_else(static, plant):
+    """`_write_rows` into caches made by the runtime (contiguous, or a view along S of a longer buffer as
+    the static caches are), of new rows given as a view (as the drafter's are), equals the row-by-row
+    commit bit for bit: rows < counts[b] of the live sequences at starts[b] on, every other slot as it was,
+    slots past the view included, those of a dead sequence whose rows would run past the view too; and it
+    runs the same ops, none a host read, whatever the data (a CUDA graph holds it). A cache without the
+    sink row is refused before anything is written. Planted: a row one slot late, a dead sequence's rows
+    or the uncommitted rows written; each fails the comparison."""
+    g = torch.Generator().manual_seed(0)
+    slots, width = 12, 5
+    buffers = [_new_cache((2, 4, 3, 2 * slots if static else slots, 8), torch.float32, "cpu") for _ in "kv"]
+    for full in buffers:
+        full.normal_(generator=g)
+    caches = [full[:, :, :, :slots] for full in buffers]
+    out = {name: torch.randn(2, 4, 3, width + 3, 8, generator=g)[:, :, :, :width] for name in (C.NEW_KEY, C.NEW_VALUE)}
+    starts, counts = torch.tensor([0, slots - width, 3, slots - 2]), torch.tensor([width, 2, 0, 3])
+    live = torch.tensor([True, True, True, False])  # the dead one's rows would run past the view
+    want = [full.clone() for full in buffers]
+    _commit_per_row(*(w[:, :, :, :slots] for w in want), out, starts, counts, live)
+    (plant or rows._write_rows)(*caches, out, starts, counts, live)
+    assert all(torch.equal(full, w) for full, w in zip(buffers, want)) is (plant is None)
+    if plant is None:
+        check_capturable(rows._write_rows, [*caches, out, starts, counts, live],
+                         [[*caches, out, starts, counts.flip(0), torch.tensor([False, True, True, False])]])
+        plain = [torch.zeros(2, 4, 3, slots, 8) for _ in "kv"]
+        with pytest.raises(EagleExportError, match="sink row"):
+            rows._write_rows(*plain, out, starts, counts, live)
+        assert not any(cache.any() for cache in plain)
+
+
+def _keeps_its_ranges(arange) -> bool:
+    """Whether [0, 5) stays the same tensor (the same memory) after 64 other lengths were asked for."""
+    device = torch.device("cpu")
+    first = arange(5, device)
+    for n in range(1000, 1064):
+        arange(n, device)
+    return arange(5, device) is first
+
+
+def test_the_ranges_a_captured_graph_reads_stay_alive():
+    """A CUDA graph reads `_arange`'s tensors (the commit's rows, the next positions) by address without
+    holding them, and eager calls (a drafter call over a prompt) ask for other lengths between its
+    replays: every range stays made, at its address. Planted: a bounded cache (as before) lets one go."""
+    assert _keeps_its_ranges(rows._arange)
+    assert not _keeps_its_ranges(functools.lru_cache(maxsize=32)(lambda n, device: torch.arange(n, device=device)))
 
 
 def _reads_the_first_id(nodes, token_probs):  # planted: the first draft's id read on the host
@@ -955,10 +1038,11 @@ def _accepting_over_no_drafts(monkeypatch):
     monkeypatch.setattr(device_round, "_settle_round", settle)
 
 
-# Measured: an eager plain step's bookkeeping at batch 3, 36 (37 the first): the feeds' attribute reads, the
-# target's commit (_write_rows), lens, the next root and positions; 51 with acceptance's ops over no drafts
-# and the concatenated read, as before.
-PLAIN_SETTLE_CALLS = 37
+# Measured: an eager plain step's bookkeeping at batch 3, 49 (50 the first): the feeds' attribute reads, the
+# target's commit (_write_rows: 39 calls, 8 of them ops, the others views and reads of the caches' layout; its
+# gather + where + scatter form made 26, 12 of them ops, and took longer: scripts/bench_write_rows.py), lens,
+# the next root and positions; 64 with acceptance's ops over no drafts and the concatenated read, as before.
+PLAIN_SETTLE_CALLS = 50
 
 
 @pytest.mark.parametrize("plant", [None, _accepting_over_no_drafts], ids=["plain step", "planted"])

@@ -41,7 +41,7 @@ Invariants:
     and the read, no copy (the graphs read their inputs in place, `TARGET_BOUND`, `DRAFTER_BOUND`, and
     the drafter's writes its drafts into the verify call's ids, `_RoundBuffers.into`: the copy captured
     with the call; a backend that replays nothing copies them after its call);
-  - a sequence not live changes nothing that is read later (its rows write back what their slots held,
+  - a sequence not live changes nothing that is read later (its rows go to the caches' sink row,
     its appended rows are padding past its count): the capture warms up with no sequence live (`_dry`);
   - a goodput stream's k = 0 rounds are plain steps whose rows wait in the pending rows (`_RoundBuffers.fit`
     makes room) for the next drafter call, which catches up on all of them (`_device_draft`); where the
@@ -420,7 +420,7 @@ def _settle_round(lens, verify_ids, positions, live, target_k, target_v, greedy,
       the target's rows 0..accepted committed at lens; the drafter's next rows (greedy, aux) appended,
       accepted + 1 of them valid; lens += accepted + 1; the root becomes greedy[accepted]; positions
       and num_valid made for the next round.
-    A sequence not live changes nothing that is read later (its rows write back what their slots held,
+    A sequence not live changes nothing that is read later (its rows go to the caches' sink row,
     its appended rows are padding past its count): the capture's warm-up runs with no sequence live
     (`_dry`)."""
     b, width = greedy.shape

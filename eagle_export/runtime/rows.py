@@ -6,9 +6,11 @@ drafter's input rows that wait for its next call (`_PendingRows`, `_append_rows`
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
+from ..errors import EagleExportError
 from ..models import contract as C
 
 
@@ -84,23 +86,75 @@ def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-@functools.lru_cache(maxsize=32)
+_RANGES: dict = {}  # device -> the longest arange made there; (n, device) -> its view [0, n)
+
+
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """[0, n) on `device`, made once: callers must not write into it."""
-    return torch.arange(n, device=device)
+    """[0, n) on `device`, made once and kept for the process: a CUDA graph captured over it reads its
+    memory at every replay without holding it (one evicted from a bounded cache would be freed and
+    its memory reused under the graph). Views of one arange a device, regrown by doubling, so all of
+    them take at most four times the longest. Callers must not write into it."""
+    key = (n, device)
+    if key not in _RANGES:
+        longest = _RANGES.get(device)
+        if longest is None or len(longest) < n:
+            longest = _RANGES[device] = torch.arange(max(n, 2 * len(longest) if longest is not None else n),
+                                                     device=device)
+        _RANGES[key] = longest[:n]
+    return _RANGES[key]
+
+
+def _new_cache(shape, dtype, device) -> torch.Tensor:
+    """A zeroed K/V cache [L,B,H,S,D], contiguous, whose memory holds one row of D more past its end:
+    the sink `_write_rows` sends the rows it does not commit to (no cache, and no view of one, holds it)."""
+    return torch.zeros(math.prod(shape[:4]) + 1, shape[4], dtype=dtype, device=device)[:-1].view(shape)
 
 
 def _write_rows(keys, values, out, starts, counts, live):
     """Commit the first counts[b] new K/V rows of each live sequence at its cache length: the only
-    cache write the runtime does (rejected rows are simply never written). On the caches' device
-    without a host read: row r of sequence b goes to slot starts[b] + r, and a row not committed (r >=
-    counts[b], or a sequence not live) writes back what its slot held. Slots past the cache view are
-    clamped into it; a live sequence's rows always fit (`_State.reserve`), so a row written back never
-    shares a slot with a committed one."""
+    cache write the runtime does (rejected rows are simply never written). On the caches' device,
+    without a host read, in fixed shapes (a CUDA graph holds it): one index_copy_ a cache over the rows
+    of its memory (`_rows`: slot s of (l, b, h) is row ((l B + b) H + h) step + s), new row r of
+    (l, b, h) to the row of slot starts[b] + r where r < counts[b] and b is live, and every other new
+    row (not committed, or of a sequence not live) to the sink, a row past the cache (`_new_cache`)
+    that nothing reads. So no other slot is touched and no cache row is read back. The bits are
+    copied: the commit is exact. A live sequence's rows lie inside the cache view (`_State.reserve`);
+    a slot past it is clamped to its last (a caller's bug then stays in the sequence's own rows)."""
     device, b, r = keys.device, len(starts), out[C.NEW_KEY].shape[3]
+    key_rows, step, sink = _rows(keys)
+    value_rows, *layout = _rows(values)
+    if layout != [step, sink]:
+        raise EagleExportError("the K and V caches differ in layout", "allocate caches with the runtime (`_new_cache`)")
     rows = _arange(r, device)
-    slots = (_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r, 1)
-    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r, 1)
-    for cache, new in ((keys, out[C.NEW_KEY]), (values, out[C.NEW_VALUE])):
-        index = slots.expand(*new.shape)
-        cache.scatter_(3, index, torch.where(keep, new, cache.gather(3, index)))
+    keep = ((rows < _to(counts, device).view(b, 1)) & _to(live, device).view(b, 1)).view(1, b, 1, r)
+    layers, _, heads = keys.shape[:3]
+    slot = torch.add((_to(starts, device).view(b, 1) + rows).clamp_(max=keys.shape[3] - 1).view(1, b, 1, r),
+                     _arange(layers * b * heads, device).view(layers, b, heads, 1), alpha=step)
+    index = torch.where(keep, slot, sink).view(-1)
+    for memory, new in ((key_rows, out[C.NEW_KEY]), (value_rows, out[C.NEW_VALUE])):
+        memory.index_copy_(0, index, new.reshape(index.shape[0], -1))
+
+
+def _rows(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A cache [L,B,H,S,D] as rows of the memory it lies in, from its first element: (memory [N,D], row i
+    its elements i s3 .. i s3 + D-1 (s_i: the cache's strides); step, so that cache[l, b, h, s] is
+    memory[((l B + b) H + h) step + s]; the sink N-1, the memory's last row, past the cache's last:
+    `_new_cache` makes caches so). A cache contiguous or a view of one along S (the static caches) is
+    laid out so: step = s2 / s3, s1 = H s2, s0 = B s1."""
+    shape, stride, offset = cache.shape, cache.stride(), cache.storage_offset()
+    n = (cache.untyped_storage().nbytes() // cache.element_size() - offset) // stride[3]
+    return cache.as_strided((n, shape[4]), (stride[3], 1), offset), _step(shape, stride, n), n - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _step(shape, stride, n: int) -> int:
+    """`_rows`' step for a cache of this layout in a memory of n rows from its first element, once it
+    has checked the layout (whole rows, (l, b, h) equally spaced, the last row past the cache's)."""
+    layers, batch, heads, slots, dim = shape
+    row = stride[3]
+    last = sum((size - 1) * st for size, st in zip(shape[:4], stride)) // row
+    if (stride[4] != 1 or row < dim or stride[2] % row or stride[1] != heads * stride[2]
+            or stride[0] != batch * stride[1] or last >= n - 1):
+        raise EagleExportError(f"a K/V cache of shape {tuple(shape)} and strides {stride} is not laid out as the "
+                               "runtime's, with a sink row past it", "allocate caches with the runtime (`_new_cache`)")
+    return stride[2] // row

@@ -62,7 +62,7 @@ from .backends import Backend
 from .costs import CostCache, CostCurves, measure
 from .device_round import DeviceRounds
 from .generation import GenerationConfig, is_int
-from .rows import _PendingRows, _to, _write_rows
+from .rows import _new_cache, _PendingRows, _to, _write_rows
 from .verify_policy import check_policy, make_policy
 
 STATIC_MIN_SLOTS = 256  # static mode's smallest cache view: few buckets, so few CUDA graphs per width
@@ -227,15 +227,16 @@ class SpeculativeRuntime(DeviceRounds):
     def caches(self, batch: int, slots: int) -> tuple[torch.Tensor, ...]:
         """Target K, V and drafter K, V caches [L,B,Hkv,slots,D]: new zeroed tensors, or in static
         mode views of this batch size's caches, allocated once at max_context slots and shared by
-        every call (the same memory at every size; stale rows past a sequence's length are masked)."""
+        every call (the same memory at every size; stale rows past a sequence's length are masked).
+        Each with the sink row past it that `_write_rows` writes uncommitted rows to."""
         full = self._static_caches.get(batch) if self.static_cache else None
         if full is None:
             caches = []
             for shape, dtype in ((self.target_cache_shape, self.backend.model_dtype),
                                  (self.drafter_cache_shape, self.backend.drafter_dtype)):
                 layers, heads, dim = shape
-                caches += [torch.zeros(layers, batch, heads, self.max_context if self.static_cache else slots, dim,
-                                       dtype=dtype, device=self.device) for _ in "kv"]
+                size = (layers, batch, heads, self.max_context if self.static_cache else slots, dim)
+                caches += [_new_cache(size, dtype, self.device) for _ in "kv"]
             if not self.static_cache:
                 return tuple(caches)
             full = self._static_caches[batch] = tuple(caches)
@@ -678,7 +679,7 @@ class _State:
             return
         for name in ("target_k", "target_v", "draft_k", "draft_v"):
             old = getattr(self, name)
-            grown = old.new_zeros(*old.shape[:3], slots, old.shape[4])
+            grown = _new_cache((*old.shape[:3], slots, old.shape[4]), old.dtype, old.device)
             grown[:, :, :, :old.shape[3]] = old
             setattr(self, name, grown)
 
