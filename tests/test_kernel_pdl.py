@@ -9,6 +9,7 @@ assembles both for sm_90) nothing but the prefetch touches memory, and nothing b
 `griddepcontrol.wait`. Planted: an activation load moved before the wait, a store before it.
 """
 
+import importlib.util
 import inspect
 import json
 import linecache
@@ -255,6 +256,58 @@ def test_a_load_or_a_store_before_the_wait_is_flagged(compiled_ir):
     problems = early_accesses("rope qk-norm", out["ttir"])
     assert any("tt.store" in problem for problem in problems) and any("tt.load" in problem for problem in problems)
     assert any(op.startswith("st.global") for op in early_ptx(out["ptx"]))
+
+
+def test_pdl_is_on_natively_on_a_card_of_compute_capability_9_and_off_by_its_switch(monkeypatch):
+    """_pdl's options: on for a CUDA device of capability >= 9.0 (cached per device), off on a CPU,
+    under the interpreter, on an older card, and with _PDL off (EAGLE_EXPORT_NO_PDL=1)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {0: (9, 0), 1: (8, 0), 2: (10, 0)}[index])
+    K._pdl_card.cache_clear()
+    try:
+        monkeypatch.setattr(K, "INTERPRETED", False)
+        on = [K._pdl(torch.device(d))["PDL"] for d in ("cuda:0", "cuda:1", "cuda:2", "cpu")]
+        assert on == [True, False, True, False] and K._pdl(torch.device("cuda:0")) == {"PDL": True, "launch_pdl": True}
+        monkeypatch.setattr(K, "_PDL", False)
+        assert not K._pdl(torch.device("cuda:0"))["launch_pdl"]
+        monkeypatch.setattr(K, "_PDL", True)
+        monkeypatch.setattr(K, "INTERPRETED", True)
+        assert K._pdl(torch.device("cuda:0")) == {"PDL": False, "launch_pdl": False}
+    finally:
+        K._pdl_card.cache_clear()
+
+
+def test_the_weight_prefetch_is_the_pipelines_first_loads_and_at_most_1_kb_a_row():
+    """_prefetch_lines: a power of 2, <= 1 KB a row and <= the (stages - 1) BK steps the pipeline loads
+    before its first dot (none where that is less than a line), at linear_config's configurations (and
+    fp32's fewer stages); none for a weight whose rows are strided."""
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = torch.empty(8, 8, dtype=dtype)
+        for bk, stages in ((256, 3), (128, 6), (128, 4), (128, 1), (32, 2)):
+            lines, first = K._prefetch_lines(bk, stages, weight), max(1, stages - 1) * bk * weight.element_size()
+            assert lines & (lines - 1) == 0 and 128 * lines <= min(1024, first) and (lines > 0 or first < 128)
+    assert K._prefetch_lines(256, 3, torch.empty(8, 8, dtype=torch.bfloat16)) == 8  # the 8B shape's qkv/gate_up: 2 BK steps
+    assert K._prefetch_lines(128, 4, torch.empty(8, 8, dtype=torch.bfloat16)) == 4  # its split-K o/down: 2 steps
+    assert K._prefetch_lines(128, 6, torch.empty(8, 8).t()) == 0
+
+
+def test_the_gpu_probes_pdl_ab_reads_its_rounds_as_medians_and_bandwidth():
+    """scripts/gpu_probe.py pdl (run only on a GPU): its command line, and its summary of the interleaved
+    rounds: each side's median step, spread and achieved bandwidth against the peak and the copy."""
+    spec = importlib.util.spec_from_file_location("gpu_probe", Path(__file__).parents[1] / "scripts" / "gpu_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.parser().parse_args(["pdl", "--budget-s", "35"]).what == "pdl"
+    cell = probe.pdl_summary({True: [4.0, 4.8, 4.0], False: [8.0, 8.1, 7.9]}, 19_200_000_000, 4.8e12, 3.84e12)
+    assert cell["pdl"]["step_ms"] == 4.0 and cell["pdl"]["spread_ms"] == 0.8 and cell["pdl"]["achieved_gb_s"] == 4800
+    assert cell["pdl"]["share_of_peak"] == 1.0 and cell["plain"]["share_of_peak"] == 0.5
+    assert cell["plain"]["share_of_copy"] == 0.625
+    assert cell["pdl_over_plain"] == 0.5 and cell["rounds"] == 3
+    assert "100% of peak" in probe.pdl_line(cell) and "0.500x" in probe.pdl_line(cell)
+    assert "of peak" not in probe.pdl_line(probe.pdl_summary({True: [1.0], False: [2.0]}, 10**9, None, 1e12))
 
 
 if __name__ == "__main__":  # compiled_ir's child process

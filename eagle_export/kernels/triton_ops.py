@@ -51,6 +51,35 @@ a case, and replayed from a CUDA graph). `_FUSED = False` (EAGLE_EXPORT_TWO_KERN
 the two kernels: the tests' reference, the GPU probe's A/B, and what that script measures on if the
 fused path fails there.
 
+Programmatic dependent launch (PDL; compute capability 9.0 and later: _pdl). A kernel launched with it
+may begin while the kernel before it in the stream still runs; its gdc_wait (griddepcontrol.wait)
+returns once that kernel has ended and its memory is visible. What a decode step loses at batch 1 is
+mostly per kernel (~200 a step): the gap between launches and each layer's ramp-up; with PDL the next
+kernel's programs are resident when this one ends, and a linear layer's weights already stream:
+    the wait  in every kernel, in its top-level block, before its first access to anything another
+              kernel writes (activations, the residual, `up`, split partials, the counters, K/V, the
+              key index, outputs); before it only the layer's constant parameters may be read: the
+              linear kernel prefetches the first lines of its weight slice into L2 (_prefetch_lines).
+              Every program waits, also one with nothing to do: a kernel then ends only after the one
+              before it, so a later kernel's wait covers all earlier ones (a program skipping it could
+              let its kernel end first).
+    the trigger  gdc_launch_dependents right after the wait. The next kernel launches once every
+              program of this one has called it or exited: all of this grid is then resident or done
+              (its last wave has started), so the next one's programs take only what this grid leaves
+              free, never a slot it still needs; they trigger nothing before their own wait, which
+              returns when this grid ends, so at most one kernel runs ahead. No deadlock with the
+              last-arrival reductions: they never spin, and the counters are touched only after the
+              wait (the launch that used them before has ended and reset them). An earlier trigger
+              would pile kernels up two deep, waiting; a later one (after a linear's K loop) would
+              leave the SMs of a grid's partial last wave idle.
+Nothing else changes: the same arithmetic after the wait, bit for bit (width invariance untouched).
+Inside a CUDA graph capture a PDL launch becomes a programmatic edge (CUDA 12.3 and later); torch's own
+kernels between ours launch plainly (they wait for the whole previous kernel, and ours after them
+launch when they end). Checked on a CPU by tests/test_kernel_pdl.py (the kernels compiled for sm_90,
+TTIR and PTX); its speed is measured only on a GPU (scripts/gpu_probe.py pdl). `_PDL = False`
+(EAGLE_EXPORT_NO_PDL=1) launches plainly: the probe's A/B, and scripts/gpu_exact.sh's fallback when
+the native tests fail with PDL.
+
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
 cores with fp32 accumulation, fp32 in IEEE precision (no TF32).
@@ -301,6 +330,12 @@ def _pdl(device: torch.device) -> dict:
     on = (_PDL and not INTERPRETED and device.type == "cuda"
           and _pdl_card(device.index if device.index is not None else torch.cuda.current_device()))
     return {"PDL": on, "launch_pdl": on}
+
+
+def launch_path(device: torch.device) -> dict:
+    """How the kernels launch on `device`, for a report: the reductions over programs ("fused": by the
+    last program to finish; "two kernels") and programmatic dependent launch (on or off)."""
+    return {"reductions": "fused" if _FUSED else "two kernels", "pdl": _pdl(torch.device(device))["PDL"]}
 
 
 @functools.lru_cache(maxsize=None)
