@@ -218,7 +218,8 @@ def compile_all() -> dict:
 
 @pytest.fixture(scope="module")
 def compiled_ir(tmp_path_factory) -> dict:
-    """compile_all() in a child process with the interpreter off (~N s)."""
+    """compile_all() in a child process with the interpreter off (6-9 s on a shared 2-core machine at load
+    3-4, cold or not: it bypasses Triton's cache)."""
     path = tmp_path_factory.mktemp("pdl") / "ir.json"
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True, timeout=600)
