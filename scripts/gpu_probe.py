@@ -21,8 +21,12 @@ wants before choosing tile sizes, each written to $OUT (or ./gpu-probe/) as JSON
              (the `attention` cells), 32 calls a graph; us a call each way, and whether the bits agree.
     profile  one plain decoding round of the 8B shape, eager, through the torch backend and through
              exact mode: the GPU time of each kernel, summed, top 25 (where a step's time goes).
+    pdl      exact mode's plain step of the 8B shape (bf16, random weights, a cache of PAST valid slots)
+             at batch 1 and 16, captured as a CUDA graph with programmatic dependent launch and without
+             (kernels.triton_ops._PDL), the two replayed in turns: ms a step, achieved bandwidth, its
+             share of the card's peak and of a copy, and whether the two give the same bits. ~30-60 s.
 
-Usage: python scripts/gpu_probe.py linear|attention|reduction|profile [--budget-s S]
+Usage: python scripts/gpu_probe.py linear|attention|reduction|profile|pdl [--budget-s S]
 """
 
 from __future__ import annotations
@@ -46,13 +50,31 @@ SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 409
 STREAM_BYTES = 384 << 20  # copies of a weight until a graph streams this much: past the H200's 50 MB L2
 
 
-def graph_ms(fn, reps: int = 7) -> float:
-    """Median ms of one replay of a CUDA graph of fn()."""
+def captured(fn):
+    """fn() run once (what compiles or allocates), then captured in a CUDA graph -> (graph, fn's result
+    in it: the graph's outputs)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def replays_ms(graph, reps: int) -> float:
+    """ms a replay: `reps` replays back to back between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def graph_ms(fn, reps: int = 7) -> float:
+    """Median ms of one replay of a CUDA graph of fn()."""
+    graph, _ = captured(fn)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -317,17 +339,108 @@ def profile() -> dict:
     return result
 
 
+PDL_BATCHES, PDL_REPLAYS, PDL_ROUNDS = (1, 16), 20, 6  # rounds: each graph timed over REPLAYS replays, in turns
+
+
+def pdl(budget_s: float) -> dict:
+    """The plain step with and without programmatic dependent launch (the module's docstring: `pdl`).
+    The runtime gpu-kit builds (exact mode bound, static caches), its target called as costs.measure
+    calls it for T = 1, captured once with K._PDL on and once off (each run eagerly first: the kernels
+    compile, the counters exist); then PDL_ROUNDS rounds, the order alternating, of PDL_REPLAYS replays
+    back to back between CUDA events, each graph's median a step (pdl_summary)."""
+    from eagle_export.kernels import triton_ops as K
+    from eagle_export.models import contract as C
+    from eagle_export.models.layers import causal_mask
+    from eagle_export.runtime.costs import PAST
+    from eagle_export.tools.gpu_kit import copy_bandwidth, make_runtime, peak_bandwidth, random_pair, step_bytes, unbind
+
+    start = time.perf_counter()
+    device = torch.cuda.get_device_name(0)
+    peak, copy = peak_bandwidth(device), copy_bandwidth("cuda")
+    result = {"device": device, "peak_gb_s": None if peak is None else peak / 1e9, "copy_gb_s": round(copy / 1e9, 1),
+              "batches": {}}
+    if not K._pdl_card(torch.cuda.current_device()):
+        result["skipped"] = "this card (compute capability < 9.0) or this Triton (no gdc_wait) has no PDL"
+        print(f"pdl: {result['skipped']}", flush=True)
+        _save("pdl", result)
+        return result
+    target, drafter = random_pair("llama-3.1-8b", "cuda", torch.bfloat16)
+    runtime = make_runtime(target, drafter, "cuda", cuda_graphs=False, exact=True)
+    print(f"pdl: 8B pair made and bound after {time.perf_counter() - start:.1f} s", flush=True)
+    saved = K._PDL
+    try:
+        for batch in PDL_BATCHES:
+            if time.perf_counter() - start > budget_s:
+                result["stopped"] = "budget"
+                break
+            past = max(1, min(PAST, runtime.max_context - 2 * (runtime.depth + 1)))  # as costs.measure and step_bytes
+            slots = runtime.cache_slots(past + 2 * (runtime.depth + 1), past + 2 * (runtime.depth + 1))
+            target_k, target_v, _, _ = runtime.caches(batch, slots)
+            lens = torch.full((batch,), past, dtype=torch.int64, device="cuda")
+            feeds = {C.INPUT_IDS: torch.ones(batch, 1, dtype=torch.int64, device="cuda"), C.POSITIONS: lens[:, None].clone(),
+                     C.PAST_KEY: target_k, C.PAST_VALUE: target_v, C.CACHE_LENS: lens,
+                     C.TREE_MASK: causal_mask(batch, 1, "cuda")}
+            graphs, outputs = {}, {}
+            for on in (True, False):
+                K._PDL = on
+                graphs[on], outputs[on] = captured(lambda: runtime.backend.target(feeds))
+            K._PDL = saved
+            ms = {True: [], False: []}
+            for r in range(PDL_ROUNDS):
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    ms[on].append(replays_ms(graphs[on], PDL_REPLAYS))
+            for on in (True, False):
+                graphs[on].replay()
+            torch.cuda.synchronize()
+            cell = result["batches"][batch] = pdl_summary(ms, step_bytes(runtime, batch), peak, copy)
+            cell["bit_identical"] = all(torch.equal(outputs[True][name], outputs[False][name]) for name in outputs[True])
+            print(f"pdl: plain step batch {batch}: {pdl_line(cell)}", flush=True)
+            del graphs, outputs
+            _save("pdl", result)
+    finally:
+        K._PDL = saved
+        unbind(runtime)
+    _save("pdl", result)
+    return result
+
+
+def pdl_summary(ms: dict[bool, list[float]], moved: int, peak: float | None, copy: float) -> dict:
+    """ms: per-step times of the interleaved rounds with PDL (True) and without -> each one's median
+    step, its spread (max - min over rounds) and achieved bandwidth (gpu_kit.achieved: `moved` bytes a
+    step against the peak and the copy), and the ratio of the medians."""
+    from eagle_export.tools.gpu_kit import achieved
+
+    out = {"bytes_per_step": moved, "rounds": len(ms[True])}
+    for on, name in ((True, "pdl"), (False, "plain")):
+        out[name] = {**achieved(moved, statistics.median(ms[on]) / 1e3, peak, copy),
+                     "spread_ms": round(max(ms[on]) - min(ms[on]), 4)}
+    out["pdl_over_plain"] = round(out["pdl"]["step_ms"] / out["plain"]["step_ms"], 4)
+    return out
+
+
+def pdl_line(cell: dict) -> str:
+    def one(r):
+        share = "" if r["share_of_peak"] is None else f", {100 * r['share_of_peak']:.0f}% of peak"
+        return f"{r['step_ms']:.3f} ms ({r['achieved_gb_s']:g} GB/s{share}, {100 * r['share_of_copy']:.0f}% of a copy)"
+    return (f"PDL {one(cell['pdl'])}, without {one(cell['plain'])}: {cell['pdl_over_plain']:.3f}x"
+            + (f", bit-identical {cell['bit_identical']}" if "bit_identical" in cell else ""))
+
+
 def _save(name: str, result: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"probe-{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
-if __name__ == "__main__":
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("linear", "attention", "reduction", "profile"))
+    parser.add_argument("what", choices=("linear", "attention", "reduction", "profile", "pdl"))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--default-only", action="store_true", help="linear: cuBLAS and linear_config's choice only")
-    args = parser.parse_args()
+    return parser
+
+
+if __name__ == "__main__":
+    args = parser().parse_args()
     if not torch.cuda.is_available():
         sys.exit("the probe needs a CUDA GPU")
     if args.what == "linear":
@@ -336,5 +449,7 @@ if __name__ == "__main__":
         attention(args.budget_s)
     elif args.what == "reduction":
         reduction(args.budget_s)
+    elif args.what == "pdl":
+        pdl(args.budget_s)
     else:
         profile()

@@ -6,7 +6,9 @@ variants (a split added in completion order, a counter left unreset) must fail.
 On a CPU these run through Triton's interpreter, whose programs run one after another: the order is
 shuffled here to stand in for a GPU's. The memory ordering itself is proven only natively:
 scripts/gpu_exact.sh runs this file first on a GPU (a failure there sends every later step of the
-script to the two-kernel path). A file of its own so the suite's two processes share the kernels' tests.
+script to the two-kernel path). There too, the same cases launched with programmatic dependent launch
+against plain launches, eager and from a CUDA graph (tests/test_kernel_pdl.py checks its discipline on
+the CPU). A file of its own so the suite's two processes share the kernels' tests.
 """
 
 import contextlib
@@ -176,6 +178,28 @@ def test_a_reduction_by_the_last_program_replays_from_a_cuda_graph():
     with torch.cuda.stream(side):
         [call() for call in cases.values()]
     torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = {name: call() for name, call in cases.items()}
+    for _ in range(5):
+        for out in got.values():
+            out.fill_(0)
+        graph.replay()
+        assert [name for name in cases if not torch.equal(got[name], want[name])] == []
+
+
+@pytest.mark.cuda
+def test_launches_with_pdl_give_the_bits_of_plain_launches():
+    """Programmatic dependent launch (on a card of compute capability >= 9.0): every case above, each
+    called REPEATS times back to back (a launch overlapping the end of the one before), then replayed 5
+    times from one CUDA graph (programmatic edges), the bits of plain launches (K._PDL off)."""
+    if DEVICE != "cuda" or not K._pdl(torch.device("cuda"))["PDL"]:
+        pytest.skip("PDL needs a CUDA GPU of compute capability >= 9.0 and Triton's gdc_wait (EAGLE_EXPORT_NO_PDL unset)")
+    cases = reduction_cases(torch.bfloat16, torch.Generator().manual_seed(14))
+    with mock.patch.object(K, "_PDL", False):
+        want = {name: call() for name, call in cases.items()}
+    eager = [name for name, call in cases.items() for _ in range(REPEATS) if not torch.equal(call(), want[name])]
+    assert eager == []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = {name: call() for name, call in cases.items()}

@@ -51,6 +51,35 @@ a case, and replayed from a CUDA graph). `_FUSED = False` (EAGLE_EXPORT_TWO_KERN
 the two kernels: the tests' reference, the GPU probe's A/B, and what that script measures on if the
 fused path fails there.
 
+Programmatic dependent launch (PDL; compute capability 9.0 and later: _pdl). A kernel launched with it
+may begin while the kernel before it in the stream still runs; its gdc_wait (griddepcontrol.wait)
+returns once that kernel has ended and its memory is visible. What a decode step loses at batch 1 is
+mostly per kernel (~200 a step): the gap between launches and each layer's ramp-up; with PDL the next
+kernel's programs are resident when this one ends, and a linear layer's weights already stream:
+    the wait  in every kernel, in its top-level block, before its first access to anything another
+              kernel writes (activations, the residual, `up`, split partials, the counters, K/V, the
+              key index, outputs); before it only the layer's constant parameters may be read: the
+              linear kernel prefetches the first lines of its weight slice into L2 (_prefetch_lines).
+              Every program waits, also one with nothing to do: a kernel then ends only after the one
+              before it, so a later kernel's wait covers all earlier ones (a program skipping it could
+              let its kernel end first).
+    the trigger  gdc_launch_dependents right after the wait. The next kernel launches once every
+              program of this one has called it or exited: all of this grid is then resident or done
+              (its last wave has started), so the next one's programs take only what this grid leaves
+              free, never a slot it still needs; they trigger nothing before their own wait, which
+              returns when this grid ends, so at most one kernel runs ahead. No deadlock with the
+              last-arrival reductions: they never spin, and the counters are touched only after the
+              wait (the launch that used them before has ended and reset them). An earlier trigger
+              would pile kernels up two deep, waiting; a later one (after a linear's K loop) would
+              leave the SMs of a grid's partial last wave idle.
+Nothing else changes: the same arithmetic after the wait, bit for bit (width invariance untouched).
+Inside a CUDA graph capture a PDL launch becomes a programmatic edge (CUDA 12.3 and later); torch's own
+kernels between ours launch plainly (they wait for the whole previous kernel, and ours after them
+launch when they end). Checked on a CPU by tests/test_kernel_pdl.py (the kernels compiled for sm_90,
+TTIR and PTX); its speed is measured only on a GPU (scripts/gpu_probe.py pdl). `_PDL = False`
+(EAGLE_EXPORT_NO_PDL=1) launches plainly: the probe's A/B, and scripts/gpu_exact.sh's fallback when
+the native tests fail with PDL.
+
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
 cores with fp32 accumulation, fp32 in IEEE precision (no TF32).
@@ -85,6 +114,9 @@ ARGMAX_CHUNK = 4096 if not INTERPRETED else 1 << 30  # columns a program of argm
 # Reductions over programs by the last to finish; False: a second kernel (the tests' reference, the probe's A/B,
 # and scripts/gpu_exact.sh's fallback when the fused path fails its native tests).
 _FUSED = os.environ.get("EAGLE_EXPORT_TWO_KERNEL_REDUCTIONS") != "1"
+# Programmatic dependent launch where the card and Triton have it (_pdl); False: plain launches (the GPU probe's
+# A/B, and scripts/gpu_exact.sh's fallback when the kernels' native tests fail with it).
+_PDL = os.environ.get("EAGLE_EXPORT_NO_PDL") != "1"
 
 
 def _device(fn):
@@ -111,20 +143,27 @@ def _linear_kernel(x, w, bias, res, y, part, count, gain, up, M, N, K, K_SPLIT, 
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_GAIN: tl.constexpr,
                    GATED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                    RNE: tl.constexpr, FUSED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   NB: tl.constexpr):
+                   NB: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
     """Program (M tile, N tile, K split): its rows' dot products over K[s*K_SPLIT, (s+1)*K_SPLIT) in BK
     steps, in order; one split writes y (_epilogue), several write fp32 partials [SPLIT, M, N], added
     in split order (_sum_splits) by the tile's last program to finish (FUSED: `count` holds a counter
     a tile) or by _sum_splits_kernel after it. The prologue, on each x tile before the dot (the weight
     is still read once): NORM, the rows RMS-normalized (_normed, with each row's rstd over all of K
     from _rstd first, whatever the split); GATED, x is the MLP's gate and the dot's operand
-    silu(x) * up (_silu_mul)."""
+    silu(x) * up (_silu_mul). PDL: the first PF_LINES 128-byte lines (PF_STEP elements each) of each of
+    its weight rows' K slice prefetched into L2 before the wait (_pdl), while the previous kernel ends."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     k_lo = tl.program_id(2) * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     ty = x.dtype.element_ty
+    if PDL:
+        if PF_LINES > 0:  # addresses clamped into the weight: a row or line past it prefetches its last one again
+            lines = tl.minimum(k_lo + tl.arange(0, PF_LINES) * PF_STEP, k_hi - 1)
+            _prefetch_l2(w + tl.minimum(rn, N - 1)[:, None] * swn + lines[None, :] * swk)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         rstd = _rstd(x, rm, sxm, sxk, M, K, eps, BM, NB)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -157,6 +196,14 @@ def _linear_kernel(x, w, bias, res, y, part, count, gain, up, M, N, K, K_SPLIT, 
                 out = _epilogue(_sum_splits(part, rm, rn, M, N, SPLIT), bias, res, rm, rn, M, N, srm,
                                 y.dtype.element_ty, HAS_BIAS, HAS_RES, RNE)
                 tl.store(y + rm[:, None] * sym + rn[None, :] * syn, out, mask=inside)
+
+
+@_device
+def _prefetch_l2(pointers):
+    """The 128-byte line of each pointer fetched into L2 (PTX prefetch.global.L2: nothing waits for it,
+    no register is written; the asm's output is a dummy Triton requires)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [pointers], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @_device
@@ -244,9 +291,12 @@ def _silu_mul(g, u, ty: tl.constexpr, RNE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part, bias, res, y, M, N, sym, srm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                       RNE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                       RNE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, N block): the K splits' partial sums added in split order, then _epilogue (the
     two-kernel path, _FUSED = False)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0) + tl.zeros([1], tl.int32)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     out = _epilogue(_sum_splits(part, row, cols, M, N, SPLIT), bias, res, row, cols, M, N, srm, y.dtype.element_ty,
@@ -271,6 +321,38 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
                                "run the captured function eagerly first (a warm-up)")
         held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 1 << 16), dtype=torch.int32, device=device))
     return held[-1]
+
+
+def _pdl(device: torch.device) -> dict:
+    """The launch options of a kernel on `device`: {"PDL": bool, "launch_pdl": bool}, programmatic
+    dependent launch on where it runs (the module's docstring): natively, on a CUDA card of compute
+    capability 9.0 or later, with a Triton that has gdc_wait; and with _PDL (EAGLE_EXPORT_NO_PDL unset)."""
+    on = (_PDL and not INTERPRETED and device.type == "cuda"
+          and _pdl_card(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"PDL": on, "launch_pdl": on}
+
+
+def launch_path(device: torch.device) -> dict:
+    """How the kernels launch on `device`, for a report: the reductions over programs ("fused": by the
+    last program to finish; "two kernels") and programmatic dependent launch (on or off)."""
+    return {"reductions": "fused" if _FUSED else "two kernels", "pdl": _pdl(torch.device(device))["PDL"]}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_card(index: int) -> bool:
+    """Whether CUDA device `index` and this Triton can launch with PDL."""
+    return torch.cuda.get_device_capability(index) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def _prefetch_lines(bk: int, stages: int, weight: torch.Tensor) -> int:
+    """128-byte lines of each weight row a linear program prefetches into L2 before its PDL wait: the
+    pipeline's first loads (stages - 1 BK steps, what it requests before its first dot), at most 1 KB,
+    rounded down to a power of 2 (a tl.arange); 0 for a weight whose rows are not dense. A program's
+    prefetch is then at most BLOCK_N KB and no more than its stages' shared memory, so all the programs
+    resident at once prefetch no more than the card's shared memory holds (~8 MB at the 8B shape's
+    configurations on an H200, a sixth of its 50 MB L2)."""
+    lines = min(max(1, stages - 1) * bk * weight.element_size() // 128, 1024 // 128)
+    return 1 << (lines.bit_length() - 1) if lines and weight.stride(-1) == 1 else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,24 +407,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias, res = (bias if bias is not None else weight), (res if res is not None else y)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     fused = _FUSED and split > 1
+    pdl = _pdl(x.device)
     _linear_kernel[grid](
         rows, weight, bias, res, y, part, _counters(x.device, grid[0] * grid[1]) if fused else y,
         gain if gain is not None else rows, up if up is not None else rows,
         m, n, k, k_split, rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         res.stride(0), norm[1] if norm is not None else 0.0, NORM=norm is not None, HAS_GAIN=gain is not None,
         GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, FUSED=fused, BM=bm,
-        BN=bn, BK=bk, NB=NORM_BLOCK, num_warps=warps, num_stages=stages, **flags)
+        BN=bn, BK=bk, NB=NORM_BLOCK, PF_LINES=_prefetch_lines(bk, stages, weight) if pdl["PDL"] else 0,
+        PF_STEP=128 // weight.element_size(), num_warps=warps, num_stages=stages, **flags, **pdl)
     if split > 1 and not fused:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
-                                                         SPLIT=split, BLOCK=block, **flags)
+                                                         SPLIT=split, BLOCK=block, **flags, **pdl)
     return y.view(*x.shape[:-1], n)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(x, w, y, M, H, sx, sy, eps, HAS_WEIGHT: tl.constexpr, RNE: tl.constexpr, R: tl.constexpr,
-                     NB: tl.constexpr):
+                     NB: tl.constexpr, PDL: tl.constexpr):
     """Program (R rows): each row's rstd (_rstd), then the row in NB-column steps through _normed."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * R + tl.arange(0, R)
     rstd = _rstd(x, rows, sx, 1, M, H, eps, R, NB)
     for c0 in range(0, H, NB):
@@ -363,12 +450,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], ROWS),)](
         rows, weight if weight is not None else rows, y, rows.shape[0], h, rows.stride(0), y.stride(0), eps,
-        HAS_WEIGHT=weight is not None, RNE=INTERPRETED, R=ROWS, NB=NORM_BLOCK)
+        HAS_WEIGHT=weight is not None, RNE=INTERPRETED, R=ROWS, NB=NORM_BLOCK, **_pdl(x.device))
     return y.view(x.shape)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, RNE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g, u, y, M, width, sg, su, sy, RNE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = (rows < M)[:, None] & (cols < width)[None, :]
@@ -385,18 +476,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
-        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), RNE=INTERPRETED, R=ROWS, BLOCK=block)
+        g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), RNE=INTERPRETED, R=ROWS, BLOCK=block,
+        **_pdl(g.device))
     return y.view(gate.shape)
 
 
 @triton.jit(do_not_specialize=["M", "T"])
 def _rope_kernel(q, k, cos, sin, qw, kw, qo, ko, M, T, HQ, HKV, sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst, eps,
-                 NORM: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
+                 NORM: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (R of the B*T rows, one head of [q's heads ; k's heads]): that head's rows of D
     rotated, x * cos + rotated * sin with rotated = [-x[D/2:], x[:D/2]], each product rounded to the
     dtype before the add and the sum once more, as torch computes apply_rope (fp32: the same ops,
     launched without FMA contraction). NORM (Qwen3's qk-norm): x is first the head's row RMS-normalized
     and times its gain (qw or kw), rounded as RMSNorm rounds, the whole row being in the program."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # 64-bit: b * sqb can pass 2^31 in a long prefill
     h = tl.program_id(1)
     b, t = rows // T, rows % T
@@ -450,7 +546,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         q, k, cos, sin, *gains, qo, ko, b * t, t, hq, hkv, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
         norm[2] if norm is not None else 0.0, NORM=norm is not None, R=ROWS, D=d, DP=triton.next_power_of_2(d),
-        RNE=INTERPRETED, enable_fp_fusion=False)
+        RNE=INTERPRETED, enable_fp_fusion=False, **_pdl(q.device))
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
@@ -459,12 +555,15 @@ def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out, ar
                             T, S, N, HKV, num_splits, split_size, scale,
                             sqb, sqh, sqt, skb, skh, sks, snb, snh, sns, svb, svh, svs,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BLOCK: tl.constexpr, SB: tl.constexpr, FUSED: tl.constexpr):
+                            BLOCK: tl.constexpr, SB: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr):
     """Program (b*HKV + kv head, query row t, split s): the G query heads of one KV head over keys
     [s*split_size, (s+1)*split_size) of row t's compacted key list -> the split's running max m,
     sum l and unnormalized output acc (fp32) in the workspace; a split past the row's keys has none.
     FUSED: every split program then counts itself in on the (row, KV head)'s counter in `arrived`,
     and the last to arrive combines the splits (_combine); else _attention_combine_kernel does."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV  # 64-bit: a batch's cache offset can pass 2^31 elements
     row = b * T + t
@@ -509,8 +608,11 @@ def _attention_split_kernel(q, kc, vc, kn, vn, index, count, acc_out, ml_out, ar
 
 @triton.jit(do_not_specialize=["T", "num_splits", "split_size"])
 def _attention_combine_kernel(acc_in, ml_in, count, y, T, HKV, num_splits, split_size, G: tl.constexpr,
-                              GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr):
+                              GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
     """Program (b*HKV + kv head, query row t): _combine (the two-kernel path, _FUSED = False)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     _combine(acc_in, ml_in, count, y, (bh // HKV).to(tl.int64), bh % HKV, tl.program_id(1), T, HKV, num_splits,
              split_size, G, GP, D, DP, SB)
@@ -579,7 +681,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
     ml = torch.empty(b, hq, t, num_splits, 2, dtype=torch.float32, device=q.device)
     y = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     gp = triton.next_power_of_2(group)
-    shape = dict(G=group, GP=gp, D=d, DP=dp, SB=min(COMBINE_BLOCK, 64 // gp), enable_fp_fusion=False)
+    shape = dict(G=group, GP=gp, D=d, DP=dp, SB=min(COMBINE_BLOCK, 64 // gp), enable_fp_fusion=False, **_pdl(q.device))
     _attention_split_kernel[(b * hkv, t, num_splits)](
         q, k_cache, v_cache, k_new, v_new, index, count, acc, ml, _counters(q.device, b * hkv * t) if _FUSED else count,
         y, t, s, n, hkv, num_splits, split_size,
@@ -593,10 +695,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_n
 
 @triton.jit(do_not_specialize=["M", "V", "CHUNK"])
 def _argmax_kernel(x, index, top_out, index_out, M, V, sx, CHUNK, R: tl.constexpr, BLOCK: tl.constexpr,
-                   MAPPED: tl.constexpr):
+                   MAPPED: tl.constexpr, PDL: tl.constexpr):
     """Program (R rows, chunk c): the largest value of columns [c*CHUNK, (c+1)*CHUNK) and its first
     column, blocks in order -> top_out/index_out [M, chunks]. MAPPED (the second pass, over the chunks'
     tops): the column read through `index`, each chunk's winner."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * R + tl.arange(0, R)
     lo = tl.program_id(1) * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -631,10 +736,10 @@ def argmax(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     top = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
     index = torch.empty(m, chunks, dtype=torch.int64, device=x.device)
     _argmax_kernel[(triton.cdiv(m, ROWS), chunks)](rows, rows, top, index, m, v, rows.stride(0), chunk,
-                                                   R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=False)
+                                                   R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=False, **_pdl(x.device))
     if chunks > 1:
         out = torch.empty(m, 1, dtype=torch.int64, device=x.device)
         _argmax_kernel[(triton.cdiv(m, ROWS), 1)](top, index, torch.empty_like(top[:, :1]), out, m, chunks, chunks, chunks,
-                                                  R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=True)
+                                                  R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=True, **_pdl(x.device))
         index = out
     return index.view(x.shape[:-1])

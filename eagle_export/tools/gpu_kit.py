@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..errors import EagleExportError
 from ..export.loader import prepare_pair
 from ..export.unrolled import TargetGraph, UnrolledDrafter
@@ -175,20 +176,23 @@ def replay_s(runtime, batch: int, reps: int = 20) -> float | None:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def achieved(moved: int, seconds: float, peak: float | None, copy: float, key: str = "") -> dict:
+    """A step that reads `moved` bytes in `seconds`: its ms, achieved GB/s, and share of the card's peak
+    (None where not known) and of the measured copy, each name prefixed with `key`."""
+    rate = moved / seconds
+    return {f"{key}step_ms": round(1e3 * seconds, 3), f"{key}achieved_gb_s": float(f"{rate / 1e9:.4g}"),
+            f"{key}share_of_peak": None if peak is None else float(f"{rate / peak:.3g}"),
+            f"{key}share_of_copy": float(f"{rate / copy:.3g}")}  # a tiny CPU model's share is small
+
+
 def bandwidth(runtime, batch: int, peak: float | None, copy: float) -> dict:
     """The plain step's achieved bandwidth at `batch`: step_bytes / the measured T = 1 verify call
     (what a call costs the runtime: host work and the ids' read included), and with CUDA graphs
     step_bytes / the graph's device time alone (what the kernels reach)."""
     moved = step_bytes(runtime, batch)
-
-    def share(seconds, key=""):
-        achieved = moved / seconds
-        return {f"{key}step_ms": round(1e3 * seconds, 3), f"{key}achieved_gb_s": float(f"{achieved / 1e9:.4g}"),
-                f"{key}share_of_peak": None if peak is None else float(f"{achieved / peak:.3g}"),
-                f"{key}share_of_copy": float(f"{achieved / copy:.3g}")}  # a tiny CPU model's share is small
-
     device = replay_s(runtime, batch)
-    return {"bytes_per_step": moved, **share(runtime.costs.verify(batch, 1)), **(share(device, "device_") if device else {})}
+    return {"bytes_per_step": moved, **achieved(moved, runtime.costs.verify(batch, 1), peak, copy),
+            **(achieved(moved, device, peak, copy, "device_") if device else {})}
 
 
 def drafter_config(target: dict) -> dict:
@@ -451,6 +455,10 @@ def run_kit(shapes: list[str], report: Path, plot: Path | None, budget_s: float,
               "dtype": str(dtype).removeprefix("torch."), "depth": DEPTH, "exact": exact, "shapes": {},
               "note": "random weights; sweep rows are SYNTHETIC acceptance (the real drafter runs, its drafts "
                       "are replaced)"}
+    if exact:  # how the kernels launch here: the reductions over programs, programmatic dependent launch
+        result["kernels"] = kernels.ops().launch_path(torch.device(device))
+        echo(f"  exact kernels: reductions {result['kernels']['reductions']}, programmatic dependent launch "
+             f"{'on' if result['kernels']['pdl'] else 'off'}")
     start = time.perf_counter()
 
     def step(name, record, fn):
