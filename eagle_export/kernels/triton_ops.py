@@ -80,6 +80,12 @@ TTIR and PTX); its speed is measured only on a GPU (scripts/gpu_probe.py pdl). `
 (EAGLE_EXPORT_NO_PDL=1) launches plainly: the probe's A/B, and scripts/gpu_exact.sh's fallback when
 the native tests fail with PDL.
 
+FMA contraction is chosen per launch, not left to Triton's default (on through Triton 3.9, off from
+3.10): on in linear, rms_norm, silu_mul, argmax and _sum_splits (as every GPU run so far measured them: an
+RMSNorm's sum of squares contracts), off in rope and attention (torch's roundings, each product then the
+sum). Either way a row's arithmetic is the same at every width; pinned, it is also the same under every
+Triton.
+
 Under TRITON_INTERPRET=1 (the CPU interpreter, CI) tl.dot's operands are upcast to fp32 first: the
 interpreter's bf16 dot is wrong (DESIGN.md, "Width invariance"); on a GPU bf16/fp16 run on tensor
 cores with fp32 accumulation, fp32 in IEEE precision (no TF32).
@@ -415,11 +421,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         res.stride(0), norm[1] if norm is not None else 0.0, NORM=norm is not None, HAS_GAIN=gain is not None,
         GATED=up is not None, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32, SPLIT=split, FUSED=fused, BM=bm,
         BN=bn, BK=bk, NB=NORM_BLOCK, PF_LINES=_prefetch_lines(bk, stages, weight) if pdl["PDL"] else 0,
-        PF_STEP=128 // weight.element_size(), num_warps=warps, num_stages=stages, **flags, **pdl)
+        PF_STEP=128 // weight.element_size(), num_warps=warps, num_stages=stages, enable_fp_fusion=True, **flags, **pdl)
     if split > 1 and not fused:
         block = 1024 if not INTERPRETED else 4096
         _sum_splits_kernel[(m, triton.cdiv(n, block))](part, bias, res, y, m, n, y.stride(0), res.stride(0),
-                                                         SPLIT=split, BLOCK=block, **flags, **pdl)
+                                                         SPLIT=split, BLOCK=block, enable_fp_fusion=True, **flags, **pdl)
     return y.view(*x.shape[:-1], n)
 
 
@@ -450,7 +456,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], ROWS),)](
         rows, weight if weight is not None else rows, y, rows.shape[0], h, rows.stride(0), y.stride(0), eps,
-        HAS_WEIGHT=weight is not None, RNE=INTERPRETED, R=ROWS, NB=NORM_BLOCK, **_pdl(x.device))
+        HAS_WEIGHT=weight is not None, RNE=INTERPRETED, R=ROWS, NB=NORM_BLOCK, enable_fp_fusion=True,
+        **_pdl(x.device))
     return y.view(x.shape)
 
 
@@ -477,7 +484,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(triton.cdiv(g.shape[0], ROWS), triton.cdiv(g.shape[1], block))](
         g, u, y, g.shape[0], g.shape[1], g.stride(0), u.stride(0), y.stride(0), RNE=INTERPRETED, R=ROWS, BLOCK=block,
-        **_pdl(g.device))
+        enable_fp_fusion=True, **_pdl(g.device))
     return y.view(gate.shape)
 
 
@@ -736,10 +743,12 @@ def argmax(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     top = torch.empty(m, chunks, dtype=torch.float32, device=x.device)
     index = torch.empty(m, chunks, dtype=torch.int64, device=x.device)
     _argmax_kernel[(triton.cdiv(m, ROWS), chunks)](rows, rows, top, index, m, v, rows.stride(0), chunk,
-                                                   R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=False, **_pdl(x.device))
+                                                   R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=False, enable_fp_fusion=True,
+                                                   **_pdl(x.device))
     if chunks > 1:
         out = torch.empty(m, 1, dtype=torch.int64, device=x.device)
         _argmax_kernel[(triton.cdiv(m, ROWS), 1)](top, index, torch.empty_like(top[:, :1]), out, m, chunks, chunks, chunks,
-                                                  R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=True, **_pdl(x.device))
+                                                  R=ROWS, BLOCK=ARGMAX_BLOCK, MAPPED=True, enable_fp_fusion=True,
+                                                  **_pdl(x.device))
         index = out
     return index.view(x.shape[:-1])
