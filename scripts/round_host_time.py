@@ -77,19 +77,50 @@ def package_at(rev: str, into: Path) -> str:
 class Clock:
     """The seconds a round spends outside the graphs: replays (the capture stand-in's), eager graph calls and
     synthetic drafts are summed as they run (the profiler, if any, paused over them); each round's start
-    marks (now, those sums, its kind)."""
+    marks (now, those sums, its kind). Recording (`tape` a list): each replay's outputs and each eager
+    call's are kept in order; playing (`playing`): a replay copies the next recorded outputs into its
+    static outputs and an eager call returns them, instead of running the model (see the module)."""
 
     def __init__(self):
         self.excluded, self.replays, self.eager, self.marks = 0.0, 0, 0, []
         self.profiler, self.profiling = None, False  # (profiling: the profiler is on, outside the excluded calls)
+        self.tape, self.playing, self.at = None, False, 0
 
     def capture(self, fn, inputs, warmup=None):
         replay, outputs = replay_eagerly(fn, inputs, warmup)
 
         def timed():
             self.replays += 1
-            self.timed(replay)
+            self.timed(self._replayed, replay, outputs)
         return timed, outputs
+
+    def eager_call(self, graph):
+        def call(*inputs):
+            self.eager += 1
+            return self.timed(self._called, graph, inputs)
+        return call
+
+    def _replayed(self, replay, outputs):
+        if self.playing:
+            with torch.inference_mode():  # (a static output may be an inference tensor: the target's)
+                for static, saved in zip(outputs, self._next()):
+                    static.copy_(saved)
+            return
+        replay()
+        if self.tape is not None:
+            self.tape.append([t.clone() for t in outputs])
+
+    def _called(self, graph, inputs):
+        if self.playing:
+            return tuple(t.clone() for t in self._next())
+        out = graph(*inputs)
+        if self.tape is not None:
+            self.tape.append([t.clone() for t in out])
+        return out
+
+    def _next(self):
+        self.at += 1
+        return self.tape[self.at - 1]
 
     def timed(self, call, *args):
         if self.profiling:
@@ -100,12 +131,6 @@ class Clock:
         if self.profiling:
             self.profiler.enable()
         return out
-
-    def eager_call(self, graph):
-        def call(*inputs):
-            self.eager += 1
-            return self.timed(graph, *inputs)
-        return call
 
     def profile(self, on: bool):
         if self.profiler is not None and on != self.profiling:
@@ -157,10 +182,11 @@ def setup(package: str, tmp: Path, depth: int, clock: Clock, batches):
     return runtime, config, streams
 
 
-def run_cell(runtime, clock, config, prompts, drafts, cell, profile=False):
-    """One run of a cell -> its rounds (drafted, host s, replays, eager calls) and its tokens."""
+def run_cell(runtime, clock, config, prompts, drafts, cell, tape=None, play=False, profile=False):
+    """One run of a cell -> its rounds (drafted, host s, replays, eager calls) and its tokens; recording its
+    graphs' outputs into `tape`, or (`play`) playing them back from it (each consumed)."""
     _, policy, acceptance = cell
-    clock.marks = []
+    clock.marks, clock.tape, clock.playing, clock.at = [], tape, play, 0
     runtime.profiling = profile
     if policy is None:
         results = runtime.generate(prompts, config, speculative=False)
@@ -169,6 +195,9 @@ def run_cell(runtime, clock, config, prompts, drafts, cell, profile=False):
         results = runtime.generate(prompts, config, verify_policy=policy, synthetic=drafts[acceptance])
     clock.profile(False)
     clock.mark(None)
+    if play and clock.at != len(tape):
+        raise RuntimeError(f"the played run made {clock.at} graph calls, the recorded one {len(tape)}")
+    clock.tape, clock.playing = None, False
     return clock.rounds(), [r.tokens for r in results]
 
 
@@ -185,6 +214,8 @@ def main():
     parser.add_argument("--against", help="a commit whose package runs the same cells in turn with the working tree's")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the working tree's timed rounds")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--eager", action="store_true",
+                        help="time rounds whose replays run the model (not played back from a recording)")
     args = parser.parse_args()
     TOKENS = args.tokens
     torch.set_grad_enabled(False)
@@ -197,32 +228,45 @@ def main():
         for key, package in packages.items():
             clock = Clock()
             sides[key] = clock, *setup(package, tmp / key, args.depth, clock, args.batch)
-        # warm: every cell once (the graphs of every shape captured; nothing timed)
-        tokens = {}
+        # warm: every cell once (the graphs of every shape captured), then recorded (nothing timed)
+        tokens, tapes = {}, {}
         for key, (clock, runtime, config, streams) in sides.items():
             for batch in args.batch:
                 for cell in CELLS:
-                    tokens[key, batch, cell] = run_cell(runtime, clock, config, *streams[batch], cell)[1]
+                    run_cell(runtime, clock, config, *streams[batch], cell)
+                    tapes[key, batch, cell] = []
+                    tokens[key, batch, cell] = run_cell(runtime, clock, config, *streams[batch], cell,
+                                                        tapes[key, batch, cell])[1]
         if args.against:
             differ = [f"batch {b} {c[0]} {c[2]}" for (k, b, c) in tokens if k == "new" and tokens["old", b, c] != tokens[k, b, c]]
             print("tokens: " + ("identical, old and new, in every cell" if not differ else "DIFFER in " + ", ".join(differ)))
+
+        def timed_run(key, batch, cell, profile=False):
+            clock, runtime, config, streams = sides[key]
+            rounds, got = run_cell(runtime, clock, config, *streams[batch], cell,
+                                   None if args.eager else tapes[key, batch, cell], play=not args.eager,
+                                   profile=profile)
+            if got != tokens[key, batch, cell]:
+                raise RuntimeError(f"batch {batch} {cell}: a timed run's tokens are not the recorded run's")
+            return rounds
+
         got = {(key, batch, cell): [] for key in sides for batch in args.batch for cell in CELLS}
         for _ in range(args.repeat):
             for batch in args.batch:
                 for cell in CELLS:
-                    for key, (clock, runtime, config, streams) in sides.items():
-                        got[key, batch, cell].append(run_cell(runtime, clock, config, *streams[batch], cell)[0])
+                    for key in sides:
+                        got[key, batch, cell].append(timed_run(key, batch, cell))
         profile = None
         if args.profile:
-            clock, runtime, config, streams = sides["new"]
-            clock.profiler = profile = cProfile.Profile()
+            sides["new"][0].profiler = profile = cProfile.Profile()
             for _ in range(args.repeat):
                 for batch in args.batch:
                     for cell in CELLS:
-                        run_cell(runtime, clock, config, *streams[batch], cell, profile=True)
-            clock.profiler = None
+                        timed_run("new", batch, cell, profile=True)
+            sides["new"][0].profiler = None
 
-    print(f"tiny qwen2 pair, torch CPU, graphs captured by an eager stand-in, K={args.depth}, {args.tokens} tokens, "
+    how = "replays that run the model (--eager)" if args.eager else "replays played back from a recorded run"
+    print(f"tiny qwen2 pair, torch CPU, graphs captured by a stand-in, {how}, K={args.depth}, {args.tokens} tokens, "
           f"H200 bf16 costs; host us per round (wall less replays, eager calls, synthetic drafts): median of "
           f"{args.repeat} runs (each the median of its rounds) [min-max of the runs]; replays a round beside it "
           "(a GPU adds ~5-15 us of launch each)")
