@@ -235,17 +235,23 @@ class DeviceRounds:
         waits for the drafter's work, and is timed as the drafter's (as the general round's read of its
         drafts is). Its few ops are replayed from a graph of their own over the drafts' buffer and the
         probabilities a drafter call of at most K+1 rows outputs (`replayed`: the same static tensors every
-        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in)
-        and over synthetic drafts (on the host already)."""
+        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in).
+        Synthetic drafts and their probabilities (the host's) are copied into the round's buffers and read
+        through the same graph over those (the products are elementwise: the same bits on the host and the
+        device; eagerly, the read is a dozen torch calls of host time a round)."""
+        buffers = state.buffers
         if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
             nodes, probs = self._synthetic(state, *state.chain_depths)
-            state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
+            buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
+            if not state.whole_tree:
+                buffers.probs.copy_(probs.to(self.device, non_blocking=True))
+            nodes, probs, replayed = buffers.drafts, buffers.probs, True
         else:  # (the drafter call wrote its drafts there: `_RoundBuffers.into`)
-            nodes, probs = state.buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
+            nodes, probs = buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
         if state.whole_tree:
             return self.depth
         start = time.perf_counter()
-        if replayed and state.synthetic is None:
+        if replayed:
             read = self._replayed(self._read_graphs, _drafts_read, {"nodes": nodes, "token_probs": probs}).tolist()
         else:
             read = _drafts_read(nodes, probs).tolist()
@@ -332,6 +338,7 @@ class _RoundBuffers:
         self.aux_dtype = aux_dtype  # (aux's, kept: a tensor's dtype is a torch call, in every drafted round)
         self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
+        self.probs = torch.zeros(batch, depth, device=device)  # synthetic drafts' probabilities (`_chosen`)
         self.into = ((C.DRAFT_IDS, self.drafts),)  # a drafter call's drafts, written here (`Backend.drafter`)
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
         # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
