@@ -1,15 +1,22 @@
 """Host time of a device round with its graphs captured: the CPU's estimate of a GPU round's host time.
 
 The device round (`runtime/device_round.py`) as it runs with CUDA graphs, on the CPU: the torch backend's
-graphs and the round's bookkeeping captured through a stand-in that replays eagerly (the tests'
-`replay_eagerly`) and times each replay; a call the backend runs eagerly (a drafter call catching up over
-more than K+1 rows) and the synthetic drafts' making (a measurement tool's work) are timed too. A round's
-host time is the wall time from its start to the next round's start (the round loop's Python between
-them included: should_draft, the live mask's test, the emitted events' consumer) less its replays',
-eager calls' and synthetic drafts' time: the Python of the round (emitting tokens, stop checks,
-statistics, timings, the policy) and its torch calls outside the graphs (the read, the live mask, the
-views and attribute reads). The read waits for nothing here (the replays ran already): on a GPU its wait
-is the graphs' work, not host time.
+graphs and the round's bookkeeping captured through a stand-in (the tests' `replay_eagerly`) whose every
+replay is timed; a call the backend runs eagerly (the prefill, a drafter call catching up over more than
+K+1 rows) and the synthetic drafts' making (a measurement tool's work) are timed too. A round's host time
+is the wall time from its start to the next round's start (the round loop's Python between them
+included: should_draft, the loop's test, the emitted events' consumer) less its replays', eager calls'
+and synthetic drafts' time: the Python of the round (emitting tokens, stop checks, statistics, timings,
+the policy) and its torch calls outside the graphs (the read, copies, views). The read waits for nothing
+here (the replays ran already): on a GPU its wait is the graphs' work, not host time.
+
+Played back, not re-run: each cell is run once with replays that run the model (recording every replay's
+outputs and every eager call's), then timed with replays that copy the recorded outputs into the graphs'
+static outputs (and eager calls that return theirs): the same outputs in the same order, so the same
+tokens (checked every run), statistics and policy decisions, while the host's caches stay the host
+code's, as beside a GPU, whose replay is one launch. Replays that run the tiny model between the host's
+steps evict its code and data from the CPU's caches and cost the host's work ~4x (a plain step's 45
+against 220 us at batch 1 here): --eager times that way.
 
 A tiny random-weight pair (the tests' qwen2 target and EAGLE-3.1 drafter, as scripts/k0_round_host_time.py),
 K = --depth (4, the 8B kit's), greedy, the H200 bf16 cost curves for the goodput policy; at batch 1 and 4:
@@ -18,18 +25,16 @@ EAGLE-3), goodput at acceptance 0 (its k = 0 rounds against the plain step). Eac
 times, the cells interleaved (a change of load touches every cell alike); a figure is the median over one
 run's rounds of a kind (drafted, k = 0), then the median over the runs, and [min-max] of the runs'
 medians. Each kind's replays a round are printed beside it: a GPU launches a replay in ~5-15 us, which
-the stand-in's figure does not hold (add replays x launch to compare with the GPU). This VM's cores are
-slower than a GPU host's: the figure over-estimates the GPU host's Python, under-estimates nothing else.
+the figure does not hold (add replays x launch to compare with a GPU). This VM's cores are slower than a
+GPU host's: the figure is the CPU's estimate of the GPU round's host time, not a GPU measurement.
 
---against REV: the same cells with REV's package (loaded beside the working tree's under another name)
-in turn with the working tree's, in one run. --profile: the top entries of a cProfile over the timed
-rounds of the working tree (replays, eager calls, synthetic drafts excluded), so the hot spots are named.
-Synthetic drafts are the host's: the drafts are copied to the device and goodput's read of them runs
-eagerly (`DeviceRounds._chosen`), where a real drafter's are written by its graph and read by a replay
-(both in the figure: a few calls more than a real drafted goodput round).
+--against REV: the same cells with REV's package (extracted and imported beside the working tree's under
+another name: its imports are relative) in turn with the working tree's, in one run, and whether their
+tokens are identical. --profile: the top entries of a cProfile over the working tree's timed rounds
+(replays, eager calls, synthetic drafts excluded), so the hot spots are named.
 
 Run: PYTHONPATH=. python scripts/round_host_time.py [--tokens 128] [--repeat 5] [--batch 1 4] [--depth 4]
-     [--against REV] [--profile [--top 30]]
+     [--against REV] [--profile [--top 30]] [--eager]
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class Clock:
                 for (t0, x0, r0, e0, d), (t1, x1, r1, e1, _) in zip(self.marks, self.marks[1:])]
 
 
-def setup(package: str, tmp: Path, depth: int, clock: Clock, batches):
+def setup(package: str, tmp: Path, depth: int, tokens: int, clock: Clock, batches):
     """A runtime of `package` over the tiny pair, its graphs captured through `clock`, and each batch size's
     prompts and synthetic drafts (made before any timing: they run the runtime)."""
     mod = lambda name: importlib.import_module(f"{package}.{name}")  # noqa: E731
@@ -171,7 +176,7 @@ def setup(package: str, tmp: Path, depth: int, clock: Clock, batches):
 
     runtime = Timed.for_models(backend, target, drafter, max_context=512, costs=replay.recorded_costs("H200 bf16"))
     runtime.profiling = False
-    config = runtime_mod.GenerationConfig(max_new_tokens=TOKENS)
+    config = runtime_mod.GenerationConfig(max_new_tokens=tokens)
     streams = {}
     for batch in batches:
         prompts = [[1 + (7 * i + j) % 300 for j in range(12)] for i in range(batch)]
@@ -201,13 +206,9 @@ def run_cell(runtime, clock, config, prompts, drafts, cell, tape=None, play=Fals
     return clock.rounds(), [r.tokens for r in results]
 
 
-TOKENS = 128
-
-
 def main():
-    global TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=TOKENS)
+    parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--depth", type=int, default=4)
@@ -217,7 +218,6 @@ def main():
     parser.add_argument("--eager", action="store_true",
                         help="time rounds whose replays run the model (not played back from a recording)")
     args = parser.parse_args()
-    TOKENS = args.tokens
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -227,7 +227,7 @@ def main():
         sides = {}
         for key, package in packages.items():
             clock = Clock()
-            sides[key] = clock, *setup(package, tmp / key, args.depth, clock, args.batch)
+            sides[key] = clock, *setup(package, tmp / key, args.depth, args.tokens, clock, args.batch)
         # warm: every cell once (the graphs of every shape captured), then recorded (nothing timed)
         tokens, tapes = {}, {}
         for key, (clock, runtime, config, streams) in sides.items():
