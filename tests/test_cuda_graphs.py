@@ -20,13 +20,16 @@ def replay_eagerly(fn, inputs, warmup=None):
     """A stand-in for a CUDA graph on CPU: static inputs and outputs as captured, a replay that
     recomputes from the static inputs and copies into the outputs the capture returned (an output that
     is one of the inputs is that tensor, as in a CUDA graph). As a CUDA capture records without running,
-    the outputs are made by a warm-up call (on `warmup`, if given)."""
+    the outputs are made by a warm-up call (on `warmup`, if given). A replay records nothing for autograd,
+    as a CUDA graph's: it runs in inference mode (its static outputs may be inference tensors, made by a
+    capture in inference mode, and a steady-state call replays outside it: `TorchBackend._run`)."""
     outputs = tuple(fn(*(inputs if warmup is None else warmup)))
 
     def replay():
-        for static, fresh in zip(outputs, fn(*inputs)):
-            if static is not fresh:
-                static.copy_(fresh)
+        with torch.inference_mode():
+            for static, fresh in zip(outputs, fn(*inputs)):
+                if static is not fresh:
+                    static.copy_(fresh)
     return replay, outputs
 
 

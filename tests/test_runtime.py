@@ -684,8 +684,9 @@ def test_a_goodput_round_without_drafts_makes_the_torch_calls_of_a_plain_step(ta
     """issue 44: a k = 0 round costs what a plain step costs. Counted in torch calls (each one host time,
     a GPU's included; the target call's own are the same in both) on the general round (trees and
     sampling take it; the device round's are counted in tests/test_runtime_device_round.py): a goodput
-    round that calls no drafter makes at most those of a plain decoding step plus keeping the drafter's
-    next row (the token and the aux state: a handful of calls). Greedy output stays the target's.
+    round that calls no drafter makes at most those of a plain decoding step (the device round's) plus
+    keeping the drafter's next row (the token and the aux state) and moving its call's inputs to the device
+    (`_to`): a few dozen calls. Greedy output stays the target's.
     Planted: the k = 0 round through the tree's path (its mask, acceptance over no drafts, the path's
     gathers), as it was."""
     from eagle_export.runtime.replay import recorded_costs
@@ -705,7 +706,8 @@ def test_a_goodput_round_without_drafts_makes_the_torch_calls_of_a_plain_step(ta
         assert result.tokens == target.generate_greedy(prompt, 24)
         counts[speculative] = [n for drafted, n in runtime.rounds if not drafted]
     # (medians: a round that grows the caches makes more, in either stream; on the tiny pair a plain step
-    # makes ~1100, the kept row ~9 more, the tree's path ~50 more)
+    # makes ~1100, the kept row ~9 more, the general round's target call ~7 more: its inputs moved to the
+    # device, `_to`, where the device round's feeds are bound once per width; the tree's path ~50 more)
     plain, k0 = statistics.median(counts[False]), statistics.median(counts[True])
     assert len(counts[True]) > 16  # at acceptance 0 goodput settles on k = 0 rounds
-    assert (k0 > plain + 16) if planted else (k0 <= plain + 16), (k0, plain)
+    assert (k0 > plain + 24) if planted else (k0 <= plain + 24), (k0, plain)

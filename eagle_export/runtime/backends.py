@@ -243,6 +243,7 @@ class TorchBackend(Backend):
         self.graphs.update({sampling: (graph, C.drafter_graph(graph.drafter.config, graph.tree, sampling))
                             for sampling, graph in ((False, drafter_graph), (True, drafter_sampling_graph))
                             if graph is not None})
+        self._output_names = {key: spec.output_names for key, (_, spec) in self.graphs.items()}  # (a property: a list)
         self.cuda_graphs = cuda_graphs
         self.captured = {}  # graph key (None: target, False/True: drafter) -> ShapeGraphs
         self.capture = None  # what captures a graph (the runtime captures its round's bookkeeping with it too)
@@ -258,16 +259,23 @@ class TorchBackend(Backend):
     CACHES = (C.PAST_KEY, C.PAST_VALUE)  # bound in every call: the runtime's static caches (see `Backend.target`)
 
     def _run(self, key, feeds, bound, into=()):
-        graph, spec = self.graphs[key]
-        if key in self.captured and feeds[C.INPUT_IDS].shape[1] <= self.depth + 1:
-            return dict(zip(spec.output_names, self.captured[key](feeds, bound, into)))
-        return write_into(dict(zip(spec.output_names, graph(*[feeds[name] for name in spec.input_names]))), into)
+        """A call: a recent quiet one (a device round's steady state, `ShapeGraphs.quiet`) is its replay alone,
+        without inference mode (a replay records nothing for autograd) or a look at its shapes; any other
+        runs in inference mode, replayed (a call of at most K+1 tokens: captured on its first) or eagerly."""
+        names = self._output_names[key]
+        if key in self.captured:
+            outputs = self.captured[key].quiet(feeds, bound, into)
+            if outputs is not None:
+                return dict(zip(names, outputs))
+        with torch.inference_mode():
+            if key in self.captured and feeds[C.INPUT_IDS].shape[1] <= self.depth + 1:
+                return dict(zip(names, self.captured[key](feeds, bound, into)))
+            graph, spec = self.graphs[key]
+            return write_into(dict(zip(names, graph(*[feeds[name] for name in spec.input_names]))), into)
 
-    @torch.inference_mode()
     def target(self, feeds, need_logits=False, bound=()):
         return self._run(None, feeds, bound)
 
-    @torch.inference_mode()
     def drafter(self, feeds, sampling=False, bound=(), into=()):
         return self._run(sampling, feeds, bound, into)
 

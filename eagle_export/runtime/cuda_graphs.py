@@ -110,12 +110,17 @@ class ShapeGraphs:
         them). The same tensors as one of the last RECENT calls' with the same names bound and the same
         `into` (a device round's buffers and views, the caches: the same few sets of tensors at every
         width a stream alternates between) are known to have its key: every torch call here, a tensor's
-        shape or address included, is host time in every round."""
+        shape or address included, is host time in every round. Where such a call's inputs are all bound and
+        each the very tensor its graph was captured over, and its destinations the captured ones (`quiet`:
+        a device round's steady state), there is nothing to copy in or out: the call is the replay alone."""
+        outputs = self.quiet(feeds, bound, into)
+        if outputs is not None:
+            return outputs
         given = [feeds[name] for name in self.input_names]
         ids = (bound, id(into), *map(id, given))
         recent = self._recent.get(ids)
         if recent is not None:
-            (inputs, replay, outputs, dests), refs = recent[2:]
+            (inputs, replay, outputs, dests), refs = recent[2:4]
         else:
             names = set(self.bound) | set(bound)
             if not names <= set(self.input_names):
@@ -132,15 +137,30 @@ class ShapeGraphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key, given, refs, into)
             inputs, replay, outputs, dests = self.graphs[key]
+            quiet = (all(ref and static is tensor for static, tensor, ref in zip(inputs, given, refs))
+                     and all(static is dest for static, (_, dest) in zip(dests, into)))
             if len(self._recent) >= RECENT:  # (the oldest goes: an eager call's fresh outputs are seen once)
                 del self._recent[next(iter(self._recent))]
-            self._recent[ids] = (given, into, self.graphs[key], refs)  # (holding them keeps their ids unique)
+            self._recent[ids] = (given, into, self.graphs[key], refs, quiet)  # (holding them keeps their ids unique)
         self._feed(inputs, given, refs)
         replay()
         for static, (_, dest) in zip(dests, into):  # (a destination other than the captured one: copied out)
             if static is not dest and static.data_ptr() != dest.data_ptr():
                 dest.copy_(static)
                 self.copied_bound += 1
+        return outputs
+
+    def quiet(self, feeds: dict[str, torch.Tensor], bound: tuple[str, ...] = (),
+              into: tuple[tuple[str, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, ...] | None:
+        """The call `__call__` would make of a recent quiet call's very tensors (see there): replayed -> its
+        outputs; None for any other call (which `__call__` serves), untouched. A caller that decides by
+        the inputs' shapes whether to replay at all (`TorchBackend._run`) asks this first: a call known
+        quiet was replayed before, so it is one to replay, and its shapes need not be read."""
+        recent = self._recent.get((bound, id(into), *[id(feeds[name]) for name in self.input_names]))
+        if recent is None or not recent[4]:
+            return None
+        replay, outputs = recent[2][1:3]
+        replay()
         return outputs
 
     def _feed(self, inputs, given, refs) -> None:

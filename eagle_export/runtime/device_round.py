@@ -125,7 +125,7 @@ class DeviceRounds:
         for the next drafter call, which catches up on all of them (`_device_draft`). The policy is told
         what the general round tells it: j, the accepted counts and the tokens emitted, from the read."""
         start = time.perf_counter()
-        b, alive = len(state.prompts), live.tolist()
+        b, alive = len(state.prompts), state.alive if live is state.active else live.tolist()
         buffers, pending = state.buffers, state.pending
         defer = self._defers_rows(state, policy, drafted)
         if buffers.deferred and (not defer or alive != buffers.alive):
@@ -145,9 +145,15 @@ class DeviceRounds:
                 buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
             if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
                 buffers.adopt(pending)
-        ids, positions = buffers.views[j + 1]
-        out = self._target(state, ids, positions, buffers.lens, self._chain_mask(b, ids.shape[1]), False, read=False,
-                           bound=TARGET_BOUND)
+        feeds = state.target_feeds.get(j + 1)
+        if feeds is None or feeds[C.PAST_KEY] is not state.target_k:  # (made once per width and cache view)
+            ids, positions = buffers.views[j + 1]
+            feeds = state.target_feeds[j + 1] = {
+                C.INPUT_IDS: ids, C.POSITIONS: positions, C.PAST_KEY: state.target_k, C.PAST_VALUE: state.target_v,
+                C.CACHE_LENS: buffers.lens, C.TREE_MASK: self._chain_mask(b, j + 1)}
+        call = time.perf_counter()
+        out = self.backend.target(feeds, need_logits=False, bound=TARGET_BOUND)
+        self.timings.verify += time.perf_counter() - call
         if learn is not None and not drafted:  # (while the target runs: before the round's read)
             learn()
         settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
@@ -205,7 +211,7 @@ class DeviceRounds:
         ids, aux = buffers.drafter_rows(width)
         if width != self.depth + 1:  # (a catch-up; or growing caches, whose rows are not padded to K+1)
             torch.clamp(buffers.count, 1, width, out=buffers.num_valid)
-        same = aux.dtype == self.backend.drafter_dtype  # (else converted: a new tensor every call, not bound)
+        same = buffers.aux_dtype == self.backend.drafter_dtype  # (else converted: a new tensor every call, not bound)
         feeds = {C.INPUT_IDS: ids, C.AUX_HIDDEN: aux if same else aux.to(self.backend.drafter_dtype),
                  C.NUM_VALID: buffers.num_valid, C.PAST_KEY: state.draft_k, C.PAST_VALUE: state.draft_v,
                  C.CACHE_LENS: buffers.draft_lens}
@@ -229,18 +235,23 @@ class DeviceRounds:
         waits for the drafter's work, and is timed as the drafter's (as the general round's read of its
         drafts is). Its few ops are replayed from a graph of their own over the drafts' buffer and the
         probabilities a drafter call of at most K+1 rows outputs (`replayed`: the same static tensors every
-        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in)
-        and over synthetic drafts (on the host already)."""
+        round), eagerly after a wider call (the first, a catch-up: fresh tensors a graph would copy in).
+        Synthetic drafts and their probabilities (the host's) are copied into the round's buffers and read
+        through the same graph over those (the products are elementwise: the same bits on the host and the
+        device; eagerly, the read is a dozen torch calls of host time a round)."""
+        buffers = state.buffers
         if state.synthetic is not None:  # host-made drafts, queued to the device without waiting for it
-            depths = torch.arange(1, self.depth + 1).expand(len(alive), -1)
-            nodes, probs = self._synthetic(state, depths - 2, depths)
-            state.buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
+            nodes, probs = self._synthetic(state, *state.chain_depths)
+            buffers.drafts.copy_(nodes.to(self.device, non_blocking=True))
+            if not state.whole_tree:
+                buffers.probs.copy_(probs.to(self.device, non_blocking=True))
+            nodes, probs, replayed = buffers.drafts, buffers.probs, True
         else:  # (the drafter call wrote its drafts there: `_RoundBuffers.into`)
-            nodes, probs = state.buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
+            nodes, probs = buffers.drafts, out[C.DRAFT_TOKEN_PROBS]
         if state.whole_tree:
             return self.depth
         start = time.perf_counter()
-        if replayed and state.synthetic is None:
+        if replayed:
             read = self._replayed(self._read_graphs, _drafts_read, {"nodes": nodes, "token_probs": probs}).tolist()
         else:
             read = _drafts_read(nodes, probs).tolist()
@@ -324,8 +335,10 @@ class _RoundBuffers:
         self.draft_lens, self.num_valid, self.count = zeros(batch), zeros(batch), zeros(batch)
         self.ids = zeros(batch, 2 * w)
         self.aux = torch.zeros(batch, 2 * w, aux_width, dtype=aux_dtype, device=device)
+        self.aux_dtype = aux_dtype  # (aux's, kept: a tensor's dtype is a torch call, in every drafted round)
         self.room = 2 * w  # P
         self.drafts = self.verify_ids[:, 1:]
+        self.probs = torch.zeros(batch, depth, device=device)  # synthetic drafts' probabilities (`_chosen`)
         self.into = ((C.DRAFT_IDS, self.drafts),)  # a drafter call's drafts, written here (`Backend.drafter`)
         # Views made once (each slicing is a torch call, host time in every round): a verify call's
         # (ids, positions) by its width (a plain step: 1, a drafted round: j+1, K+1 under the fixed policy),
@@ -343,7 +356,7 @@ class _RoundBuffers:
         self.positions.copy_(self.lens.view(-1, 1) + _arange(self.positions.shape[1], self.lens.device))
         self.draft_lens.zero_()
         self.alive, self.adopted, self.deferred = None, False, []
-        self.set_live(state.active.tolist(), state)
+        self.set_live(state.alive, state)
 
     def set_live(self, alive: list[bool], state) -> None:
         """The round's live mask into `live` (a copy on the device, only when it changed)."""

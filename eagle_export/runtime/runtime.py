@@ -191,6 +191,7 @@ class SpeculativeRuntime(DeviceRounds):
             raise EagleExportError("CUDA graphs read the caches they were captured with, so they need static caches",
                                    "leave static_cache unset (or True) with cuda_graphs")
         self._static_caches: dict[int, tuple[torch.Tensor, ...]] = {}  # batch -> caches at max_context
+        self._cache_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (batch, slots) -> their views
         self._streaming: set[int] = set()  # static mode: batch sizes whose caches a stream is using
         self.vocab_size = shapes.vocab_size  # prompt ids must lie below it (None: unknown, not checked)
         self.verify_policy = verify_policy
@@ -240,7 +241,9 @@ class SpeculativeRuntime(DeviceRounds):
             if not self.static_cache:
                 return tuple(caches)
             full = self._static_caches[batch] = tuple(caches)
-        return tuple(c[:, :, :, :slots] for c in full)
+        if (batch, slots) not in self._cache_views:  # (the same views for every stream: a graph call's key)
+            self._cache_views[batch, slots] = tuple(c[:, :, :, :slots] for c in full)
+        return self._cache_views[batch, slots]
 
     def cache_slots(self, needed: int, capacity: int) -> int:
         """How many slots a call's caches show for `needed`: growing mode rounds up to cache_step
@@ -288,7 +291,7 @@ class SpeculativeRuntime(DeviceRounds):
             policy = state.policy
             yield from self._prefill(state)
             last_full_round = state.capacity - self.depth - 1  # the longest sequence a full round fits
-            while state.active.any():
+            while state.live_count:
                 if max(state.host_lens) <= last_full_round:  # every round but the last few: all fit
                     yield from self._round(state, state.active, policy, policy.should_draft(state.active))
                     continue
@@ -305,7 +308,7 @@ class SpeculativeRuntime(DeviceRounds):
         with self._caches_in_use(len(prompts)):
             state = self._start(prompts, config)
             yield from self._prefill(state, draft=False)
-            while state.active.any():
+            while state.live_count:
                 yield from self._round(state, state.active)
             self.timings.total += time.perf_counter() - state.started
 
@@ -418,6 +421,9 @@ class SpeculativeRuntime(DeviceRounds):
             state.draft_lens = torch.zeros_like(state.pending.count)  # beside num_valid (the pending counts)
         state.last_token = first
         if state.device_rounds:  # the round's state moves into the device round's buffers once
+            state.target_feeds = {}  # a device round's target call's feeds by width (`_device_round`)
+            depths = torch.arange(1, self.depth + 1).expand(b, -1)
+            state.chain_depths = depths - 2, depths  # a chain's parents and depths (synthetic drafts)
             state.buffers = self.round_buffers(b)
             state.buffers.start(state.lens, first, state)
             state.lens = state.buffers.lens
@@ -433,7 +439,7 @@ class SpeculativeRuntime(DeviceRounds):
             yield from self._device_round(state, live, policy, drafted)
             return
         start = time.perf_counter()
-        b, alive = len(state.prompts), live.tolist()
+        b, alive = len(state.prompts), state.alive if live is state.active else live.tolist()
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         nodes, parents = state.no_nodes
         j, draft_probs, valid = 0, None, None  # valid None: every node kept is a real one
@@ -642,18 +648,24 @@ class _State:
         k = runtime.depth
         longest = max(len(p) for p in prompts)
         self.capacity = runtime.capacity(prompts, config.max_new_tokens)
-        self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self._slots(longest + k + 1))
+        self.slots = self._slots(longest + k + 1)  # the caches' (see reserve)
+        self.target_k, self.target_v, self.draft_k, self.draft_v = runtime.caches(b, self.slots)
         self.lens = torch.zeros(b, dtype=torch.int64)
         self.host_lens = [0] * b  # lens as the host knows it (from each round's read), for what the host decides
         self.draft_lens = None
         self.pending: _PendingRows | None = None  # drafter rows not yet drafted from (None: no drafter)
         self.synthetic: SyntheticDrafts | None = None  # replaces the drafter's drafts (measurement only)
         self.active = torch.ones(b, dtype=torch.bool)
+        # `active` as the host knows it, for the round loop: a list (never changed in place: a new one when a
+        # sequence finishes, as `active`) and its count (each torch call is host time in every round)
+        self.alive, self.live_count = [True] * b, b
         self.sampling = config.temperature > 0
         self.rng = torch.Generator().manual_seed(config.seed)
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
         self.started = time.perf_counter()
+        self._eos = frozenset(config.eos_ids)  # (emit: a set's membership test, made once)
+        self._context_room = [runtime.max_context - len(p) for p in prompts]  # new tokens the context holds
         self._on_device = {}  # live masks copied to the device, by their values
 
     def on_device(self, alive: list[bool]) -> torch.Tensor:
@@ -670,10 +682,15 @@ class _State:
     def reserve(self, needed: int) -> None:
         """Grow every cache to hold `needed` slots (rounded up to the runtime's cache_step, at most
         capacity). Each graph call reads the whole cache it is given (ONNX Runtime copies it, attention
-        spans it), so caches track the longest sequence instead of being allocated at their final length."""
-        slots = self._slots(needed)
-        if slots <= self.target_k.shape[3]:
+        spans it), so caches track the longest sequence instead of being allocated at their final length.
+        `slots`, the caches' as a Python int: a size `_slots` gave, so needed <= slots needs no growth (the
+        common case, every round: no torch call)."""
+        if needed <= self.slots:
             return
+        slots = self._slots(needed)
+        if slots <= self.slots:
+            return
+        self.slots = slots
         if self.runtime.static_cache:  # wider views of the same memory: nothing to copy
             self.target_k, self.target_v, self.draft_k, self.draft_v = self.runtime.caches(len(self.prompts), slots)
             return
@@ -703,15 +720,24 @@ class _State:
                 stats.draft_calls += drafted
 
     def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
-        """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences."""
+        """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences.
+        A sequence whose tokens stay below both limits and hold no EOS, with no stop strings to test,
+        takes them all (every round's common case, tested first: this loop is host time in every round)."""
         events = []
         cfg = self.config
+        eos, stops = self._eos, cfg.stop_strings and self.runtime.tokenizer is not None
         for b, tokens in enumerate(tokens_per_seq):
             if not live[b]:
                 continue
+            generated = self.generated[b]
+            room = cfg.max_new_tokens - len(generated)
+            context_room = self._context_room[b] - len(generated)
+            if len(tokens) < room and len(tokens) < context_room and eos.isdisjoint(tokens) and not stops:
+                generated.extend(tokens)
+                self.stats[b].new_tokens += len(tokens)
+                events.append(Event(b, tokens))
+                continue
             reason = None
-            room = cfg.max_new_tokens - len(self.generated[b])
-            context_room = self.runtime.max_context - (len(self.prompts[b]) + len(self.generated[b]))
             if context_room <= len(tokens) and context_room < room:
                 tokens, reason = tokens[:context_room], "context"
             if room <= len(tokens):
@@ -729,6 +755,8 @@ class _State:
         if finished:  # a new tensor: the round's `live` may be this one, and must stay what the round began with
             self.active = self.active.clone()
             self.active[finished] = False
+            self.alive = [a and i not in finished for i, a in enumerate(self.alive)]
+            self.live_count = sum(self.alive)
         return events
 
     def _cut_at_stop(self, b, tokens):
