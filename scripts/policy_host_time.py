@@ -68,6 +68,7 @@ class Timed:
 
     def __init__(self, policy, general: bool = False, undeferred: bool = False):
         self.policy, self.verifies_whole_tree, self.undeferred = policy, policy.verifies_whole_tree, undeferred
+        self.live_as_list = getattr(policy, "live_as_list", False)  # (the live mask as the runtime passes it)
         self.rounds, self.decisions = [], []
         if not general and hasattr(policy, "choose_chain"):
             self.choose_chain = self._choose_chain

@@ -45,10 +45,11 @@ issue 44 compares (a k = 0 round against a plain step) on what a GPU pays.
 --against REV: the same cells with REV's package (extracted and imported beside the working tree's under
 another name: its imports are relative) in turn with the working tree's, in one run, and whether their
 tokens are identical. --profile: the top entries of a cProfile over the working tree's timed rounds
-(replays, eager calls, synthetic drafts excluded), so the hot spots are named.
+(replays, eager calls, synthetic drafts excluded), so the hot spots are named (--exposed: over their
+exposed segments alone, what a GPU waits for).
 
 Run: PYTHONPATH=. python scripts/round_host_time.py [--tokens 128] [--repeat 5] [--batch 1 4] [--depth 4]
-     [--against REV] [--profile [--top 30]] [--eager]
+     [--against REV] [--profile [--exposed] [--top 30]] [--eager]
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class Clock:
 
     def __init__(self):
         self.excluded, self.replays, self.eager, self.marks = 0.0, 0, 0, []
-        self.profiler, self.profiling = None, False  # (profiling: the profiler is on, outside the excluded calls)
+        # profiling: the profiler is on, outside the excluded calls (and, `exposed_only`, the hidden segments)
+        self.profiler, self.profiling, self.exposed_only = None, False, False
         self.tape, self.playing, self.at = None, False, 0
         # exposed / hidden host seconds so far: the open segment (since `since`, `excluded` then `since_x`) is
         # exposed after a read (the device idle), hidden after a launch (the device working)
@@ -135,7 +137,7 @@ class Clock:
         start = time.perf_counter()
         self._segment(start, True)
         self.excluded += time.perf_counter() - start
-        if self.profiling:
+        if self.profiling:  # (an exposed segment opens)
             self.profiler.enable()
 
     def _replayed(self, replay, outputs):
@@ -168,13 +170,13 @@ class Clock:
             self._segment(start, False)
         out = call(*args)
         self.excluded += time.perf_counter() - start
-        if self.profiling:
+        if self.profiling and (self.idle or not self.exposed_only):
             self.profiler.enable()
         return out
 
     def profile(self, on: bool):
         if self.profiler is not None and on != self.profiling:
-            (self.profiler.enable if on else self.profiler.disable)()
+            (self.profiler.enable if on and (self.idle or not self.exposed_only) else self.profiler.disable)()
             self.profiling = on
 
     def mark(self, drafted):
@@ -270,6 +272,7 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--against", help="a commit whose package runs the same cells in turn with the working tree's")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the working tree's timed rounds")
+    parser.add_argument("--exposed", action="store_true", help="with --profile: of their exposed segments only")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--eager", action="store_true",
                         help="time rounds whose replays run the model (not played back from a recording)")
@@ -315,6 +318,7 @@ def main():
         profile = None
         if args.profile:
             sides["new"][0].profiler = profile = cProfile.Profile()
+            sides["new"][0].exposed_only = args.exposed
             for _ in range(args.repeat):
                 for batch in args.batch:
                     for cell in CELLS:

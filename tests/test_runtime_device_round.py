@@ -730,8 +730,9 @@ class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly
 # caches' and buffers' addresses in `ShapeGraphs._feed`: a quiet call is its replay alone, `ShapeGraphs.quiet`).
 CALLS_PER_DRAFTED_ROUND = 4
 # Measured: what a drafted goodput round adds to a fixed one: the replay and the read of its drafts for
-# the choice (`_chosen`), the live mask the policy reads itself (its accepted counts are the read's list).
-GOODPUT_EXTRA_CALLS = 3
+# the choice (`_chosen`). Was 3 before the policy took the live mask as the state's list (`live_as_list`:
+# it read it from the tensor in observe).
+GOODPUT_EXTRA_CALLS = 2
 
 
 def _first_capture_binds(monkeypatch):
@@ -934,8 +935,8 @@ class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general 
 def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
     """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
     (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
-    replay and read of its drafts for the choice, from the verify call's ids, the live mask the policy reads
-    itself; 7 against 4 at batch 1, 18 against 15 before the calls of `CALLS_PER_DRAFTED_ROUND` went, 248 on
+    replay and read of its drafts for the choice, from the verify call's ids; 6 against 4 at batch 1 (7 while
+    the policy read the live mask itself), 18 against 15 before the calls of `CALLS_PER_DRAFTED_ROUND` went, 248 on
     the general round); a k = 0 round (the confidence profile) a plain decoding step's (3: 2 replays, the read).
     Medians over the rounds that captured nothing. Planted: goodput on the general round."""
     target, drafter = pair

@@ -175,7 +175,7 @@ class DeviceRounds:
             state.record(alive, counts, [j] * b, j + 1, drafted)
         events = state.emit(emitted, alive)
         if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
-            policy.observe(j, counts, live, drafted, emitted)
+            policy.observe(j, counts, alive if state.live_as_list else live, drafted, emitted)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
@@ -256,9 +256,8 @@ class DeviceRounds:
         else:
             read = _drafts_read(nodes, probs).tolist()
         self.timings.draft += time.perf_counter() - start
-        k = self.depth
-        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths,
-                                   [[int(t) for t in row[k:]] for row in read])
+        k = self.depth  # (the drafts' ids as read, floats holding them exactly: `choose_chain`)
+        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths, [row[k:] for row in read])
 
     def _settle(self, state, out, drafter_rows, keep_rows: bool = True) -> torch.Tensor:
         """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]
