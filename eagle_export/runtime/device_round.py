@@ -136,15 +136,8 @@ class DeviceRounds:
         learn = state.learn if policy is not None else None  # the policy's learning from the last round
         if drafted:
             out, drafter_rows = self._device_draft(state, alive)
-            if learn is not None:  # (while the drafter runs: before the read of its drafts)
-                learn()
+            self._after_launch(state, learn)  # (while the drafter runs: before the read of its drafts)
             j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
-        elif pending is not None:
-            if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
-                # (K+1 rows at most) finds it not live, for that append's padding past its count
-                buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
-            if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
-                buffers.adopt(pending)
         feeds = state.target_feeds.get(j + 1)
         if feeds is None or feeds[C.PAST_KEY] is not state.target_k:  # (made once per width and cache view)
             ids, positions = buffers.views[j + 1]
@@ -154,8 +147,14 @@ class DeviceRounds:
         call = time.perf_counter()
         out = self.backend.target(feeds, need_logits=False, bound=TARGET_BOUND)
         self.timings.verify += time.perf_counter() - call
-        if learn is not None and not drafted:  # (while the target runs: before the round's read)
-            learn()
+        if not drafted:  # (while the target runs: before the round's read)
+            if pending is not None:  # (the pending rows: the bookkeeping's, not the target's)
+                if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's
+                    # append (K+1 rows at most) finds it not live, for that append's padding past its count
+                    buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
+                if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
+                    buffers.adopt(pending)
+            self._after_launch(state, learn)
         settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
         if defer:
             buffers.deferred.append((out[C.GREEDY_IDS], out[C.AUX_HIDDEN]))
@@ -170,15 +169,35 @@ class DeviceRounds:
                 state.host_lens[i] += rows[i][0] + 1
         if pending is not None:
             pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
-        if policy is not None:
+        if policy is not None:  # (its statistics recorded after the next round's first launch: `_after_launch`)
             counts = [row[0] for row in rows]
-            state.record(alive, counts, [j] * b, j + 1, drafted)
+            state.unrecorded = (alive, counts, [j] * b, j + 1, drafted)
+        live_count = state.live_count
         events = state.emit(emitted, alive)
+        if state.live_count != live_count:
+            self._finished(state)
         if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
             policy.observe(j, counts, alive if state.live_as_list else live, drafted, emitted)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
+
+    @staticmethod
+    def _after_launch(state, learn) -> None:
+        """What the last round left for after this round's first launch (the drafter call, or the target
+        call of a round that drafts nothing), so that the device works while the host does it: the last
+        round's statistics (`_State.record`; recorded at once in a round that finishes a sequence, whose
+        last event carries them) and the policy's learning from its outcome (`learn`). Neither is read
+        before then, so they are the same as done at once."""
+        state.recorded()
+        if learn is not None:
+            learn()
+
+    @staticmethod
+    def _finished(state) -> None:
+        """A device round finished a sequence: its last event carries its statistics, so the round's are
+        recorded now, before the events are yielded (not after the next round's first launch)."""
+        state.recorded()
 
     def _defers_rows(self, state, policy, drafted: bool) -> bool:
         """Whether this round's drafter row (the target's greedy id and aux state) waits by reference in

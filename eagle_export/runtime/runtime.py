@@ -668,6 +668,7 @@ class _State:
         self.rng = torch.Generator().manual_seed(config.seed)
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
+        self.unrecorded = None  # a device round's statistics, recorded after the next round's first launch
         self.started = time.perf_counter()
         self._eos = frozenset(config.eos_ids)  # (emit: a set's membership test, made once)
         self._context_room = [runtime.max_context - len(p) for p in prompts]  # new tokens the context holds
@@ -723,6 +724,12 @@ class _State:
                 stats.depths.append(depth)
                 stats.widths.append(width)
                 stats.draft_calls += drafted
+
+    def recorded(self) -> None:
+        """The statistics a device round left for later (`unrecorded`: `record`'s arguments), recorded now."""
+        if self.unrecorded is not None:
+            self.record(*self.unrecorded)
+            self.unrecorded = None
 
     def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
         """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences.
