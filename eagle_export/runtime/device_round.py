@@ -29,7 +29,11 @@ call of a k = 0 round), before that round's read: on a GPU it overlaps the devic
 (`choose_chain`, after the read of the drafts) then sees the fresh trust; only `should_draft` of the
 round right after is one round stale (a probe's outcome is learned at once: `verify_policy`). A policy
 without `learn` (fixed, a user's object) learns in `observe` or not at all; the general round calls
-`learn` at the same point of its round, so the two rounds drive a policy alike.
+`learn` at the same point of its round, so the two rounds drive a policy alike. The round's statistics
+(`_State.record`) wait there too (`_after_launch`), but for a round that finishes a sequence, whose last
+event carries them; so does a k = 0 round's room for its pending row (`_RoundBuffers.fit`: the target
+call reads none of them). The built-in policies take the live mask as the state's list (`live_as_list`:
+no .tolist() on that path), and a chain's drafts' ids as read (floats holding them exactly).
 
 Invariants:
   - the round's state lives in tensors of fixed shapes made once (per batch size in static mode),
@@ -161,16 +165,17 @@ class DeviceRounds:
         read = time.perf_counter()  # the one host read: it waits for everything queued above
         rows = settled.tolist()
         self.timings.verify += time.perf_counter() - read
-        if j == 0:  # (a call of the root alone reads its greedy ids alone: nothing accepted)
-            rows = [[0, *row] for row in rows]
-        emitted = [row[1:row[0] + 2] for row in rows]
+        if j == 0:  # (a call of the root alone reads its greedy ids alone: nothing accepted, a token each)
+            emitted, counts, added = rows, [0] * b, alive  # (a live sequence adds a row: True counts 1)
+        else:
+            emitted, counts = [row[1:row[0] + 2] for row in rows], [row[0] for row in rows]
+            added = [c + 1 if a else 0 for c, a in zip(counts, alive)]
         for i, a in enumerate(alive):
             if a:
-                state.host_lens[i] += rows[i][0] + 1
+                state.host_lens[i] += counts[i] + 1
         if pending is not None:
-            pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
+            pending.added(added)
         if policy is not None:  # (its statistics recorded after the next round's first launch: `_after_launch`)
-            counts = [row[0] for row in rows]
             state.unrecorded = (alive, counts, [j] * b, j + 1, drafted)
         live_count = state.live_count
         events = state.emit(emitted, alive)
