@@ -68,6 +68,7 @@ class Timed:
 
     def __init__(self, policy, general: bool = False, undeferred: bool = False):
         self.policy, self.verifies_whole_tree, self.undeferred = policy, policy.verifies_whole_tree, undeferred
+        self.live_as_list = getattr(policy, "live_as_list", False)  # (the live mask as the runtime passes it)
         self.rounds, self.decisions = [], []
         if not general and hasattr(policy, "choose_chain"):
             self.choose_chain = self._choose_chain
@@ -136,7 +137,8 @@ def random_decisions(classes, rounds: int, undeferred: bool, seed: int = 0) -> t
     """(rounds whose decisions differ, rounds): random streams of random trees (a chain in half of them,
     asked through `choose_chain` in half of those), each round's claims, outcome, emitted tokens and
     finished sequences drawn at random; `learn` run after should_draft, as the runtime runs it (or, where
-    `undeferred`, right after observe)."""
+    `undeferred`, right after observe); the live mask a list to a policy that takes one (`live_as_list`), as
+    the runtime passes it, else a tensor."""
     rng = torch.Generator().manual_seed(seed)
     costs = recorded_costs("H200 exact bf16", True)
     differ = done = 0
@@ -164,14 +166,15 @@ def random_decisions(classes, rounds: int, undeferred: bool, seed: int = 0) -> t
             seen = []
             for policy in policies:
                 learn = getattr(policy, "learn", lambda: None)
-                drafted = policy.should_draft(live)
+                mask = live.tolist() if getattr(policy, "live_as_list", False) else live  # (as the runtime passes it)
+                drafted = policy.should_draft(mask)
                 if not undeferred:
                     learn()
                 if drafted and lists:
                     j = policy.choose_chain(reach[:, -1].tolist(), live.tolist(), widths, nodes.tolist())
                 else:
-                    j = policy.choose(reach, live, widths, (nodes, parents)) if drafted else 0
-                policy.observe(j, accepted.clamp(max=j).tolist(), live, drafted, [e if a else [] for e, a in zip(emitted, live)])
+                    j = policy.choose(reach, mask, widths, (nodes, parents)) if drafted else 0
+                policy.observe(j, accepted.clamp(max=j).tolist(), mask, drafted, [e if a else [] for e, a in zip(emitted, live)])
                 if undeferred:
                     learn()
                 seen.append((drafted, j, policy.trust, policy.expected, policy.interval))

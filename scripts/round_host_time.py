@@ -28,13 +28,28 @@ medians. Each kind's replays a round are printed beside it: a GPU launches a rep
 the figure does not hold (add replays x launch to compare with a GPU). This VM's cores are slower than a
 GPU host's: the figure is the CPU's estimate of the GPU round's host time, not a GPU measurement.
 
+Exposed and hidden: on a GPU what a round's host time costs is the part the device waits for. The
+device is idle from a read's return until the next launch (the round's outputs read, the tokens
+emitted, the policy told and asked, the next round's first launch), and in a goodput drafted round from
+the read of its drafts until the verify call's launch (the choice): that host time is EXPOSED, and the
+round's figure holds it from the previous round's read on (the boundary's work, before this round's
+first launch, is what this round waits for). Between a launch and the next read the device works on
+what was launched (the bookkeeping's replay, the policy's deferred `learn`, the read's own launch):
+HIDDEN, as long as it is shorter than the device's work (at 8B it is). Launches are the replays and
+eager graph calls, reads the `.tolist()` of the bookkeeping's output and of the drafts' read (the two
+graphs `_replayed` runs); a read of a graph's outputs made any other way (none in the device round) is
+not seen, and its time would count as hidden. The read's return includes its conversion to lists
+(exposed, as on a GPU, where the transfer's latency adds more). The exposed figure is what item 3 of
+issue 44 compares (a k = 0 round against a plain step) on what a GPU pays.
+
 --against REV: the same cells with REV's package (extracted and imported beside the working tree's under
 another name: its imports are relative) in turn with the working tree's, in one run, and whether their
 tokens are identical. --profile: the top entries of a cProfile over the working tree's timed rounds
-(replays, eager calls, synthetic drafts excluded), so the hot spots are named.
+(replays, eager calls, synthetic drafts excluded), so the hot spots are named (--exposed: over their
+exposed segments alone, what a GPU waits for).
 
 Run: PYTHONPATH=. python scripts/round_host_time.py [--tokens 128] [--repeat 5] [--batch 1 4] [--depth 4]
-     [--against REV] [--profile [--top 30]] [--eager]
+     [--against REV] [--profile [--exposed] [--top 30]] [--eager]
 """
 
 from __future__ import annotations
@@ -88,22 +103,42 @@ class Clock:
 
     def __init__(self):
         self.excluded, self.replays, self.eager, self.marks = 0.0, 0, 0, []
-        self.profiler, self.profiling = None, False  # (profiling: the profiler is on, outside the excluded calls)
+        # profiling: the profiler is on, outside the excluded calls (and, `exposed_only`, the hidden segments)
+        self.profiler, self.profiling, self.exposed_only = None, False, False
         self.tape, self.playing, self.at = None, False, 0
+        # exposed / hidden host seconds so far: the open segment (since `since`, `excluded` then `since_x`) is
+        # exposed after a read (the device idle), hidden after a launch (the device working)
+        self.split, self.idle, self.since, self.since_x = {True: 0.0, False: 0.0}, False, time.perf_counter(), 0.0
 
     def capture(self, fn, inputs, warmup=None):
         replay, outputs = replay_eagerly(fn, inputs, warmup)
 
         def timed():
             self.replays += 1
-            self.timed(self._replayed, replay, outputs)
+            self.timed(self._replayed, replay, outputs, launch=True)
         return timed, outputs
 
     def eager_call(self, graph):
         def call(*inputs):
             self.eager += 1
-            return self.timed(self._called, graph, inputs)
+            return self.timed(self._called, graph, inputs, launch=True)
         return call
+
+    def _segment(self, now: float, idle: bool) -> None:
+        """Close the open segment at `now` into the exposed or hidden sum (less what was excluded in it),
+        and open one that is exposed (`idle`: after a read) or hidden (after a launch)."""
+        self.split[self.idle] += (now - self.since) - (self.excluded - self.since_x)
+        self.idle, self.since, self.since_x = idle, now, self.excluded
+
+    def read(self) -> None:
+        """A read returned (its own time here excluded): the device idle from now until the next launch."""
+        if self.profiling:
+            self.profiler.disable()
+        start = time.perf_counter()
+        self._segment(start, True)
+        self.excluded += time.perf_counter() - start
+        if self.profiling:  # (an exposed segment opens)
+            self.profiler.enable()
 
     def _replayed(self, replay, outputs):
         if self.playing:
@@ -127,29 +162,48 @@ class Clock:
         self.at += 1
         return self.tape[self.at - 1]
 
-    def timed(self, call, *args):
+    def timed(self, call, *args, launch=False):
         if self.profiling:
             self.profiler.disable()
         start = time.perf_counter()
+        if launch:  # (the segment before it closes: the device works from this launch on)
+            self._segment(start, False)
         out = call(*args)
         self.excluded += time.perf_counter() - start
-        if self.profiling:
+        if self.profiling and (self.idle or not self.exposed_only):
             self.profiler.enable()
         return out
 
     def profile(self, on: bool):
         if self.profiler is not None and on != self.profiling:
-            (self.profiler.enable if on else self.profiler.disable)()
+            (self.profiler.enable if on and (self.idle or not self.exposed_only) else self.profiler.disable)()
             self.profiling = on
 
     def mark(self, drafted):
-        self.marks.append((time.perf_counter(), self.excluded, self.replays, self.eager, drafted))
+        self.marks.append((time.perf_counter(), self.excluded, self.replays, self.eager, drafted,
+                           self.split[True], self.split[False]))
 
     def rounds(self):
-        """(drafted, host seconds, replays, eager calls) of each marked round but the last (whose end is the
-        stream's)."""
-        return [(d, (t1 - t0) - (x1 - x0), r1 - r0, e1 - e0)
-                for (t0, x0, r0, e0, d), (t1, x1, r1, e1, _) in zip(self.marks, self.marks[1:])]
+        """(drafted, host seconds, replays, eager calls, exposed seconds, hidden seconds) of each marked round
+        but the last (whose end is the stream's). Host is the wall time from the round's start to the next
+        round's; exposed and hidden are the segments closed between the two marks: a round's first launch
+        closes the exposed segment open since the previous round's read, so a round's exposed time is from
+        that read on (see the module), and host and exposed + hidden differ by the boundary's share."""
+        return [(d, (t1 - t0) - (x1 - x0), r1 - r0, e1 - e0, y1 - y0, h1 - h0)
+                for (t0, x0, r0, e0, d, y0, h0), (t1, x1, r1, e1, _, y1, h1) in zip(self.marks, self.marks[1:])]
+
+
+class Read:
+    """A graph's output whose `.tolist()` is a read (the device round's bookkeeping output and its drafts'
+    read): the clock is told when it returns."""
+
+    def __init__(self, tensor, clock: Clock):
+        self.tensor, self.clock = tensor, clock
+
+    def tolist(self):
+        rows = self.tensor.tolist()
+        self.clock.read()
+        return rows
 
 
 def setup(package: str, tmp: Path, depth: int, tokens: int, clock: Clock, batches):
@@ -173,6 +227,10 @@ def setup(package: str, tmp: Path, depth: int, tokens: int, clock: Clock, batche
 
         def _synthetic(self, state, parents, depths):
             return clock.timed(super()._synthetic, state, parents, depths)
+
+        def _replayed(self, graphs, fn, feeds, warmup=None):  # (the two graphs whose output is read)
+            out = super()._replayed(graphs, fn, feeds, warmup)
+            return Read(out, clock) if graphs is self._settle_graphs or graphs is self._read_graphs else out
 
     runtime = Timed.for_models(backend, target, drafter, max_context=512, costs=replay.recorded_costs("H200 bf16"))
     runtime.profiling = False
@@ -214,6 +272,7 @@ def main():
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--against", help="a commit whose package runs the same cells in turn with the working tree's")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the working tree's timed rounds")
+    parser.add_argument("--exposed", action="store_true", help="with --profile: of their exposed segments only")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--eager", action="store_true",
                         help="time rounds whose replays run the model (not played back from a recording)")
@@ -259,6 +318,7 @@ def main():
         profile = None
         if args.profile:
             sides["new"][0].profiler = profile = cProfile.Profile()
+            sides["new"][0].exposed_only = args.exposed
             for _ in range(args.repeat):
                 for batch in args.batch:
                     for cell in CELLS:
@@ -267,12 +327,20 @@ def main():
 
     how = "replays that run the model (--eager)" if args.eager else "replays played back from a recorded run"
     print(f"tiny qwen2 pair, torch CPU, graphs captured by a stand-in, {how}, K={args.depth}, {args.tokens} tokens, "
-          f"H200 bf16 costs; host us per round (wall less replays, eager calls, synthetic drafts): median of "
-          f"{args.repeat} runs (each the median of its rounds) [min-max of the runs]; replays a round beside it "
-          "(a GPU adds ~5-15 us of launch each)")
-    print("| batch | policy | acceptance | side | drafted rounds | host us, drafted | replays | k = 0 rounds "
-          "| host us, k = 0 | replays |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"H200 bf16 costs; host us per round (wall less replays, eager calls, synthetic drafts), split into "
+          "exposed (the device idle: from the previous read to the first launch, and from the drafts' read to the "
+          f"verify launch) and hidden (from a launch to the next read): median of {args.repeat} runs (each the "
+          "median of its rounds) [min-max of the runs]; replays a round beside it (a GPU adds ~5-15 us of launch "
+          "each, exposed for the first launch and the verify launch)")
+    print("| batch | policy | acceptance | side | drafted rounds | host us, drafted | exposed | hidden | replays "
+          "| k = 0 rounds | host us, k = 0 | exposed | hidden | replays |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def figure(kinds, at: int, digits: int, spread: bool = True) -> str:  # the median over runs of each run's median
+        medians = [statistics.median(r[at] for r in rounds) * 1e6 for rounds in kinds]
+        return f"{statistics.median(medians):.{digits}f}" + (
+            f" [{min(medians):.{digits}f}-{max(medians):.{digits}f}]" if spread else "")
+
     for batch in args.batch:
         for cell in CELLS:
             for key in sides:
@@ -280,13 +348,12 @@ def main():
                 cells = []
                 for drafted in (True, False):
                     kinds = [[r for r in run if bool(r[0]) is drafted] for run in runs]
-                    if not kinds[0]:
-                        cells += ["0", "-", "-"]
+                    if not kinds[0] or not all(kinds):
+                        cells += ["0", "-", "-", "-", "-"]
                         continue
-                    medians = [statistics.median(r[1] for r in rounds) * 1e6 for rounds in kinds]
                     replays = statistics.median(r[2] for r in kinds[0])
-                    cells += [f"{len(kinds[0])}", f"{statistics.median(medians):.0f} "
-                              f"[{min(medians):.0f}-{max(medians):.0f}]", f"{replays:g}"]
+                    cells += [f"{len(kinds[0])}", figure(kinds, 1, 0), figure(kinds, 4, 1), figure(kinds, 5, 1, False),
+                              f"{replays:g}"]
                 name, _, acceptance = cell
                 acc = "-" if acceptance is None else ("/".join(map(str, acceptance)) if isinstance(acceptance, tuple)
                                                       else str(acceptance))

@@ -244,6 +244,37 @@ def test_device_round_equals_the_general_round_and_plain_greedy(pair, batch, gra
         assert_goodput_skips_and_resumes(device)
 
 
+class _RecordsAfterItsEvents(SpeculativeRuntime):  # planted: a finishing round's statistics left for later too
+    @staticmethod
+    def _finished(state):
+        pass
+
+
+@pytest.mark.parametrize("cls", [SpeculativeRuntime, _RecordsAfterItsEvents], ids=["device round", "planted"])
+def test_a_final_event_carries_every_round_of_its_sequence(pair, cls):
+    """A device round's statistics are recorded after the next round's first launch (`_after_launch`), but
+    a sequence's last event carries its statistics, so a round that finishes a sequence records them before
+    its events are yielded: at each final event, as a streaming consumer sees it, the statistics are the
+    ones at the stream's end, and their rounds account for every token but the prompt pass's (a round
+    emits its accepted drafts and one more; the last one's may be cut). Ragged finishes: an EOS one
+    sequence meets mid-run. Planted: the finishing round's statistics left for the next round's launch."""
+    target, drafter = pair
+    prompts = prompts_for("fixed", 3)
+    config = eos_config(pair, prompts)
+    backend = RightDrafts(TargetGraph(target, True), UnrolledDrafter(drafter, DEPTH, False),
+                          continuations=[p + greedy(target, p, config.max_new_tokens + DEPTH + 2) for p in prompts])
+    runtime = cls.for_models(backend, target, drafter, max_context=96, verify_policy="fixed")
+    seen = {}
+    for event in runtime.stream(prompts, config):
+        if event.finish_reason is not None:
+            s = event.stats
+            seen[event.index] = (s, list(s.accepted), list(s.widths), s.new_tokens)
+    assert len(seen) == 3 and len({s.rounds for s, *_ in seen.values()}) > 1  # (finished in different rounds)
+    kept = all(accepted == s.accepted and widths == s.widths and sum(a + 1 for a in accepted) >= n - 1
+               for s, accepted, widths, n in seen.values())
+    assert kept is (cls is SpeculativeRuntime), seen
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("policy", ["fixed", "goodput"])
 def test_device_round_near_the_context_limit(pair, graphs, policy):
@@ -730,8 +761,9 @@ class _EagerBookkeeping(_CountingCalls):  # planted: the bookkeeping run eagerly
 # caches' and buffers' addresses in `ShapeGraphs._feed`: a quiet call is its replay alone, `ShapeGraphs.quiet`).
 CALLS_PER_DRAFTED_ROUND = 4
 # Measured: what a drafted goodput round adds to a fixed one: the replay and the read of its drafts for
-# the choice (`_chosen`), the live mask the policy reads itself (its accepted counts are the read's list).
-GOODPUT_EXTRA_CALLS = 3
+# the choice (`_chosen`). Was 3 before the policy took the live mask as the state's list (`live_as_list`:
+# it read it from the tensor in observe).
+GOODPUT_EXTRA_CALLS = 2
 
 
 def _first_capture_binds(monkeypatch):
@@ -934,8 +966,8 @@ class _GeneralCountingCalls(_CountingCalls):  # planted: goodput on the general 
 def test_a_captured_goodput_round_costs_the_host_what_a_fixed_one_does(pair, cls):
     """Host work of goodput's device rounds, graphs captured, in torch calls (`_Counting`): a drafted round
     (a confident drafter: every round drafts) makes a fixed round's and GOODPUT_EXTRA_CALLS more (the
-    replay and read of its drafts for the choice, from the verify call's ids, the live mask the policy reads
-    itself; 7 against 4 at batch 1, 18 against 15 before the calls of `CALLS_PER_DRAFTED_ROUND` went, 248 on
+    replay and read of its drafts for the choice, from the verify call's ids; 6 against 4 at batch 1 (7 while
+    the policy read the live mask itself), 18 against 15 before the calls of `CALLS_PER_DRAFTED_ROUND` went, 248 on
     the general round); a k = 0 round (the confidence profile) a plain decoding step's (3: 2 replays, the read).
     Medians over the rounds that captured nothing. Planted: goodput on the general round."""
     target, drafter = pair

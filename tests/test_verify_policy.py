@@ -855,15 +855,22 @@ class _Recomputing(GoodputDepth):  # planted: the drafting rate worked out again
         return super().should_draft(live)
 
 
-@pytest.mark.parametrize("planted", [False, True], ids=["goodput", "planted"])
-def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask(planted):
+class _ReadsTheTensor(GoodputDepth):  # planted: the live mask read from a tensor (.tolist()) every round
+    live_as_list = False
+
+
+@pytest.mark.parametrize("plant", [GoodputDepth, _Recomputing, _ReadsTheTensor],
+                         ids=["goodput", "planted recomputing", "planted tensor read"])
+def test_a_plain_round_between_probes_costs_the_policy_no_torch_call(plant):
     """At acceptance 0 goodput settles on plain steps (k = 0 rounds) between probes; in those rounds
-    nothing it knows changes, so they must cost what a plain step does: its whole work is one read of
-    which sequences are live (torch calls counted, each one host time, and each working-out of what a
-    drafted round is worth). Counted: the plain rounds after a plain round, neither learning from an
+    nothing it knows changes, so they must cost what a plain step does: no torch call (the live mask is
+    the caller's Python list, `live_as_list`, as the runtime and the replay pass it) and no working-out of
+    what a drafted round is worth (torch calls counted, each one host time, and each working-out).
+    Counted: the plain rounds after a plain round, neither learning from an
     outcome (`learn`, which the replay runs after should_draft: a probe's tree resolved in hindsight
     re-reads what drafting promises, once, and the next round's should_draft works the rate out again).
-    Planted: the drafting rate recomputed every round."""
+    Planted: the drafting rate recomputed every round; the live mask read from a tensor (one torch call a
+    round, as before the policy took the list)."""
     from torch.overrides import TorchFunctionMode
 
     class Counting(TorchFunctionMode):
@@ -875,7 +882,7 @@ def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask
             self.calls += 1
             return func(*args, **(kwargs or {}))
 
-    class Counted(_Recomputing if planted else GoodputDepth):
+    class Counted(plant):
         def should_draft(self, live):  # (a probe's observe asks too: counted with that round)
             if self.counter is not None:
                 return super().should_draft(live)
@@ -908,7 +915,7 @@ def test_a_plain_round_between_probes_costs_the_policy_one_read_of_the_live_mask
     costs = recorded_costs("H200 bf16")
     result = replay(Counted(K, costs), costs, 1, (0.0,) * K, prompts=2, new_tokens=128)
     assert result["drafted"] < result["rounds"] / 8 and len(plain_rounds) > result["rounds"] / 2
-    assert (max(plain_rounds) > 1) if planted else (max(plain_rounds) <= 1), sorted(set(plain_rounds))
+    assert (max(plain_rounds) > 0) if plant is not GoodputDepth else (max(plain_rounds) == 0), sorted(set(plain_rounds))
 
 
 @pytest.mark.parametrize(("card", "batch"), [(c, b) for c in RECORDED for b in RECORDED[c]])

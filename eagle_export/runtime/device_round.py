@@ -29,7 +29,11 @@ call of a k = 0 round), before that round's read: on a GPU it overlaps the devic
 (`choose_chain`, after the read of the drafts) then sees the fresh trust; only `should_draft` of the
 round right after is one round stale (a probe's outcome is learned at once: `verify_policy`). A policy
 without `learn` (fixed, a user's object) learns in `observe` or not at all; the general round calls
-`learn` at the same point of its round, so the two rounds drive a policy alike.
+`learn` at the same point of its round, so the two rounds drive a policy alike. The round's statistics
+(`_State.record`) wait there too (`_after_launch`), but for a round that finishes a sequence, whose last
+event carries them; so does a k = 0 round's room for its pending row (`_RoundBuffers.fit`: the target
+call reads none of them). The built-in policies take the live mask as the state's list (`live_as_list`:
+no .tolist() on that path), and a chain's drafts' ids as read (floats holding them exactly).
 
 Invariants:
   - the round's state lives in tensors of fixed shapes made once (per batch size in static mode),
@@ -136,15 +140,8 @@ class DeviceRounds:
         learn = state.learn if policy is not None else None  # the policy's learning from the last round
         if drafted:
             out, drafter_rows = self._device_draft(state, alive)
-            if learn is not None:  # (while the drafter runs: before the read of its drafts)
-                learn()
+            self._after_launch(state, learn)  # (while the drafter runs: before the read of its drafts)
             j = self._chosen(state, out, policy, alive, replayed=drafter_rows is not None)
-        elif pending is not None:
-            if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's append
-                # (K+1 rows at most) finds it not live, for that append's padding past its count
-                buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
-            if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
-                buffers.adopt(pending)
         feeds = state.target_feeds.get(j + 1)
         if feeds is None or feeds[C.PAST_KEY] is not state.target_k:  # (made once per width and cache view)
             ids, positions = buffers.views[j + 1]
@@ -154,31 +151,58 @@ class DeviceRounds:
         call = time.perf_counter()
         out = self.backend.target(feeds, need_logits=False, bound=TARGET_BOUND)
         self.timings.verify += time.perf_counter() - call
-        if learn is not None and not drafted:  # (while the target runs: before the round's read)
-            learn()
+        if not drafted:  # (while the target runs: before the round's read)
+            if pending is not None:  # (the pending rows: the bookkeeping's, not the target's)
+                if policy is not None:  # a goodput k = 0 round: room for its row and, where a later round's
+                    # append (K+1 rows at most) finds it not live, for that append's padding past its count
+                    buffers.fit(max(h for h, a in zip(pending.host, alive) if a) + self.depth + 2, pending)
+                if not buffers.adopted:  # (near the limit from the start: no drafter call yet)
+                    buffers.adopt(pending)
+            self._after_launch(state, learn)
         settled = self._settle(state, out, drafter_rows, keep_rows=not defer)
         if defer:
             buffers.deferred.append((out[C.GREEDY_IDS], out[C.AUX_HIDDEN]))
         read = time.perf_counter()  # the one host read: it waits for everything queued above
         rows = settled.tolist()
         self.timings.verify += time.perf_counter() - read
-        if j == 0:  # (a call of the root alone reads its greedy ids alone: nothing accepted)
-            rows = [[0, *row] for row in rows]
-        emitted = [row[1:row[0] + 2] for row in rows]
+        if j == 0:  # (a call of the root alone reads its greedy ids alone: nothing accepted, a token each)
+            emitted, counts, added = rows, [0] * b, alive  # (a live sequence adds a row: True counts 1)
+        else:
+            emitted, counts = [row[1:row[0] + 2] for row in rows], [row[0] for row in rows]
+            added = [c + 1 if a else 0 for c, a in zip(counts, alive)]
         for i, a in enumerate(alive):
             if a:
-                state.host_lens[i] += rows[i][0] + 1
+                state.host_lens[i] += counts[i] + 1
         if pending is not None:
-            pending.added([rows[i][0] + 1 if a else 0 for i, a in enumerate(alive)])
-        if policy is not None:
-            counts = [row[0] for row in rows]
-            state.record(alive, counts, [j] * b, j + 1, drafted)
+            pending.added(added)
+        if policy is not None:  # (its statistics recorded after the next round's first launch: `_after_launch`)
+            state.unrecorded = (alive, counts, [j] * b, j + 1, drafted)
+        live_count = state.live_count
         events = state.emit(emitted, alive)
+        if state.live_count != live_count:
+            self._finished(state)
         if policy is not None and not state.whole_tree:  # (the fixed policy learns nothing: it is not told)
-            policy.observe(j, counts, live, drafted, emitted)
+            policy.observe(j, counts, alive if state.live_as_list else live, drafted, emitted)
         if not drafted:
             self.timings.plain_round_s.append(time.perf_counter() - start)
         yield from events
+
+    @staticmethod
+    def _after_launch(state, learn) -> None:
+        """What the last round left for after this round's first launch (the drafter call, or the target
+        call of a round that drafts nothing), so that the device works while the host does it: the last
+        round's statistics (`_State.record`; recorded at once in a round that finishes a sequence, whose
+        last event carries them) and the policy's learning from its outcome (`learn`). Neither is read
+        before then, so they are the same as done at once."""
+        state.recorded()
+        if learn is not None:
+            learn()
+
+    @staticmethod
+    def _finished(state) -> None:
+        """A device round finished a sequence: its last event carries its statistics, so the round's are
+        recorded now, before the events are yielded (not after the next round's first launch)."""
+        state.recorded()
 
     def _defers_rows(self, state, policy, drafted: bool) -> bool:
         """Whether this round's drafter row (the target's greedy id and aux state) waits by reference in
@@ -256,9 +280,8 @@ class DeviceRounds:
         else:
             read = _drafts_read(nodes, probs).tolist()
         self.timings.draft += time.perf_counter() - start
-        k = self.depth
-        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths,
-                                   [[int(t) for t in row[k:]] for row in read])
+        k = self.depth  # (the drafts' ids as read, floats holding them exactly: `choose_chain`)
+        return policy.choose_chain([row[:k] for row in read], alive, state.chain_widths, [row[k:] for row in read])
 
     def _settle(self, state, out, drafter_rows, keep_rows: bool = True) -> torch.Tensor:
         """`_settle_round` over the round's buffers and the graphs' outputs -> [accepted, greedy ids] [B,1+T]

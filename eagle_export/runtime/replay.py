@@ -147,10 +147,11 @@ def replay(policy, costs: CostCurves, batch: int, true=None, claimed=None, promp
         if policy is not None:
             policy.start(b)
         learn = getattr(policy, "learn", None)
+        as_list = getattr(policy, "live_as_list", False)  # (the live mask as the runtime passes it)
         while any(m < e for m, e in zip(n, ends)):
             alive = [m < e for m, e in zip(n, ends)]
             live = torch.tensor(alive)
-            drafted = policy is not None and policy.should_draft(live)
+            drafted = policy is not None and policy.should_draft(alive if as_list else live)
             if learn is not None:  # (where the runtime runs it: after the round's first launch)
                 learn()
             j, accepted, caught_up = 0, [0] * b, 0
@@ -173,7 +174,7 @@ def replay(policy, costs: CostCurves, batch: int, true=None, claimed=None, promp
             sequence_rounds += sum(alive)
             emitted = [list(range(m + 1, m + c + 2)) if a else [] for m, c, a in zip(n, accepted, alive)]
             if policy is not None:
-                policy.observe(j, accepted, live, drafted, emitted)
+                policy.observe(j, accepted, alive if as_list else live, drafted, emitted)
             pending = [c + 1 if drafted else p + 1 for p, c in zip(pending, accepted)]
             tokens += sum(len(e) for e in emitted)
             n = [m + len(e) for m, e in zip(n, emitted)]

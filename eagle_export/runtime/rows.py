@@ -38,7 +38,8 @@ class _PendingRows:
         _append_rows(self.ids, self.aux, self.count, tokens, aux, rows, added)
 
     def added(self, counts: list[int]) -> None:
-        """The host's counts after an append of counts[b] rows to sequence b (what its `added` held)."""
+        """The host's counts after an append of counts[b] rows to sequence b (what its `added` held; bools
+        count 1 and 0: a plain step's live mask)."""
         self.host = [h + n for h, n in zip(self.host, counts)]
 
     def take(self, alive: list[bool], live, width_for=lambda rows: rows):

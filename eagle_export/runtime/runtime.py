@@ -293,7 +293,8 @@ class SpeculativeRuntime(DeviceRounds):
             last_full_round = state.capacity - self.depth - 1  # the longest sequence a full round fits
             while state.live_count:
                 if max(state.host_lens) <= last_full_round:  # every round but the last few: all fit
-                    yield from self._round(state, state.active, policy, policy.should_draft(state.active))
+                    drafted = policy.should_draft(state.alive if state.live_as_list else state.active)
+                    yield from self._round(state, state.active, policy, drafted)
                     continue
                 near_limit = state.active & (torch.tensor(state.host_lens) > last_full_round)
                 spec = state.active & ~near_limit
@@ -370,6 +371,9 @@ class SpeculativeRuntime(DeviceRounds):
         # The policy's learning from a round's outcome, run after the next round's first launch (the device
         # works meanwhile): goodput's `learn`; None for a policy that learns in `observe` or not at all.
         state.learn = getattr(policy, "learn", None)
+        # The policy takes the live mask as the state's Python list (`_State.alive`, which the round has: no
+        # torch call to make it), not as a tensor: the built-in ones; a user's object gets the tensor.
+        state.live_as_list = getattr(policy, "live_as_list", False)
         state.chain, state.chain_widths = False, list(range(1, self.depth + 2))
         b = len(prompts)
         state.no_nodes = torch.zeros(b, 0, dtype=torch.int64), torch.zeros(b, 0, dtype=torch.int64)
@@ -451,13 +455,14 @@ class SpeculativeRuntime(DeviceRounds):
                 verified_depth = ([nodes.shape[1]] * b if state.chain
                                   else tree.node_depths(parents).amax(-1).tolist())
             elif state.chain:  # the menu's S_j is the first j drafts (`tree.chain_reach`)
-                j = policy.choose(None if state.sampling else tree.chain_reach(token_probs), live,
-                                  state.chain_widths, (nodes, parents))
+                j = policy.choose(None if state.sampling else tree.chain_reach(token_probs),
+                                  alive if state.live_as_list else live, state.chain_widths, (nodes, parents))
                 nodes, parents, verified_depth = nodes[:, :j], parents[:, :j], [j] * b
                 draft_probs = None if draft_probs is None else draft_probs[:, :j]
             else:
                 menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-                j = policy.choose(reach, live, (1 + menu.sum(-1).amax(-1)).tolist(), (nodes, parents))
+                j = policy.choose(reach, alive if state.live_as_list else live, (1 + menu.sum(-1).amax(-1)).tolist(),
+                                  (nodes, parents))
                 verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1).tolist()
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
@@ -504,7 +509,7 @@ class SpeculativeRuntime(DeviceRounds):
             state.pending.append(tokens, out[C.AUX_HIDDEN], rows, taken)
             state.pending.added([c + 1 if a else 0 for c, a in zip(counts, alive)])
         if policy is not None:
-            policy.observe(j, counts, live, drafted, emitted)
+            policy.observe(j, counts, alive if state.live_as_list else live, drafted, emitted)
         state.lens = state.lens + taken
         state.host_lens = [n + c + 1 if a else n for n, c, a in zip(state.host_lens, counts, alive)]
         state.last_token = torch.where(live, next_token, state.last_token)
@@ -663,6 +668,7 @@ class _State:
         self.rng = torch.Generator().manual_seed(config.seed)
         self.generated = [[] for _ in prompts]
         self.stats = [SequenceStats(prompt_tokens=len(p)) for p in prompts]
+        self.unrecorded = None  # a device round's statistics, recorded after the next round's first launch
         self.started = time.perf_counter()
         self._eos = frozenset(config.eos_ids)  # (emit: a set's membership test, made once)
         self._context_room = [runtime.max_context - len(p) for p in prompts]  # new tokens the context holds
@@ -718,6 +724,12 @@ class _State:
                 stats.depths.append(depth)
                 stats.widths.append(width)
                 stats.draft_calls += drafted
+
+    def recorded(self) -> None:
+        """The statistics a device round left for later (`unrecorded`: `record`'s arguments), recorded now."""
+        if self.unrecorded is not None:
+            self.record(*self.unrecorded)
+            self.unrecorded = None
 
     def emit(self, tokens_per_seq: list[list[int]], live: list[bool]) -> list[Event]:
         """Apply EOS, stop strings, max_new_tokens and the context limit; deactivate finished sequences.

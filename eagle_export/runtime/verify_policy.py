@@ -161,6 +161,7 @@ class FixedDepth:
 
     name = "fixed"
     verifies_whole_tree = True  # the runtime skips the menu of subtrees (`choose` is never asked)
+    live_as_list = True  # the runtime passes its live mask as its Python list (see GoodputDepth)
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -168,13 +169,13 @@ class FixedDepth:
     def start(self, batch: int) -> None:
         pass
 
-    def should_draft(self, live: torch.Tensor) -> bool:
+    def should_draft(self, live: torch.Tensor | list[bool]) -> bool:
         return True
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor | list[bool], widths: list[int], drafts=None) -> int:
         return len(widths) - 1
 
-    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor | list[bool], drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
         pass
 
@@ -182,6 +183,11 @@ class FixedDepth:
 class GoodputDepth:
     name = "goodput"
     verifies_whole_tree = False
+    # The live mask, wherever a method takes one (`live`), is a bool tensor [B] or a Python list of B bools, the
+    # same decisions from either: the runtime passes its own list (`_State.alive`: a round's host already has
+    # it, and each .tolist() is host time between a round's read and the next launch). A list is kept as it is
+    # (the learning it waits for reads it later): the caller makes a new one rather than change it in place.
+    live_as_list = True
     DECAY = 0.7          # weight of the past in the running estimates (about 3 rounds of memory)
     PROBE_EVERY = 16     # plain rounds before the drafter is tried again, at the shortest
     PROBE_BUDGET = 0.01  # what a failed probe may cost, as a share of the plain steps before it (see the module)
@@ -283,26 +289,27 @@ class GoodputDepth:
     def _probing(self) -> bool:
         return self.since_draft >= self.interval
 
-    def should_draft(self, live: torch.Tensor) -> bool:
+    def should_draft(self, live: torch.Tensor | list[bool]) -> bool:
         """Whether the round calls the drafter (see the module). Remembered while its inputs stay (the
         rounds between probes, where nothing the policy knows changes: a k = 0 round costs what a plain
-        step does)."""
-        if self._probing():
+        step does; the runtime's live mask is then the very list the answer was worked from)."""
+        if self.since_draft >= self.interval:  # (`_probing`, inline: every round asks)
             return True
-        alive = live.tolist()
+        alive = _listed(live)
         memo = self._draft_memo
-        if memo is None or memo[0] is not self.expected or memo[1] != self.round_cost or memo[2] != alive:
+        if (memo is None or memo[0] is not self.expected or memo[1] != self.round_cost
+                or (memo[2] is not alive and memo[2] != alive)):
             drafted_rate = self._batch_tokens(self.expected, alive) / self.round_cost
             plain_rate = sum(alive) / self._plain_step
             memo = self._draft_memo = (self.expected, self.round_cost, alive, drafted_rate > self.MARGIN * plain_rate)
         return memo[3]
 
-    def choose(self, reach: torch.Tensor | None, live: torch.Tensor, widths: list[int], drafts=None) -> int:
+    def choose(self, reach: torch.Tensor | None, live: torch.Tensor | list[bool], widths: list[int], drafts=None) -> int:
         """The menu entry to verify this round; `reach` [B,J+1,D] is the drafter's estimate, per menu
         entry, of the probability that the accepted path reaches each depth (`tree.nested_subtrees`;
         None: sampling, a menu by depth), widths[j] the verify call's tokens for it, `drafts` the
         drafted (nodes [B,N], parents [B,N]) that hindsight checks against the tokens emitted later."""
-        alive = live.tolist()
+        alive = _listed(live)
         if reach is None:
             self.widths, self._sampling = widths, True
             # A probe checks one draft at least, or an estimate that fell could never rise again.
@@ -318,7 +325,9 @@ class GoodputDepth:
     def choose_chain(self, joint: list[list[float]], alive: list[bool], widths: list[int],
                      nodes: list[list[int]]) -> int:
         """`choose` for a greedy chain, from Python lists: joint[b][d-1] = p_1 ... p_d (`tree.chain_joint`:
-        the chain's reach, which says every menu entry's) and nodes[b] its drafts. The device round reads
+        the chain's reach, which says every menu entry's) and nodes[b] its drafts' ids (ints, or floats that
+        hold them exactly: hindsight compares them by value, `_followed`; the device round passes its read's
+        float64 as they are, its conversion host time before the verify launch). The device round reads
         both in one transfer right after the drafter call (the policy decides on this round's drafts) and
         asks here: the same decision as `choose` on the tensors, without a torch call."""
         return self._choose_greedy(joint, alive, widths, (nodes, None), True)
@@ -416,7 +425,7 @@ class GoodputDepth:
         reach = torch.cumprod(self.acceptance.clamp(0, 1), dim=1)  # P(drafts 1..i all accepted)
         return torch.cat([torch.ones(len(reach), 1), 1 + torch.cumsum(reach, dim=1)], dim=1)
 
-    def observe(self, j: int, accepted: list[int], live: torch.Tensor, drafted: bool,
+    def observe(self, j: int, accepted: list[int], live: torch.Tensor | list[bool], drafted: bool,
                 emitted: list[list[int]] | None = None) -> None:
         """After a round that verified menu entry j (a depth when sampling) and accepted `accepted[b]`
         drafts of sequence b (Python ints, as the round read them: no torch call to make them), each
@@ -433,12 +442,12 @@ class GoodputDepth:
             if any(self._waiting):  # its tokens may resolve the trees waiting in hindsight
                 self._pending = (j, accepted, live, False, emitted, None, 0.0)
             return
-        alive = live.tolist()
+        alive = _listed(live)
         probe = self._probing()
         self.since_draft = 0
         d = self._past_weight(probe, j)  # a probe replaces the stale estimates; other rounds blend in
         if self._sampling:  # the per-depth acceptance, which only sampling reads; there j is the depth
-            accepted = torch.tensor(accepted)
+            accepted, live = torch.tensor(accepted), torch.tensor(alive)
             for i in range(j):  # draft i+1 was checked where drafts 1..i were accepted
                 checked = live & (accepted >= i)
                 hit = (accepted > i).float()
@@ -469,7 +478,7 @@ class GoodputDepth:
             return
         j, accepted, alive, drafted, emitted, before, d = pending
         if not drafted:
-            alive = alive.tolist()
+            alive = _listed(alive)
         if not self._calibrate(j, accepted, alive, drafted, emitted or [[] for _ in range(self.batch)]):
             return
         # What drafting promises, re-read through what was just learned: evidence on a probe's drafts
@@ -544,6 +553,11 @@ class GoodputDepth:
             return False
         self._learn(reached, promised, seen)
         return True
+
+
+def _listed(live) -> list[bool]:
+    """A live mask as a Python list: the caller's list as it is (no torch call), a tensor's values."""
+    return live if type(live) is list else live.tolist()
 
 
 def _count(outcomes: list[tuple[list[float], int, int]], depth: int) -> tuple[list, list, list]:
