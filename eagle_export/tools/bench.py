@@ -148,11 +148,14 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
                 totals[run]["differing_wide"] += sum(a != b for a, b in zip(tokens[run], wide))
         if progress:
             plain_rate = totals[runs[-1]]["tokens"] / totals[runs[-1]]["seconds"]
+
+            def so_far(run):  # rounded as the record's `speedup` is first (the last line is its headline, the same)
+                return round(totals[run]["tokens"] / totals[run]["seconds"] / plain_rate, 4)
             progress(f"batch size {batch}: {i + 1}/{len(chunks)} batches in {time.perf_counter() - began:.0f} s; "
                      "speedup so far " + ", ".join(
                          " ".join(filter(None, (name if len(runtimes) > 1 else None, policy,
                                                 None if settings[a] is None else f"at {label(settings[a])}")))
-                         + f" {totals[(name, policy, a)]['tokens'] / totals[(name, policy, a)]['seconds'] / plain_rate:.2f}x"
+                         + f" {so_far((name, policy, a)):.2f}x"
                          for name, policy, a in runs[:-1]))
 
     ar = totals[runs[-1]]
