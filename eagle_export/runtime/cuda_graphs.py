@@ -113,14 +113,14 @@ class ShapeGraphs:
         shape or address included, is host time in every round. Where such a call's inputs are all bound and
         each the very tensor its graph was captured over, and its destinations the captured ones (`quiet`:
         a device round's steady state), there is nothing to copy in or out: the call is the replay alone."""
-        outputs = self.quiet(feeds, bound, into)
-        if outputs is not None:
-            return outputs
         given = [feeds[name] for name in self.input_names]
         ids = (bound, id(into), *map(id, given))
         recent = self._recent.get(ids)
         if recent is not None:
-            (inputs, replay, outputs, dests), refs = recent[2:4]
+            (inputs, replay, outputs, dests), refs, quiet = recent[2:5]
+            if quiet:  # (`quiet`'s case, found by the same lookup)
+                replay()
+                return outputs
         else:
             names = set(self.bound) | set(bound)
             if not names <= set(self.input_names):

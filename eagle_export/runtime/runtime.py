@@ -444,6 +444,7 @@ class SpeculativeRuntime(DeviceRounds):
             return
         start = time.perf_counter()
         b, alive = len(state.prompts), state.alive if live is state.active else live.tolist()
+        told = alive if state.live_as_list else live  # the live mask as the policy takes it
         state.reserve(max(n for n, a in zip(state.host_lens, alive) if a) + self.depth + 1)
         nodes, parents = state.no_nodes
         j, draft_probs, valid = 0, None, None  # valid None: every node kept is a real one
@@ -455,14 +456,13 @@ class SpeculativeRuntime(DeviceRounds):
                 verified_depth = ([nodes.shape[1]] * b if state.chain
                                   else tree.node_depths(parents).amax(-1).tolist())
             elif state.chain:  # the menu's S_j is the first j drafts (`tree.chain_reach`)
-                j = policy.choose(None if state.sampling else tree.chain_reach(token_probs),
-                                  alive if state.live_as_list else live, state.chain_widths, (nodes, parents))
+                j = policy.choose(None if state.sampling else tree.chain_reach(token_probs), told,
+                                  state.chain_widths, (nodes, parents))
                 nodes, parents, verified_depth = nodes[:, :j], parents[:, :j], [j] * b
                 draft_probs = None if draft_probs is None else draft_probs[:, :j]
             else:
                 menu, reach = tree.nested_subtrees(parents, token_probs, self.depth, by_depth=state.sampling)
-                j = policy.choose(reach, alive if state.live_as_list else live, (1 + menu.sum(-1).amax(-1)).tolist(),
-                                  (nodes, parents))
+                j = policy.choose(reach, told, (1 + menu.sum(-1).amax(-1)).tolist(), (nodes, parents))
                 verified_depth = (tree.node_depths(parents) * menu[j]).amax(-1).tolist()
                 order, parents, valid = tree.subtree(parents, menu[j])
                 nodes = nodes.gather(1, order)
@@ -509,7 +509,7 @@ class SpeculativeRuntime(DeviceRounds):
             state.pending.append(tokens, out[C.AUX_HIDDEN], rows, taken)
             state.pending.added([c + 1 if a else 0 for c, a in zip(counts, alive)])
         if policy is not None:
-            policy.observe(j, counts, alive if state.live_as_list else live, drafted, emitted)
+            policy.observe(j, counts, told, drafted, emitted)
         state.lens = state.lens + taken
         state.host_lens = [n + c + 1 if a else n for n, c, a in zip(state.host_lens, counts, alive)]
         state.last_token = torch.where(live, next_token, state.last_token)
