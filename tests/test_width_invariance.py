@@ -142,8 +142,8 @@ def test_nvfp4_target_row_is_the_same_bits_at_every_width_batch_and_place():
 
 def test_planted_two_reduction_attention_fails():
     """The graphs' attention ([cache | call] scored apart, probs.V as two MatMuls added) run in torch."""
-    def graph_form(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
-        return layers.attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
+    def graph_form(q, k, v, k_cache, v_cache, cache_lens, mask, tap=None):
+        return layers.attend_graph(q, k, v, k_cache, v_cache, mask, tap)
 
     target = tiny_target()
     for module in target.modules():
@@ -209,7 +209,8 @@ def test_row_linear_equals_linear_within_rounding():
 
 def test_attend_equals_the_graph_form_within_rounding():
     """The width-invariant core and the exported graphs' form compute the same attention (fp32,
-    1e-5), on a ragged batch with masked cache slots and a prefix between cache and call."""
+    1e-5), on a ragged batch with masked cache slots and keys past the call's own (a prefix between
+    cache and call: more keys after the cache than rows)."""
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, t, s, e, d = 3, 4, 2, 5, 70, 2, 16
     q, k, v = torch.randn(b, hq, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), \
@@ -220,10 +221,11 @@ def test_attend_equals_the_graph_form_within_rounding():
     past = torch.arange(s)[None, None] < lens[:, None, None]
     mask = torch.cat([past.expand(-1, t, -1), torch.ones(b, t, e, dtype=torch.bool),
                       layers.causal_mask(b, t)], dim=-1)[:, None, None]
-    got = layers.attend(q, k, v, k_cache, v_cache, lens, mask, prefix)
-    expected = layers.attend_graph(q, k, v, k_cache, v_cache, mask, prefix)
+    k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+    got = layers.attend(q, k, v, k_cache, v_cache, lens, mask)
+    expected = layers.attend_graph(q, k, v, k_cache, v_cache, mask)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    no_cache_semantics = layers.attend(q, k, v, k_cache, v_cache, None, mask, prefix)
+    no_cache_semantics = layers.attend(q, k, v, k_cache, v_cache, None, mask)
     torch.testing.assert_close(no_cache_semantics, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -255,10 +257,10 @@ def test_attend_row_is_the_same_bits_over_views_of_any_length(past):
 def test_planted_key_split_by_count_fails(monkeypatch):
     """Planted: the keys split into two blocks whatever the view's length (a KV split by count, not by
     a fixed size): a prefix of 100 slots is two blocks over a 130-slot view and one over 320."""
-    def split_in_two(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
+    def split_in_two(q, k, v, k_cache, v_cache, cache_lens, mask, tap=None):
         monkeypatch.setattr(layers, "KEY_BLOCK", 32 * -(-(k_cache.shape[2] + k.shape[2]) // 64))
         monkeypatch.setattr(layers, "_layout_memo", [None])
-        return layers.attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap)
+        return layers.attend(q, k, v, k_cache, v_cache, cache_lens, mask, tap)
 
     outs = one_row_over_views(split_in_two, 100, [130, 320])
     assert not torch.equal(outs[0], outs[1])

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import EagleExportError
 from ..models.drafter import Drafter
+from ..models.layers import rope_cos_sin
 from ..models.target import Target
 from ..speculation.tree import DynamicTree, Speculation, TreeShape, ancestor_mask, as_tree
 
@@ -229,27 +230,45 @@ class UnrolledDrafter(nn.Module):
         causal = rows[:, None] >= rows[None, :]                                         # [W,W]
         mask = torch.cat([past_ok.expand(-1, width, -1), causal[None] & row_valid[:, None, :]], dim=-1)
         hidden = d.fuse_aux(aux_hidden)
-        positions = cache_lens[:, None] + rows[None, :]
-        key_pos = torch.cat([slots[None, :].expand(positions.shape[0], -1), positions], dim=-1)  # [B,S+W]
-        normed, feedback, keys, values = d.step(input_ids, hidden, positions, past_k, past_v, mask[:, None, None],
-                                                key_pos, cache_lens=cache_lens)
+        root = (num_valid - 1)[:, None]                                                 # [B,1]
+        # Every step's positions and RoPE at once: step 0's rows at cache_lens + 0..W-1, then the rows of
+        # step j >= 1 (each at depth j) at cache_lens + root + j. Elementwise, so the same values as
+        # computed step by step; on a GPU, a few launches a call instead of a few a step.
+        steps = torch.arange(1, max(self.depth, 2), device=input_ids.device)            # (one spare at K=1)
+        positions = cache_lens[:, None] + torch.cat([rows[None, :].expand(root.shape[0], -1), root + steps], 1)
+        cos, sin = rope_cos_sin(positions, d.inv_freq, hidden.dtype)                    # [B,1,W+K-1,D]
+        window = d.config.sliding_window is not None  # (only a window reads the keys' positions)
+        key_pos = torch.cat([slots[None, :].expand(positions.shape[0], -1), positions[:, :width]], dim=-1) \
+            if window else None                                                         # [B,S+W]
+        normed, feedback, keys, values = d.step(input_ids, hidden, positions[:, :width], past_k, past_v,
+                                                mask[:, None, None], key_pos, cache_lens=cache_lens,
+                                                rope=(cos[:, :, :width], sin[:, :, :width]))
         # The last valid row of each sequence, selected by a one-hot sum (exact; plainer to every
         # backend than a gather with a per-sequence index): the root.
-        last = (rows[None, :] == (num_valid - 1)[:, None])[:, :, None]                   # [B,W,1]
+        last = (rows[None, :] == root)[:, :, None]                                      # [B,W,1]
         normed = torch.where(last, normed, 0).sum(1, keepdim=True)
         feedback = torch.where(last, feedback, 0).sum(1, keepdim=True)
+        if self.is_chain:  # step j's one row sees the cache, the valid step-0 rows and the j step rows to
+            # itself: the first S+W+j columns of one mask made once
+            every = (cache_lens >= 0)[:, None, None].expand(-1, 1, max(self.depth - 1, 1))
+            chain_mask = torch.cat([past_ok, row_valid[:, None, :], every], dim=-1)     # [B,1,S+W+K-1]
 
         def run_step(depth, tokens, hidden, step_mask):
             """One batched drafter step over F rows at depth `depth`: tokens [B,F] (target ids), hidden
-            [B,F,H] (each parent's feedback), step_mask [B,F,E+F] (ancestors-or-self among the step rows)."""
+            [B,F,H] (each parent's feedback), step_mask [B,F,E+F] (ancestors-or-self among the step rows;
+            None in a chain: `chain_mask`'s columns)."""
             nonlocal keys, values, key_pos
-            f = tokens.shape[1]
-            positions = (cache_lens + num_valid - 1 + depth)[:, None].expand(-1, f)
-            mask = torch.cat([past_ok.expand(-1, f, -1), row_valid[:, None, :].expand(-1, f, -1), step_mask], dim=-1)
-            key_pos = torch.cat([key_pos, positions], dim=-1)
-            out = d.step(tokens, hidden, positions, past_k, past_v, mask[:, None, None], key_pos, (keys, values),
-                         cache_lens)
-            keys, values = torch.cat([keys, out[2]], dim=2), torch.cat([values, out[3]], dim=2)
+            f, at = tokens.shape[1], slice(width + depth - 1, width + depth)
+            if step_mask is None:
+                mask = chain_mask[:, :, :past_k.shape[2] + width + depth]
+            else:
+                mask = torch.cat([past_ok.expand(-1, f, -1), row_valid[:, None, :].expand(-1, f, -1), step_mask], -1)
+            if window:
+                key_pos = torch.cat([key_pos, positions[:, at].expand(-1, f)], dim=-1)
+            out = d.step(tokens, hidden, positions[:, at].expand(-1, f), past_k, past_v, mask[:, None, None], key_pos,
+                         (keys, values), cache_lens, rope=(cos[:, :, at].expand(-1, -1, f, -1),
+                                                           sin[:, :, at].expand(-1, -1, f, -1)))
+            keys, values = out[2], out[3]  # [the earlier steps' | this one's]: the attention's concatenation
             return out[0], out[1]
 
         if self.dynamic:
@@ -274,12 +293,14 @@ class UnrolledDrafter(nn.Module):
                     slot = level.slot
                 if slot != list(range(feedback.shape[1])):
                     feedback = feedback[:, self._const(slot, token.device)]
-                # Every row sees every earlier step row in a chain: no constant mask needed (decided on
-                # the Python lists: a tensor's truth value would stop a trace and sync a CUDA graph capture).
-                every_row = (cache_lens >= 0)[:, None, None]
-                step_mask = every_row.expand(-1, len(level.step_mask), len(level.step_mask[0])) \
-                    if all(map(all, level.step_mask)) \
-                    else every_row & self._const(level.step_mask, token.device)[None]
+                if self.is_chain:
+                    step_mask = None  # (`chain_mask`'s columns)
+                else:  # where the level's mask is all True, no constant mask is needed (decided on the Python
+                    # lists: a tensor's truth value would stop a trace and sync a CUDA graph capture)
+                    every_row = (cache_lens >= 0)[:, None, None]
+                    step_mask = every_row.expand(-1, len(level.step_mask), len(level.step_mask[0])) \
+                        if all(map(all, level.step_mask)) \
+                        else every_row & self._const(level.step_mask, token.device)[None]
                 normed, feedback = run_step(depth, target_token, feedback, step_mask)
                 if not self.is_chain:
                     joint = joint[:, self._const(level.frontier, joint.device)] \

@@ -661,9 +661,10 @@ def _combine(acc_in, ml_in, count, y, b, h, t, T, HKV, num_splits, split_size, G
 
 def compact_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """mask [B,T,S+N] -> (index [B,T,S+N] int32: each row's visible keys first, in key order; count
-    [B,T] int32). A stable sort of "not visible" keeps the visible keys' order. One per forward: every
-    layer of a call sees the same mask (runtime/exact.py keeps the last)."""
-    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    [B,T] int32). A stable descending sort of "visible" keeps the visible keys' order (and the others'
+    after them). One per forward: every layer of a call sees the same mask (runtime/exact.py keeps the
+    last)."""
+    index = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return index.contiguous(), mask.sum(-1, dtype=torch.int32).contiguous()
 
 

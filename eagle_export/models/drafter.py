@@ -85,19 +85,22 @@ class Drafter(nn.Module):
         return self.fc(aux)
 
     def step(self, input_ids, hidden, positions, past_k, past_v, mask, key_positions, prefix_kv=None,
-             cache_lens=None):
+             cache_lens=None, rope=None):
         """The drafter step every path runs (forward, the unrolled graph, the reference's parallel
         drafts): embed the tokens, RoPE at `positions`, the decoder layer over the cache, final norm.
         input_ids, positions [B,T]; hidden [B,T,H]; past_k, past_v [B,Hkv,S,D]; mask broadcast to
         [B,Hq,T,S(+prefix)+T], which keys are valid; key_positions [B or 1, S(+prefix)+T], the position
         of each of those keys (a sliding-window drafter also hides keys behind its window);
         prefix_kv: extra keys/values after the cache; cache_lens [B]: each sequence's cached slots,
-        None where the cache has no such meaning (see Attention)
-        -> (normed state [B,T,H], lm_head's input; feedback state [B,T,H]; new_k, new_v [B,Hkv,T,D])."""
+        None where the cache has no such meaning (see Attention); rope: (cos, sin) [B,1,T,D] at `positions`,
+        where a caller stepping several times computes them once (key_positions may then be None unless
+        the drafter has a sliding window)
+        -> (normed state [B,T,H], lm_head's input; feedback state [B,T,H]; new_k, new_v [B,Hkv,T,D],
+        after the prefix's where one is given: [B,Hkv,E+T,D])."""
         if self.config.sliding_window is not None:
             mask = mask & in_window(positions, key_positions, self.config.sliding_window)[:, None, None]
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, hidden.dtype)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, hidden.dtype)
         h, new_k, new_v = self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask, prefix_kv, cache_lens)
         normed = self.norm(h)
         # The feedback rule: EAGLE-3 feeds back the pre-norm state, EAGLE-3.1 (norm_output) the normed one.

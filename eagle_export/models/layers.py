@@ -235,14 +235,14 @@ def _in_slot_order(blocks: torch.Tensor) -> torch.Tensor:
     return blocks if blocks.shape[3] == 1 else blocks.cumsum(3)[:, :, :, -1:]
 
 
-def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
-    """The attention core: q [B,Hq,T,D] and the call's new k, v [B,Hkv,T,D] (after RoPE); the cache
-    views k_cache, v_cache [B,Hkv,S,D]; cache_lens [B], each sequence's cached slots (None: no cache
-    semantics); mask [B,1,1,T,S(+E)+T] bool, which of [cache | prefix | new] keys each row sees;
-    prefix_kv: (K, V) [B,Hkv,E,D] between the cache and the call's keys; tap: a module the fp32
+def attend(q, k, v, k_cache, v_cache, cache_lens, mask, tap=None):
+    """The attention core: q [B,Hq,T,D] and the keys after the cache k, v [B,Hkv,E,D] (after RoPE: the
+    call's own, E = T, or with the unrolled drafter's earlier steps' before them); the cache views
+    k_cache, v_cache [B,Hkv,S,D]; cache_lens [B], each sequence's cached slots (None: no cache
+    semantics); mask [B,1,1,T,S+E] bool, which of [cache | k] each row sees; tap: a module the fp32
     attention weights [B,Hkv,G,T,keys] pass through (diagnose's hooks) -> out [B,T,Hq*D] in q's dtype.
 
-    Width-invariant layout (DESIGN.md): the call's E+T keys are written into a copy of the cache view
+    Width-invariant layout (DESIGN.md): the E keys after the cache are written into a copy of the cache view
     at each sequence's length (slot cache_lens[b] + i; without cache_lens after the view), so a key's
     slot is its position whichever call brought it; each row then reduces over that one buffer, in
     fp32, in blocks of KEY_BLOCK slots counted from slot 0: scores by fixed-shape GEMMs, the row's max
@@ -251,13 +251,11 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     view's length nor the keys the call brings nor the row's place changes a row's bits.
     In an ONNX export: `attend_graph`, the graph's [cache | call] form."""
     if torch.jit.is_tracing():  # as row_linear
-        return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap)
+        return attend_graph(q, k, v, k_cache, v_cache, mask, tap)
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k_cache.shape[2]
     g = hq // hkv
     keys, values = k, v
-    if prefix_kv is not None:
-        keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
     e = keys.shape[2]
     n = -(-(s + e) // KEY_BLOCK) * KEY_BLOCK
     nk, tq = n // KEY_BLOCK, -(-t // QUERY_BLOCK) * QUERY_BLOCK
@@ -289,7 +287,7 @@ def attend(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None
     return out[:, :t].to(q.dtype)
 
 
-def attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv=None, tap=None, head_dim: int | None = None):
+def attend_graph(q, k, v, k_cache, v_cache, mask, tap=None, head_dim: int | None = None):
     """`attend` as the exported graphs compute it: scores over [cache view | the call's keys] (the
     cache is never copied), one Softmax, probs.V as a cache MatMul plus a call MatMul (README: the
     lossless contract, for what that layout costs ONNX Runtime's T1). `head_dim`: the module's own int
@@ -298,8 +296,6 @@ def attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv=None, tap=None, head
     d = head_dim or d
     hkv = k.shape[1]
     keys, values = k, v
-    if prefix_kv is not None:
-        keys, values = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
     # Group the query heads by their KV head instead of repeating K/V, and score the cache and
     # the new entries separately (concatenating scores, not keys): the cache is never copied.
     q = q.reshape(b, hkv, hq // hkv, t, d)
@@ -348,16 +344,20 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, mask, prefix_kv=None, cache_lens=None, residual=None, norm=None):
         """x [B,T,in]; k_cache/v_cache [B,Hkv,S,D] -> (out [B,T,H*D], new_k, new_v [B,Hkv,T,D]).
         prefix_kv: optional small (K, V) [B,Hkv,E,D] sitting between the cache and the new tokens
-        (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys. cache_lens [B]:
+        (the unrolled drafter's in-graph entries); then the mask covers S+E+T keys, and new_k, new_v
+        are [prefix | new] [B,Hkv,E+T,D]: concatenated once, for the core and the caller's next call
+        alike. cache_lens [B]:
         each sequence's cached slots (None: no cache semantics, the keys are [cache | prefix | new]
         as the mask says). residual [B,T,out]: out is residual + o_proj(...), the layer's skip
         connection (exact mode's linear adds it in its epilogue, bit for bit the same). norm: the
         RMSNorm x has yet to pass, applied by the projections themselves (`prenorm`)."""
         q, k, v = self.project(x, cos, sin, norm)
+        if prefix_kv is not None:
+            k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
         if self.core is None:
-            out = attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, self.weights_tap, self.head_dim)
+            out = attend_graph(q, k, v, k_cache, v_cache, mask, self.weights_tap, self.head_dim)
         else:
-            out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv, tap=self.weights_tap)
+            out = self.core(q, k, v, k_cache, v_cache, cache_lens, mask, tap=self.weights_tap)
         return plus(self.o_proj, out, residual), k, v
 
     def inputs(self) -> list[nn.Module]:

@@ -169,16 +169,15 @@ class _Keys:
         return cls.keys
 
 
-def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, prefix_kv=None, tap=None):
-    """layers.attend's signature on the attention kernel: the call's keys [prefix ; new] after the
-    cache, each row over the keys its mask [B,1,1,T,S+E+T] shows -> [B,T,Hq*D] (the kernel writes it
-    laid out so, no copy)."""
+def attention_core(q, k, v, k_cache, v_cache, cache_lens, mask, tap=None):
+    """layers.attend's signature on the attention kernel: the keys k, v [B,Hkv,E,D] after the cache,
+    each row over the keys its mask [B,1,1,T,S+E] shows -> [B,T,Hq*D] (the kernel writes it laid out
+    so, no copy)."""
     if prefill(q):  # q [B,Hq,T,D]: see WIDEST
-        return attend_graph(q, k, v, k_cache, v_cache, mask, prefix_kv, tap, q.shape[-1])
-    keys, values = (k, v) if prefix_kv is None else (torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2))
+        return attend_graph(q, k, v, k_cache, v_cache, mask, tap, q.shape[-1])
     b, _, t, _ = q.shape
     rows = mask.expand(b, 1, 1, t, -1)[:, 0, 0]
-    out = kernels.ops().attention(q, k_cache.to(k.dtype), v_cache.to(v.dtype), keys, values, rows,
+    out = kernels.ops().attention(q, k_cache.to(k.dtype), v_cache.to(v.dtype), k, v, rows,
                                   keys=_Keys.of(mask, rows))
     return out.transpose(1, 2).reshape(b, t, -1)
 
