@@ -265,18 +265,20 @@ def _first_difference(runtime, prompt, plain, spec) -> dict:
 
 def lossless(runtime, prompts, new_tokens: int) -> dict:
     """Speculative decoding with the real drafter and with synthetic acceptance 0.7 against plain
-    decoding (width 1) and against greedy decoding through the verify graph at width K+1."""
+    decoding (width 1) and against greedy decoding through the verify graph at width K+1 (the
+    continuation the synthetic drafts' right tokens come from: decoded once for both)."""
     config = GenerationConfig(max_new_tokens=new_tokens)
     record = {}
     for batch in (1, 4):
         chunks = _batches(prompts, batch)
         plain = [r.tokens for chunk in chunks for r in runtime.generate(chunk, config, speculative=False)]
-        wide = [c[:new_tokens] for chunk in chunks for c in verify_width_continuations(runtime, chunk, config)]
+        continuations = [verify_width_continuations(runtime, chunk, config) for chunk in chunks]
+        wide = [c[:new_tokens] for chunk in continuations for c in chunk]
         for drafts in ("drafter", 0.7):
             spec, taus = [], []
-            for chunk in chunks:
+            for chunk, continued in zip(chunks, continuations):
                 synthetic = (None if drafts == "drafter" else
-                             SyntheticDrafts.for_prompts(runtime, chunk, config, (drafts,) * DEPTH))
+                             SyntheticDrafts((drafts,) * DEPTH, continued, runtime.vocab_size))
                 results = runtime.generate(chunk, config, synthetic=synthetic)
                 spec += [r.tokens for r in results]
                 taus += [r.stats.tau for r in results]
