@@ -111,11 +111,15 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
     plain_round_s = {run: [] for run in runs}
     stats = {run: [] for run in runs[:-1]}
     per_batch = {run: [] for run in runs[:-1]}
-    chunks, began = _batches(prompts, batch) * repeat, time.perf_counter()
+    distinct = _batches(prompts, batch)
+    chunks, continued, began = distinct * repeat, {}, time.perf_counter()
     for i, chunk in enumerate(track(chunks, f"batch {batch}")):
         synthetic = [None] * len(settings)
-        if acceptances:  # one continuation for every setting (target-only decoding: the same for every build)
-            continuations = verify_width_continuations(runtimes[plain], chunk, config)
+        if acceptances:  # one continuation for every setting and repeat (target-only greedy decoding: the same
+            # for every build and every pass over the prompts)
+            if i % len(distinct) not in continued:
+                continued[i % len(distinct)] = verify_width_continuations(runtimes[plain], chunk, config)
+            continuations = continued[i % len(distinct)]
             synthetic = [SyntheticDrafts(a, continuations, runtimes[plain].vocab_size, seed=i) for a in settings]
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         rates, tokens = {}, {}

@@ -265,18 +265,20 @@ def _first_difference(runtime, prompt, plain, spec) -> dict:
 
 def lossless(runtime, prompts, new_tokens: int) -> dict:
     """Speculative decoding with the real drafter and with synthetic acceptance 0.7 against plain
-    decoding (width 1) and against greedy decoding through the verify graph at width K+1."""
+    decoding (width 1) and against greedy decoding through the verify graph at width K+1 (the
+    continuation the synthetic drafts' right tokens come from: decoded once for both)."""
     config = GenerationConfig(max_new_tokens=new_tokens)
     record = {}
     for batch in (1, 4):
         chunks = _batches(prompts, batch)
         plain = [r.tokens for chunk in chunks for r in runtime.generate(chunk, config, speculative=False)]
-        wide = [c[:new_tokens] for chunk in chunks for c in verify_width_continuations(runtime, chunk, config)]
+        continuations = [verify_width_continuations(runtime, chunk, config) for chunk in chunks]
+        wide = [c[:new_tokens] for chunk in continuations for c in chunk]
         for drafts in ("drafter", 0.7):
             spec, taus = [], []
-            for chunk in chunks:
+            for chunk, continued in zip(chunks, continuations):
                 synthetic = (None if drafts == "drafter" else
-                             SyntheticDrafts.for_prompts(runtime, chunk, config, (drafts,) * DEPTH))
+                             SyntheticDrafts((drafts,) * DEPTH, continued, runtime.vocab_size))
                 results = runtime.generate(chunk, config, synthetic=synthetic)
                 spec += [r.tokens for r in results]
                 taus += [r.stats.tau for r in results]
@@ -302,8 +304,14 @@ def unbind(runtime) -> None:
 def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new_tokens: int,
                    batches=(1, 4, 16), drafts=EXACT_DRAFTS, speculations=EXACT_SPECULATION) -> dict:
     """Exact mode: speculative output against plain decoding, both through the kernels, on every
-    prompt; per speculation, batch and drafter, how many are identical (all, if the kernels hold)."""
+    prompt; per speculation, batch and drafter, how many are identical (all, if the kernels hold).
+    The synthetic drafts' right tokens are plain decoding's own, decoded `depth` tokens past the
+    compared ones: the kernels give a row the same bits at every width, so the verify-width
+    continuation `SyntheticDrafts.for_prompts` decodes is this one (a pass of speculative rounds per
+    speculation saved; where the kernels failed that, the outputs differ here all the same)."""
     config = GenerationConfig(max_new_tokens=new_tokens)
+    longer = GenerationConfig(max_new_tokens=new_tokens + max(s if isinstance(s, int) else s.depth
+                                                               for s in speculations.values()))
     record, plain = {}, {}
     for name, speculation in speculations.items():
         runtime = make_runtime(target, drafter, device, cuda_graphs, speculation=speculation, exact=True)
@@ -311,20 +319,21 @@ def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new
             for batch in batches:
                 chunks = _batches(prompts, batch)
                 if batch not in plain:  # plain decoding does not depend on the speculation
-                    plain[batch] = [r.tokens for c in chunks for r in runtime.generate(c, config, speculative=False)]
+                    plain[batch] = [[r.tokens for r in runtime.generate(c, longer, speculative=False)] for c in chunks]
                 for chosen in drafts:
                     spec, taus = [], []
-                    for chunk in chunks:
+                    for chunk, continuations in zip(chunks, plain[batch]):
                         synthetic = (None if chosen == "random drafter" else
-                                     SyntheticDrafts.for_prompts(runtime, chunk, config, (chosen,) * runtime.depth))
+                                     SyntheticDrafts((chosen,) * runtime.depth, continuations, runtime.vocab_size))
                         results = runtime.generate(chunk, config, synthetic=synthetic)
                         spec += [r.tokens for r in results]
                         taus += [r.stats.tau for r in results]
-                    same = [p == s for p, s in zip(plain[batch], spec)]
+                    expected = [c[:new_tokens] for chunk in plain[batch] for c in chunk]
+                    same = [p == s for p, s in zip(expected, spec)]
                     entry = {"identical": sum(same), "of": len(same), "tau": round(sum(taus) / len(taus), 3)}
                     if not all(same):
                         i = same.index(False)
-                        entry["first_difference"] = _first_difference(runtime, prompts[i], plain[batch][i], spec[i])
+                        entry["first_difference"] = _first_difference(runtime, prompts[i], expected[i], spec[i])
                     label = "synthetic " + str(chosen) if chosen != "random drafter" else chosen
                     record[f"{name}, batch {batch}, {label}"] = entry
         finally:
