@@ -156,7 +156,9 @@ def test_sigint_to_a_running_command_exits_130():
     import subprocess
     import sys
 
-    probe = ("import sys, time\nfrom eagle_export.tools import doctor\n"
+    probe = ("import signal, sys, time\nfrom eagle_export.tools import doctor\n"
+             # a shell's background job inherits SIGINT ignored (Python then installs no handler): as a terminal's
+             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
              "def report():\n    print('ready', flush=True)\n    time.sleep(60)\n"
              "doctor.doctor_report = report\nfrom eagle_export.cli import main\nmain(['doctor'])\n")
     process = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
