@@ -117,9 +117,10 @@ def bench(runtimes: dict[str, SpeculativeRuntime], prompts: list[list[int]], bat
         synthetic = [None] * len(settings)
         if acceptances:  # one continuation for every setting and repeat (target-only greedy decoding: the same
             # for every build and every pass over the prompts)
-            if i % len(distinct) not in continued:
-                continued[i % len(distinct)] = verify_width_continuations(runtimes[plain], chunk, config)
-            continuations = continued[i % len(distinct)]
+            first = i % len(distinct)  # (this chunk's first pass)
+            if first not in continued:
+                continued[first] = verify_width_continuations(runtimes[plain], chunk, config)
+            continuations = continued[first]
             synthetic = [SyntheticDrafts(a, continuations, runtimes[plain].vocab_size, seed=i) for a in settings]
         order = runs[i % len(runs):] + runs[:i % len(runs)]
         rates, tokens = {}, {}

@@ -63,7 +63,7 @@ from ..runtime.backends import TorchBackend
 from ..runtime.costs import PAST
 from ..runtime.runtime import GenerationConfig, SpeculativeRuntime
 from ..speculation.synthetic import SyntheticDrafts, parse_probabilities, verify_width_continuations
-from ..speculation.tree import DynamicTree
+from ..speculation.tree import DynamicTree, as_tree
 from .bench import _batches, bench, plot_sweep
 
 DEPTH = 4
@@ -310,8 +310,7 @@ def exact_lossless(target, drafter, device: str, cuda_graphs: bool, prompts, new
     continuation `SyntheticDrafts.for_prompts` decodes is this one (a pass of speculative rounds per
     speculation saved; where the kernels failed that, the outputs differ here all the same)."""
     config = GenerationConfig(max_new_tokens=new_tokens)
-    longer = GenerationConfig(max_new_tokens=new_tokens + max(s if isinstance(s, int) else s.depth
-                                                               for s in speculations.values()))
+    longer = GenerationConfig(max_new_tokens=new_tokens + max(as_tree(s).depth for s in speculations.values()))
     record, plain = {}, {}
     for name, speculation in speculations.items():
         runtime = make_runtime(target, drafter, device, cuda_graphs, speculation=speculation, exact=True)
